@@ -1,0 +1,118 @@
+"""Launch several ranks as local processes (gloo or NCCL over 127.0.0.1), with deadlines.
+
+Used by the tests, the loss-match command, the benchmark and the built-in GRPO trainer, so one
+command can start its own ranks. Every wait is bounded: a rank that dies or never reports is
+named in the error, and the others are killed.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died, or missed the deadline."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, args, result_q):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    try:
+        if backend:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        out = fn(rank, world_size, *args)
+        result_q.put((rank, True, out))
+    except BaseException as e:  # report every failure to the parent, with the traceback
+        result_q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if backend and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backend: Optional[str] = "gloo",
+              timeout_s: float = 300.0, pg_timeout_s: float = 60.0,
+              env: Optional[Dict[str, str]] = None, raise_on_error: bool = True) -> List[Any]:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    Args:
+        fn: a picklable (module-level) function; its return value must be picklable.
+        backend: ``gloo``/``nccl`` to initialise the default process group first, None for none.
+        timeout_s: deadline for all ranks to report. pg_timeout_s: the process group's timeout,
+            which bounds every collective inside ``fn``.
+        env: extra environment variables for the children.
+        raise_on_error: raise RankFailure if any rank failed; otherwise return per-rank
+            ``(ok, value_or_traceback)`` tuples.
+
+    Returns:
+        Per-rank return values (rank order), or ``(ok, value)`` tuples when not raising.
+    """
+    ctx = mp.get_context("spawn")
+    result_q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, daemon=False,
+                         args=(fn, r, world_size, port, backend, pg_timeout_s, dict(env or {}),
+                               tuple(args), result_q))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: Dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, val = result_q.get(timeout=min(left, 1.0))
+                results[rank] = (ok, val)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and p.exitcode is not None]
+                if dead:
+                    # Give a dying rank's last message a moment to arrive through the queue.
+                    time.sleep(0.5)
+                    while True:
+                        try:
+                            rank, ok, val = result_q.get_nowait()
+                            results[rank] = (ok, val)
+                        except queue_mod.Empty:
+                            break
+                    for r in dead:
+                        results.setdefault(r, (False, f"process exited with code {procs[r].exitcode} "
+                                                      f"without reporting"))
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(world_size) if r not in results]
+    for r in missing:
+        results[r] = (False, f"rank {r} did not report within {timeout_s:.0f}s (killed)")
+    ordered = [results[r] for r in range(world_size)]
+    if raise_on_error and not all(ok for ok, _ in ordered):
+        msgs = "\n".join(f"--- rank {r} ---\n{val}" for r, (ok, val) in enumerate(ordered) if not ok)
+        raise RankFailure(f"ranks {[r for r, (ok, _) in enumerate(ordered) if not ok]} failed:\n{msgs}")
+    return [val for _, val in ordered] if raise_on_error else ordered

@@ -1,0 +1,126 @@
+"""Transports that move tokens between expert-parallel ranks. Knows nothing of Megatron.
+
+    from efa_ep.kernels import create_transport, available_transports
+    t = create_transport(name, group, num_experts, hidden, max_tokens_per_rank, dtype, **options)
+    recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle = t.dispatch(x, idx, w)
+    out = t.combine(y, handle)
+
+The contract is written in :mod:`efa_ep.kernels.base`. Names map to factories in one registry;
+a transport module is imported only when it is asked for or probed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from efa_ep.kernels.base import (  # noqa: F401  (re-exported)
+    DispatchHandle, DispatchInputError, Transport, TransportConfig, TransportError,
+    TransportUnavailable, check_group_agreement,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportEntry:
+    """A registered transport: ``module`` defines ``availability() -> Optional[str]`` (None when
+    usable here, else why not and what to install) and the class ``cls``."""
+
+    module: str
+    cls: str
+    install_hint: str
+
+
+_REGISTRY: Dict[str, TransportEntry] = {
+    "torch": TransportEntry("efa_ep.kernels.torch_a2a", "TorchTransport", "torch with torch.distributed"),
+    "gda": TransportEntry("efa_ep.kernels.gda", "GdaTransport",
+                          "a CUDA GPU, triton>=3.2 and torch symmetric memory (pip install 'efa-ep[gpu]')"),
+    "proxy": TransportEntry("efa_ep.kernels.proxy", "ProxyTransport",
+                            "libfabric headers and a C compiler (apt-get install libfabric-dev gcc; "
+                            "on AWS the EFA installer)"),
+}
+_ALIASES = ("auto",)
+
+
+def _load(name: str):
+    entry = _REGISTRY[name]
+    try:
+        return importlib.import_module(entry.module)
+    except ImportError as e:
+        raise TransportUnavailable(
+            f"transport {name!r} cannot be imported ({e}); it needs {entry.install_hint}") from e
+
+
+def transport_status() -> Dict[str, Optional[str]]:
+    """Maps every registered name to None (usable here) or the reason it is not."""
+    out: Dict[str, Optional[str]] = {}
+    for name, entry in _REGISTRY.items():
+        try:
+            reason = _load(name).availability()
+        except TransportUnavailable as e:
+            reason = str(e)
+        except Exception as e:  # a broken probe must not hide the other transports
+            reason = f"availability probe failed: {type(e).__name__}: {e}"
+        out[name] = None if reason is None else f"{reason} (needs {entry.install_hint})"
+    return out
+
+
+def available_transports() -> List[str]:
+    """Names of the transports usable on this machine, in registry order (``torch`` first)."""
+    return [n for n, why in transport_status().items() if why is None]
+
+
+def resolve_transport_name(name: str) -> str:
+    """``auto`` -> the best usable transport: ``gda`` when usable (intra-node GPU), else
+    ``torch``. Other names pass through after a check that they exist."""
+    if name == "auto":
+        status = transport_status()
+        return "gda" if status.get("gda") is None else "torch"
+    if name not in _REGISTRY:
+        raise TransportError(
+            f"unknown transport {name!r}; known: {sorted(list(_REGISTRY) + list(_ALIASES))}")
+    return name
+
+
+def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens_per_rank: int,
+                     dtype: torch.dtype, **options) -> Transport:
+    """Builds transport ``name`` for the EP process group ``group`` (collective over it).
+
+    Args:
+        name: ``torch``, ``gda``, ``proxy`` or ``auto``.
+        group: torch.distributed process group of the EP ranks (None = WORLD).
+        num_experts: E, global experts, a multiple of the group size.
+        hidden: H. max_tokens_per_rank: bound on any rank's T (sizes fixed windows).
+        dtype: dtype of the rows to move.
+        options: transport knobs (e.g. ``num_channels`` for proxy); part of the agreement check.
+
+    Raises:
+        TransportUnavailable: the transport cannot run here (the message says what to install).
+        TransportError: unknown name, or ranks that disagree on name/sizes/options (named).
+    """
+    group = group if group is not None else dist.group.WORLD
+    resolved = resolve_transport_name(name)
+    module = _load(resolved)
+    reason = module.availability()
+    cfg = TransportConfig(
+        name=resolved, world_size=dist.get_world_size(group), num_experts=num_experts,
+        hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
+        options=tuple(sorted(options.items())))
+    rank = dist.get_rank(group)
+    # Agreement first, so a rank that cannot run the transport is named to every peer too.
+    check_group_agreement(dataclasses.replace(cfg, options=cfg.options + (("_usable", reason is None),)),
+                          group, rank)
+    if reason is not None:
+        raise TransportUnavailable(
+            f"rank {rank}: transport {resolved!r} is not available here: {reason}; "
+            f"it needs {_REGISTRY[resolved].install_hint}")
+    return getattr(module, _REGISTRY[resolved].cls)(cfg, group)
+
+
+__all__ = [
+    "create_transport", "available_transports", "transport_status", "resolve_transport_name",
+    "Transport", "TransportConfig", "DispatchHandle", "TransportError", "TransportUnavailable",
+    "DispatchInputError",
+]

@@ -1,0 +1,360 @@
+"""The transport contract every efa-ep transport implements, and the routing layout they share.
+
+Symbols (used as shape suffixes near the kernels):
+    W: EP group size (ranks).            r: a rank of the group, 0 <= r < W.
+    E: global experts.                   L = E // W: experts per rank (local experts).
+    T: tokens on this rank (may be 0).   H: hidden size.      K: top-k slots per token.
+    S: rows this rank sends = number of (token, destination rank) pairs.
+    N: rows this rank receives = sum over sources of the rows they send here.
+
+Contract (the foundation issue; other code and checks rely on it):
+
+``dispatch(x_TH, topk_idx_TK, topk_weights_TK) -> (recv_x_NH, recv_topk_idx_NK,
+recv_topk_weights_NK, tokens_per_expert_L, handle)``
+
+- Experts are split evenly and contiguously: expert ``e`` lives on rank ``e // L`` as local
+  expert ``e % L``. A token goes **once** to each destination rank owning at least one of its
+  experts (DeepEP-style de-duplication).
+- ``recv_x`` rows are ordered by (source rank, source token index). ``recv_topk_idx`` holds
+  local expert ids, -1 where the slot's expert lives elsewhere (or was -1 at the source);
+  ``recv_topk_weights`` float32, 0 where ``recv_topk_idx`` is -1. ``tokens_per_expert`` is an
+  int64 **CPU** tensor counting (received row, local expert) pairs.
+
+``combine(y_NH, handle) -> out_TH``: for each source token, the sum of its rows' ``y`` over
+destination ranks in ascending rank order, accumulated in float32 starting from +0.0 and
+returned in ``y``'s dtype. Every transport must agree bit for bit with ``torch``.
+
+Two further operations serve autograd (the Megatron dispatcher's backward passes):
+
+- ``dispatch_cached(x_TH, handle) -> recv_x_NH``: replays a dispatch's layout for new rows
+  (combine's backward).
+- ``combine_topk_weights(grad_NK, handle) -> grad_TK``: returns to each source token, slot by
+  slot, the value held by the row of the rank that owns that slot's expert (dispatch's backward
+  for the routing weights). The base class implements it with ``combine``.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class TransportError(RuntimeError):
+    """A transport cannot run here, was set up inconsistently, or a peer misbehaved."""
+
+
+class TransportUnavailable(TransportError):
+    """The named transport cannot run on this machine; the message says why and what to install."""
+
+
+class DispatchInputError(TransportError, ValueError):
+    """A rank passed tensors that break the contract (shape, dtype, expert range, NaN)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """What every rank of an EP group must agree on; checked at setup across the group.
+
+    Attributes:
+        name: transport name (``torch``, ``gda``, ``proxy``).
+        world_size: W, ranks in the EP group.
+        num_experts: E, global experts; must be a multiple of W.
+        hidden: H, row width of ``x`` in elements.
+        max_tokens_per_rank: upper bound on T for any rank; sizes fixed windows.
+        dtype: dtype of ``x`` rows (``recv_x`` has it too).
+        options: transport-specific knobs (sorted (key, value) pairs so the config is hashable).
+    """
+
+    name: str
+    world_size: int
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    dtype: torch.dtype
+    options: tuple = ()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise TransportError(f"world_size={self.world_size} must be >= 1")
+        if self.num_experts < 1 or self.num_experts % self.world_size:
+            raise TransportError(
+                f"num_experts={self.num_experts} must be a positive multiple of the EP group size "
+                f"{self.world_size} (experts are split evenly and contiguously over ranks)"
+            )
+        if self.hidden < 1:
+            raise TransportError(f"hidden={self.hidden} must be >= 1")
+        if self.max_tokens_per_rank < 0:
+            raise TransportError(f"max_tokens_per_rank={self.max_tokens_per_rank} must be >= 0")
+
+    def fingerprint(self) -> str:
+        return (
+            f"name={self.name} world_size={self.world_size} num_experts={self.num_experts} "
+            f"hidden={self.hidden} max_tokens_per_rank={self.max_tokens_per_rank} "
+            f"dtype={self.dtype} options={dict(self.options)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """What a dispatch leaves for its combine and for both backward passes.
+
+    Attributes:
+        num_tokens: T, rows of the dispatch's ``x`` on this rank.
+        num_recv_tokens: N, rows received.
+        topk_idx: ``[T, K]`` int64, the dispatch's global expert ids (-1 = none), x's device.
+        send_token_idx: ``[S]`` int64, x's device: source token of each sent row, grouped by
+            destination rank ascending, token index ascending inside a group.
+        num_send_per_rank: W ints, rows sent to each rank (host).
+        num_recv_per_rank: W ints, rows received from each rank (host).
+        recv_topk_idx: ``[N, K]`` int64 local expert ids (-1 elsewhere), x's device.
+        state: transport-private state (window offsets, message ids, ...).
+    """
+
+    num_tokens: int
+    num_recv_tokens: int
+    topk_idx: torch.Tensor
+    send_token_idx: torch.Tensor
+    num_send_per_rank: tuple
+    num_recv_per_rank: tuple
+    recv_topk_idx: torch.Tensor
+    state: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SendLayout:
+    """Where each token goes, computed locally from ``topk_idx`` (no communication).
+
+    Attributes:
+        dest_rank_TK: ``[T, K]`` int64 destination rank of each slot, -1 for an unused slot.
+        is_token_in_rank_TW: ``[T, W]`` bool, token t is sent to rank r.
+        num_tokens_per_rank_W: ``[W]`` int64 rows sent to each rank.
+        num_tokens_per_expert_E: ``[E]`` int64 (token, expert) pairs per global expert.
+        send_token_idx_S: ``[S]`` int64 source token of each sent row (rank-major, token order).
+        send_rank_S: ``[S]`` int64 destination rank of each sent row.
+        send_topk_idx_SK: ``[S, K]`` int64 local expert ids as seen by the destination, -1
+            where the slot's expert is on another rank.
+        send_slot_TW: ``[T, W]`` int64 row index of (token, rank) inside that rank's block of
+            rows from this source, -1 where the token is not sent to the rank.
+    """
+
+    dest_rank_TK: torch.Tensor
+    is_token_in_rank_TW: torch.Tensor
+    num_tokens_per_rank_W: torch.Tensor
+    num_tokens_per_expert_E: torch.Tensor
+    send_token_idx_S: torch.Tensor
+    send_rank_S: torch.Tensor
+    send_topk_idx_SK: torch.Tensor
+    send_slot_TW: torch.Tensor
+
+
+def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
+    """Routing layout of one rank's tokens (the reference the Triton layout kernel must match).
+
+    Args:
+        topk_idx: ``[T, K]`` int64, any device; global expert ids, -1 marks an unused slot.
+            Must already be validated (ids in [-1, E)).
+        num_experts: E. world_size: W.
+
+    Returns:
+        SendLayout on ``topk_idx``'s device. Deterministic: slots come from prefix sums over
+        token order, never from atomics.
+    """
+    num_local = num_experts // world_size
+    num_tokens = topk_idx.shape[0]
+    dev = topk_idx.device
+    valid = topk_idx >= 0
+    dest = torch.where(valid, topk_idx // num_local, torch.full_like(topk_idx, -1))
+    is_in = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=dev)
+    if topk_idx.numel():
+        rows = torch.arange(num_tokens, device=dev).unsqueeze(1).expand_as(dest)
+        is_in[rows[valid], dest[valid]] = True
+    num_per_rank = is_in.sum(0).to(torch.int64)
+    num_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int64)
+    # Rank-major row order: transpose so that nonzero() walks rank by rank, tokens ascending.
+    nz = is_in.t().nonzero()  # [S, 2] (rank, token), lexicographic
+    send_rank = nz[:, 0].contiguous()
+    send_token = nz[:, 1].contiguous()
+    # Slot of (token, rank) inside rank's block: exclusive prefix sum down the token axis.
+    slot = torch.cumsum(is_in.to(torch.int64), dim=0) - 1
+    slot = torch.where(is_in, slot, torch.full_like(slot, -1))
+    src_idx = topk_idx[send_token]  # [S, K]
+    owner = dest[send_token]
+    send_topk = torch.where(
+        owner == send_rank.unsqueeze(1), src_idx - send_rank.unsqueeze(1) * num_local,
+        torch.full_like(src_idx, -1),
+    )
+    return SendLayout(dest, is_in, num_per_rank, num_per_expert, send_token, send_rank, send_topk, slot)
+
+
+def validate_dispatch_inputs(
+    cfg: TransportConfig, rank: int, x: torch.Tensor, topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> Optional[str]:
+    """Checks one rank's dispatch inputs against the contract.
+
+    Returns None when valid, else a message naming the rank, the tensor and what was expected.
+    It returns instead of raising so a transport can tell its peers about the failure through
+    the count exchange before raising (nobody is left waiting).
+    """
+    who = f"rank {rank}"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        return f"{who}: x must be [num_tokens, {cfg.hidden}], got {shape}"
+    if x.dtype != cfg.dtype:
+        return f"{who}: x must be {cfg.dtype} (the transport's dtype), got {x.dtype}"
+    t = x.shape[0]
+    if t > cfg.max_tokens_per_rank:
+        return (f"{who}: x has {t} tokens > max_tokens_per_rank={cfg.max_tokens_per_rank}; "
+                f"create the transport with a larger max_tokens_per_rank "
+                f"(Megatron dispatcher: EFA_EP_MAX_TOKENS_PER_RANK)")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != t:
+        return f"{who}: topk_idx must be [{t}, K], got {tuple(topk_idx.shape)}"
+    if topk_idx.dtype != torch.int64:
+        return f"{who}: topk_idx must be torch.int64, got {topk_idx.dtype}"
+    if topk_weights.shape != topk_idx.shape:
+        return (f"{who}: topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, "
+                f"got {tuple(topk_weights.shape)}")
+    if topk_weights.dtype != torch.float32:
+        return f"{who}: topk_weights must be torch.float32, got {topk_weights.dtype}"
+    if topk_idx.device != x.device or topk_weights.device != x.device:
+        return (f"{who}: x, topk_idx and topk_weights must share a device, got "
+                f"{x.device}, {topk_idx.device}, {topk_weights.device}")
+    if topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= cfg.num_experts:
+            bad = hi if hi >= cfg.num_experts else lo
+            return (f"{who}: topk_idx holds expert id {bad}; expected -1 (no expert) or "
+                    f"0 <= id < num_experts={cfg.num_experts}")
+        if not bool(torch.isfinite(topk_weights).all()):
+            n_bad = int((~torch.isfinite(topk_weights)).sum())
+            return f"{who}: topk_weights holds {n_bad} NaN/Inf value(s); expected finite float32"
+    return None
+
+
+def check_group_agreement(cfg: TransportConfig, group, rank: int) -> None:
+    """Refuses setup when the EP group's ranks disagree on the transport configuration.
+
+    Every rank all-gathers its ``cfg.fingerprint()``; a mismatch raises on every rank with the
+    ranks named. Bounded by the process group's timeout, never a silent hang.
+    """
+    world = dist.get_world_size(group)
+    mine = cfg.fingerprint()
+    fps = [None] * world
+    dist.all_gather_object(fps, mine, group=group)
+    if len(set(fps)) > 1:
+        groups: dict = {}
+        for r, fp in enumerate(fps):
+            groups.setdefault(fp, []).append(r)
+        lines = "; ".join(f"ranks {rs}: {fp}" for fp, rs in groups.items())
+        raise TransportError(
+            f"rank {rank}: the EP group's ranks disagree on the transport setup: {lines}")
+
+
+def float_bits_to_int64(w: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 carrying the exact bit pattern (so weights ride with int64 ids)."""
+    return w.contiguous().view(torch.int32).to(torch.int64)
+
+
+def int64_to_float_bits(v: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`float_bits_to_int64`."""
+    return v.to(torch.int32).view(torch.float32)
+
+
+class Transport(abc.ABC):
+    """Base class of every transport. Subclasses implement ``dispatch``, ``combine`` and
+    ``dispatch_cached``; see the module docstring for the contract.
+
+    Synchronization: every call is collective over ``group`` and returns once this rank's outputs
+    are ready on the current stream; the host learns the receive counts once per dispatch
+    (``tokens_per_expert`` is a CPU tensor), so dispatch is not CUDA-graph capturable.
+    """
+
+    name: str = "?"
+
+    def __init__(self, cfg: TransportConfig, group):
+        self.cfg = cfg
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if self.world_size != cfg.world_size:
+            raise TransportError(
+                f"rank {self.rank}: group has {self.world_size} ranks, config says {cfg.world_size}")
+
+    @abc.abstractmethod
+    def dispatch(self, x, topk_idx, topk_weights):
+        """See the module docstring. Returns (recv_x, recv_topk_idx, recv_topk_weights,
+        tokens_per_expert, handle)."""
+
+    @abc.abstractmethod
+    def combine(self, y, handle: DispatchHandle):
+        """See the module docstring. ``y`` [N, D] (D is usually H) -> [T, D] in y's dtype."""
+
+    @abc.abstractmethod
+    def dispatch_cached(self, x, handle: DispatchHandle):
+        """Replays ``handle``'s layout: row i of the result is ``x[source token of row i]``."""
+
+    def combine_topk_weights(self, grad_recv_topk_weights, handle: DispatchHandle):
+        """``[N, K]`` float32 -> ``[T, K]`` float32: slot k of token t gets the value from the
+        row of the rank owning expert ``topk_idx[t, k]`` (0 for unused slots).
+
+        Each slot is non-zero in exactly one destination row once the -1 slots are masked, and
+        0.0 + v == v exactly, so a float32 combine returns the values unchanged.
+        """
+        masked = torch.where(handle.recv_topk_idx >= 0, grad_recv_topk_weights.float(),
+                             torch.zeros((), dtype=torch.float32, device=grad_recv_topk_weights.device))
+        return self.combine(masked.contiguous(), handle)
+
+    def close(self) -> None:
+        """Releases windows, threads and endpoints. Idempotent."""
+
+    # Shared helpers -------------------------------------------------------------------------
+    def _check_combine_input(self, y: torch.Tensor, handle: DispatchHandle) -> None:
+        if y.dim() != 2 or y.shape[0] != handle.num_recv_tokens:
+            raise DispatchInputError(
+                f"rank {self.rank}: combine input y must be [{handle.num_recv_tokens}, D] "
+                f"(rows received by the matching dispatch), got {tuple(y.shape)}")
+
+
+def reduce_rows_by_rank(rows_SD: torch.Tensor, send_token_idx_S: torch.Tensor,
+                        num_send_per_rank, num_tokens: int) -> torch.Tensor:
+    """Float32 sum over destination ranks in ascending rank order, starting from +0.0.
+
+    Args:
+        rows_SD: ``[S, D]`` rows returned by the ranks, grouped by rank ascending.
+        send_token_idx_S: ``[S]`` int64 source token of each row.
+        num_send_per_rank: W ints, group sizes.
+        num_tokens: T.
+    Returns:
+        ``[T, D]`` float32. Inside one rank's group each token appears at most once, so
+        ``index_add_`` per group adds exactly one value per token: the order is rank order.
+    """
+    out = torch.zeros(num_tokens, rows_SD.shape[1], dtype=torch.float32, device=rows_SD.device)
+    start = 0
+    for n in num_send_per_rank:
+        if n:
+            out.index_add_(0, send_token_idx_S[start:start + n], rows_SD[start:start + n].float())
+        start += n
+    return out
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def nbytes_of(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+__all__ = [
+    "Transport", "TransportConfig", "DispatchHandle", "SendLayout", "TransportError",
+    "TransportUnavailable", "DispatchInputError", "compute_send_layout",
+    "validate_dispatch_inputs", "check_group_agreement", "reduce_rows_by_rank",
+    "float_bits_to_int64", "int64_to_float_bits", "ceil_div", "nbytes_of",
+]
