@@ -40,9 +40,11 @@ def register_with_megatron(moe_layer_module=None) -> None:
         def __init__(self, config, *args, **kwargs):
             if getattr(config, "moe_token_dispatcher_type", None) != EFA_DISPATCHER_TYPE:
                 return original_init(self, config, *args, **kwargs)
+            from efa_ep.dispatcher import cpu_compat
             from efa_ep.dispatcher.token_dispatcher import EfaTokenDispatcher, check_supported
 
             check_supported(config)
+            cpu_compat.enable()  # no-op where CUDA is available
             config.moe_token_dispatcher_type = "allgather"  # placeholder, replaced below
             try:
                 original_init(self, config, *args, **kwargs)
