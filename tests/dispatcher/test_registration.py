@@ -1,0 +1,98 @@
+"""Selecting the dispatcher: registration, settings, unsupported options (single process)."""
+import pytest
+import torch
+
+from efa_ep.distributed import run_ranks
+
+
+def test_import_efa_ep_does_not_import_megatron():
+    import subprocess
+    import sys
+
+    code = ("import sys, efa_ep, efa_ep.kernels, efa_ep.dispatcher; "
+            "print(any(m.startswith('megatron') for m in sys.modules), "
+            "any(m == 'triton' for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.stdout.split() == ["False", "False"], out
+
+
+def test_settings_from_env_and_configure(monkeypatch):
+    from efa_ep.dispatcher import settings
+
+    monkeypatch.setenv("EFA_EP_TRANSPORT", "proxy")
+    monkeypatch.setenv("EFA_EP_TRANSPORT_OPTIONS", "num_channels=4, provider=tcp,deadline_s=2.5")
+    monkeypatch.setenv("EFA_EP_MAX_TOKENS_PER_RANK", "512")
+    settings.reset()
+    s = settings.current_settings()
+    assert (s.transport, s.max_tokens_per_rank) == ("proxy", 512)
+    assert dict(s.transport_options) == {"num_channels": 4, "provider": "tcp", "deadline_s": 2.5}
+
+    class Cfg:  # attributes on a TransformerConfig instance beat the environment
+        efa_ep_transport = "torch"
+        efa_ep_transport_options = "num_channels=2"
+
+    s = settings.current_settings(Cfg())
+    assert s.transport == "torch" and dict(s.transport_options) == {"num_channels": 2}
+    settings.configure(transport="gda", max_tokens_per_rank=64)
+    try:
+        assert settings.current_settings(Cfg()).transport == "gda"
+        assert settings.current_settings().max_tokens_per_rank == 64
+    finally:
+        settings.reset()
+    with pytest.raises(ValueError, match="not key=value"):
+        settings.parse_options("num_channels")
+
+
+def _unsupported_worker(rank, world, overrides):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    from efa_ep.tiny_moe import TinyMoEConfig, init_megatron, transformer_config
+
+    init_megatron(world)
+    cfg = TinyMoEConfig(num_layers=1, hidden_size=32, num_moe_experts=4, ffn_hidden_size=64,
+                        moe_ffn_hidden_size=64)
+    try:
+        config = transformer_config(cfg, "efa", world, **overrides)
+        MoELayer(config, get_submodules(get_gpt_layer_local_submodules(num_experts=4).mlp))
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_unsupported_megatron_options_raise_at_construction():
+    # Megatron's own validation also still applies (moe_shared_expert_overlap needs alltoall/flex).
+    msgs = run_ranks(_unsupported_worker, 1, ({"moe_pad_expert_input_to_capacity": True,
+                                               "moe_expert_capacity_factor": 1.0},), timeout_s=60)
+    assert "moe_pad_expert_input_to_capacity" in msgs[0], msgs
+    msgs = run_ranks(_unsupported_worker, 1, ({"moe_expert_capacity_factor": 1.0},), timeout_s=60)
+    assert msgs == ["built"]  # capacity dropping without padding is supported (-1 slots)
+
+
+def _transport_choice_worker(rank, world):
+    import os
+
+    os.environ["EFA_EP_TRANSPORT"] = "nccl_magic"
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    from efa_ep.kernels import TransportError
+    from efa_ep.tiny_moe import TinyMoEConfig, init_megatron, transformer_config
+
+    init_megatron(world)
+    cfg = TinyMoEConfig(num_layers=1, hidden_size=32, num_moe_experts=4, ffn_hidden_size=64,
+                        moe_ffn_hidden_size=64)
+    try:
+        MoELayer(transformer_config(cfg, "efa", world),
+                 get_submodules(get_gpt_layer_local_submodules(num_experts=4).mlp))
+    except TransportError as e:
+        return str(e)
+    return "built"
+
+
+def test_unknown_transport_in_env_is_refused_at_construction():
+    msg = run_ranks(_transport_choice_worker, 1, timeout_s=60)[0]
+    assert "unknown transport 'nccl_magic'" in msg
