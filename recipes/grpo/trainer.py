@@ -1,0 +1,462 @@
+"""The built-in GRPO trainer: one process per EP rank, all running :func:`_rank_main`.
+
+Per GRPO step (NeMo-RL's ``grpo_train`` order), on every rank for its share of the prompts:
+
+1. sample ``num_prompts_per_step / EP`` prompts, repeat each ``num_generations_per_prompt`` times;
+2. generate by sampling from the policy itself (full forward per new token, no KV cache; every
+   rank runs the same number of forwards: ``max_new_tokens``, or fewer when *all* ranks are done,
+   agreed by an all-reduce), keeping the sampler's logprobs;
+3. rewards from the task; advantages per prompt group (leave-one-out, std-normalised);
+4. ``prev_logprobs`` recomputed by a no-grad forward of the policy, ``reference_logprobs`` by the
+   frozen reference copy (skipped when β = 0);
+5. ``samples / train_global_batch_size`` optimizer steps, each accumulating microbatches of
+   ``train_micro_batch_size``, loss normalised by the global batch's valid tokens (all ranks);
+   gradients averaged over data-parallel ranks (expert grads over the expert-DP group), the
+   global norm (expert shards included) clipped to ``max_grad_norm``, then Adam.
+
+Every MoE layer moves its tokens with the dispatcher named by
+``policy.megatron_cfg.moe_token_dispatcher_type`` (``efa`` by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from efa_ep.recipes.grpo.algorithm import clipped_pg_loss, grpo_advantages
+from efa_ep.recipes.grpo.config import TrainerConfig
+from efa_ep.recipes.grpo.task import EOS, PAD, VOCAB_SIZE, make_task
+
+# Summed over microbatches and ranks (each is a share of the global mean); the rest min/max.
+_SHARE_METRICS = ("loss", "actor_loss", "kl_penalty", "probs_ratio", "probs_ratio_clamped",
+                  "clip_fraction", "token_mult_prob_error", "gen_kl_error")
+
+
+# ----------------------------------------------------------------------------- model helpers
+def _process_logits(logits: torch.Tensor, gen_cfg) -> torch.Tensor:
+    """Temperature, then top-k / top-p filtering (filtered entries -> -inf)."""
+    logits = logits.float() / gen_cfg.temperature
+    if gen_cfg.top_k is not None and 0 < gen_cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, gen_cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if gen_cfg.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > gen_cfg.top_p
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+def _forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    from efa_ep.tiny_moe import causal_inputs
+
+    pos, mask = causal_inputs(tokens)
+    return model(tokens, pos, mask)  # [B, S, V]
+
+
+def token_logprobs(model, tokens: torch.Tensor, prompt_len: int, gen_cfg, batch_size: int,
+                   grad: bool = False) -> torch.Tensor:
+    """Logprobs ``[B, T]`` of ``tokens[:, prompt_len:]`` under ``model`` (same logits processing
+    as the sampler), in chunks of ``batch_size`` rows (every rank runs the same number)."""
+    outs = []
+    with torch.set_grad_enabled(grad):
+        for chunk in tokens.split(batch_size):
+            logits = _process_logits(_forward(model, chunk)[:, prompt_len - 1:-1], gen_cfg)
+            lp = torch.log_softmax(logits, -1).gather(-1, chunk[:, prompt_len:, None]).squeeze(-1)
+            outs.append(lp)
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def generate(model, prompts: torch.Tensor, gen_cfg, gen: torch.Generator, greedy: bool = False):
+    """Samples ``max_new_tokens`` tokens after ``prompts [B, P]``.
+
+    Returns ``(tokens [B, P+T], response_mask [B, T] float, generation_logprobs [B, T])``;
+    tokens after ``<eos>`` are ``<pad>`` with mask 0 (``<eos>`` itself counts). Stops early only
+    when every sequence on every rank has ended (all-reduce), so all ranks call forward equally.
+    """
+    b = prompts.shape[0]
+    tokens, done = prompts, torch.zeros(b, dtype=torch.bool, device=prompts.device)
+    masks, lps = [], []
+    for _ in range(gen_cfg.max_new_tokens):
+        logits = _process_logits(_forward(model, tokens)[:, -1], gen_cfg)
+        logp = torch.log_softmax(logits, -1)
+        if greedy:
+            nxt = logp.argmax(-1)
+        else:
+            nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).squeeze(-1).to(logp.device)
+        lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+        masks.append((~done).float())
+        lps.append(torch.where(done, torch.zeros_like(lp), lp))
+        nxt = torch.where(done, torch.full_like(nxt, PAD), nxt)
+        done = done | (nxt == EOS)
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        all_done = torch.tensor([float(done.all())], device=tokens.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
+        if all_done.item() == 1.0:
+            break
+    t = len(masks)
+    pad = gen_cfg.max_new_tokens - t
+    mask, lp = torch.stack(masks, 1), torch.stack(lps, 1)
+    if pad:
+        tokens = F.pad(tokens, (0, pad), value=PAD)
+        mask, lp = F.pad(mask, (0, pad)), F.pad(lp, (0, pad))
+    return tokens, mask, lp
+
+
+def global_grad_norm(model) -> torch.Tensor:
+    """L2 norm of all gradients of the full (un-sharded) model: dense grads are replicated after
+    :func:`sync_grads`; expert shards are summed over the expert-parallel group."""
+    from megatron.core import parallel_state
+
+    from efa_ep.tiny_moe import is_expert_param
+
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if is_expert_param(p):
+            expert += sq
+        else:
+            dense += sq
+    if dist.is_initialized():
+        group = parallel_state.get_expert_model_parallel_group()
+        expert = expert.to(next(model.parameters()).device)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(expert, group=group)
+        expert = expert.cpu()
+    return (dense + expert).sqrt()
+
+
+def _all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+    return x
+
+
+# ----------------------------------------------------------------------------- rank main
+def _device(cfg: TrainerConfig, rank: int) -> torch.device:
+    want = cfg.efa_ep.device
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("efa_ep.device=cuda but torch.cuda.is_available() is False")
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
+    from efa_ep.recipes.grpo.config import trainer_config
+
+    cfg = trainer_config(cfg_dict)
+    torch.set_num_threads(max(1, cfg.efa_ep.num_threads))
+    device = _device(cfg, rank)
+    import efa_ep  # noqa: F401  (registers the efa dispatcher)
+    from efa_ep.tiny_moe import build_gpt_moe, init_megatron, sync_grads
+
+    g, lcfg, pol = cfg.grpo, cfg.loss_fn, cfg.policy
+    gen_cfg, mcfg = pol.generation, pol.megatron_cfg
+    init_megatron(world, seed=g.seed)
+    task = make_task(cfg.efa_ep.task)
+    model_cfg = dataclasses.replace(cfg.efa_ep.model, freeze_router=mcfg.freeze_moe_router)
+    if pol.precision in ("bfloat16", "bf16") and device.type == "cuda":
+        model_cfg = dataclasses.replace(model_cfg, dtype="bf16")
+    if model_cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"efa_ep.model.vocab_size={model_cfg.vocab_size} < task vocab {VOCAB_SIZE}")
+    total_len = task.prompt_len + gen_cfg.max_new_tokens
+    if total_len > min(pol.max_total_sequence_length, model_cfg.seq_length):
+        raise ValueError(f"prompt ({task.prompt_len}) + policy.generation.max_new_tokens "
+                         f"({gen_cfg.max_new_tokens}) = {total_len} exceeds "
+                         f"policy.max_total_sequence_length / efa_ep.model.seq_length")
+    if gen_cfg.max_new_tokens < task.max_answer_len:
+        raise ValueError(f"policy.generation.max_new_tokens={gen_cfg.max_new_tokens} < longest "
+                         f"answer + <eos> ({task.max_answer_len})")
+    dispatcher = mcfg.moe_token_dispatcher_type
+    policy = build_gpt_moe(model_cfg, dispatcher=dispatcher, device=device)
+    is_main = rank == 0
+    log = _RankZeroLog(cfg, is_main)
+    log.info(f"policy: tiny Megatron GPT-MoE ({model_cfg.num_layers} layers, "
+             f"{model_cfg.num_moe_experts} experts top-{model_cfg.moe_router_topk}, hidden "
+             f"{model_cfg.hidden_size}), moe_token_dispatcher_type={dispatcher!r}, EP={world}, "
+             f"device={device.type}, transport={os.environ.get('EFA_EP_TRANSPORT', 'auto')}")
+    if dispatcher == "efa":
+        from efa_ep.dispatcher.token_dispatcher import EfaTokenDispatcher
+
+        n = sum(isinstance(getattr(m, "token_dispatcher", None), EfaTokenDispatcher)
+                for m in policy.modules())
+        if n != model_cfg.num_layers:
+            raise RuntimeError(f"expected {model_cfg.num_layers} EfaTokenDispatcher layers, found {n}")
+
+    rank_gen = torch.Generator().manual_seed(g.seed * 1000 + rank)
+
+    # ---- optional supervised warm-start
+    w = cfg.efa_ep.warmup
+    if w.sft_steps > 0:
+        params = [p for p in policy.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=w.lr)
+        t0 = time.time()
+        bar = log.bar(w.sft_steps, "warm-start (SFT)")
+        for step in range(w.sft_steps):
+            tokens, loss_mask = task.sft_batch(w.batch_size, rank_gen)
+            tokens, loss_mask = tokens.to(device), loss_mask.to(device)
+            logits = _forward(policy, tokens)[:, :-1].float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
+                                 reduction="none").view_as(loss_mask)
+            loss = (ce * loss_mask).sum() / loss_mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            sync_grads(policy)
+            opt.step()
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                bar.update(1)
+            if is_main and (step + 1) % max(1, w.sft_steps // 4) == 0:
+                log.metrics.log(-w.sft_steps + step + 1, {"warmup/sft_loss": loss.item()})
+        if bar is not None:
+            bar.close()
+        log.info(f"warm-start: {w.sft_steps} SFT steps in {time.time() - t0:.1f}s, "
+                 f"final loss {loss.item():.3f}")
+        del opt
+
+    # ---- reference policy (frozen copy) and optimizer
+    reference = None
+    if lcfg.reference_policy_kl_penalty != 0:
+        reference = build_gpt_moe(model_cfg, dispatcher=dispatcher, device=device)
+        reference.load_state_dict(policy.state_dict())
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    oc = mcfg.optimizer
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2),
+                                  eps=oc.adam_eps, weight_decay=oc.weight_decay)
+
+    # ---- validation set: the same fixed problems on every run, split over ranks
+    val_gen = torch.Generator().manual_seed(12345)
+    n_val = (g.max_val_samples // world) * world
+    val_prompts_all, val_answers_all = task.sample(n_val, val_gen)
+    per = n_val // world
+    val_prompts = val_prompts_all[rank * per:(rank + 1) * per].to(device)
+    val_answers = val_answers_all[rank * per:(rank + 1) * per]
+
+    def validate() -> float:
+        tokens, _, _ = generate(policy, val_prompts, gen_cfg, rank_gen, greedy=True)
+        r = task.reward(tokens[:, task.prompt_len:].cpu(), val_answers)
+        hits = torch.tensor([r.sum().item(), float(len(r))], device=device)
+        _all_reduce(hits)
+        return (hits[0] / hits[1]).item()
+
+    prompts_per_rank = g.num_prompts_per_step // world
+    samples_per_rank = prompts_per_rank * g.num_generations_per_prompt
+    num_global_batches = (g.num_prompts_per_step * g.num_generations_per_prompt) // pol.train_global_batch_size
+    gb_per_rank = pol.train_global_batch_size // world
+    mb = pol.train_micro_batch_size
+    lp_bs = pol.logprob_batch_size or mb
+
+    history: List[dict] = []
+    if g.val_at_start or g.val_period > 0:
+        acc = validate()
+        if is_main:
+            log.metrics.log(0, {"validation/accuracy": acc})
+        history.append({"step": 0, "validation/accuracy": acc})
+        log.info(f"validation accuracy (greedy, {n_val} problems) before GRPO: {acc:.3f}")
+
+    bar = log.bar(g.max_num_steps, "GRPO")
+    run_t0 = time.time()
+    for step in range(1, g.max_num_steps + 1):
+        t0 = time.time()
+        # 1-2. prompts x generations, sampled from the policy
+        prompts, answers = task.sample(prompts_per_rank, rank_gen)
+        prompts = prompts.repeat_interleave(g.num_generations_per_prompt, 0).to(device)
+        answers = [a for a in answers for _ in range(g.num_generations_per_prompt)]
+        group_ids = torch.arange(prompts_per_rank).repeat_interleave(g.num_generations_per_prompt)
+        policy.eval()
+        tokens, mask, gen_lp = generate(policy, prompts, gen_cfg, rank_gen)
+        t_gen = time.time() - t0
+        # 3. rewards and advantages (groups are whole on one rank)
+        rewards = task.reward(tokens[:, task.prompt_len:].cpu(), answers)
+        adv = grpo_advantages(group_ids, rewards, g.normalize_rewards,
+                              g.use_leave_one_out_baseline, g.advantage_clip_low,
+                              g.advantage_clip_high).to(device)
+        # 4. prev logprobs recomputed by the trainer; reference logprobs
+        prev_lp = token_logprobs(policy, tokens, task.prompt_len, gen_cfg, lp_bs)
+        ref_lp = (token_logprobs(reference, tokens, task.prompt_len, gen_cfg, lp_bs)
+                  if reference is not None else None)
+        t_lp = time.time() - t0 - t_gen
+        # 5. policy update
+        policy.train()
+        sums: Dict[str, float] = {k: 0.0 for k in _SHARE_METRICS}
+        mins = {"probs_ratio_min": math.inf, "probs_ratio_clamped_min": math.inf}
+        maxs = {"probs_ratio_max": -math.inf, "probs_ratio_clamped_max": -math.inf}
+        grad_norms = []
+        for gb in range(num_global_batches):
+            rows = slice(gb * gb_per_rank, (gb + 1) * gb_per_rank)
+            counts = torch.tensor([mask[rows].sum().item(),
+                                   float((mask[rows].sum(-1) > 0).sum().item())], device=device)
+            _all_reduce(counts)
+            global_valid_toks, global_valid_seqs = counts[0], counts[1]
+            optimizer.zero_grad(set_to_none=True)
+            for start in range(rows.start, rows.stop, mb):
+                r = slice(start, min(start + mb, rows.stop))
+                curr = token_logprobs(policy, tokens[r], task.prompt_len, gen_cfg, mb, grad=True)
+                loss, m = clipped_pg_loss(curr, prev_lp[r], gen_lp[r],
+                                          ref_lp[r] if ref_lp is not None else None,
+                                          adv[r], mask[r], global_valid_toks, lcfg, global_valid_seqs)
+                # sync_grads averages over DP ranks; the global-token normaliser wants a sum.
+                (loss * world).backward()
+                for k in _SHARE_METRICS:
+                    sums[k] += m[k] / num_global_batches
+                for k in mins:
+                    mins[k] = min(mins[k], m[k])
+                for k in maxs:
+                    maxs[k] = max(maxs[k], m[k])
+            sync_grads(policy)
+            norm = global_grad_norm(policy)
+            grad_norms.append(norm.item())
+            if pol.max_grad_norm:
+                coef = pol.max_grad_norm / (norm.item() + 1e-6)
+                if coef < 1:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            optimizer.step()
+        # metrics over all ranks
+        red = torch.tensor([sums[k] for k in _SHARE_METRICS]
+                           + [rewards.sum().item(), float(len(rewards)), mask.sum().item(),
+                              float(prompts.numel())], dtype=torch.float64, device=device)
+        _all_reduce(red)
+        mn = torch.tensor([mins[k] for k in mins], device=device)
+        mx = torch.tensor([maxs[k] for k in maxs], device=device)
+        _all_reduce(mn, dist.ReduceOp.MIN)
+        _all_reduce(mx, dist.ReduceOp.MAX)
+        step_time = time.time() - t0
+        vals = red.tolist()
+        n_share = len(_SHARE_METRICS)
+        reward_mean = vals[n_share] / vals[n_share + 1]
+        gen_tokens, prompt_tokens = vals[n_share + 2], vals[n_share + 3]
+        metrics = {f"train/{k}": vals[i] for i, k in enumerate(_SHARE_METRICS)}
+        metrics.update({f"train/{k}": v for k, v in zip(mins, mn.tolist())})
+        metrics.update({f"train/{k}": v for k, v in zip(maxs, mx.tolist())})
+        metrics.update({
+            "train/reward": reward_mean,
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/mean_gen_tokens_per_sample": gen_tokens / vals[n_share + 1],
+            "train/lr": oc.lr,
+            "timing/train/total_step_time": step_time,
+            "timing/train/generation": t_gen,
+            "timing/train/logprobs": t_lp,
+            "timing/train/policy_training": step_time - t_gen - t_lp,
+            "performance/tokens_per_sec": (gen_tokens + prompt_tokens) / step_time,
+            "performance/generated_tokens_per_sec": gen_tokens / max(t_gen, 1e-9),
+        })
+        if g.val_period > 0 and (step % g.val_period == 0 or step == g.max_num_steps) or \
+                (g.val_at_end and step == g.max_num_steps):
+            metrics["validation/accuracy"] = validate()
+        if is_main:
+            log.metrics.log(step, metrics)
+        history.append({"step": step, **metrics})
+        if bar is not None:
+            post = {"reward": f"{reward_mean:.2f}", "kl": f"{metrics['train/kl_penalty']:.4f}",
+                    "s/step": f"{step_time:.2f}"}
+            if "validation/accuracy" in metrics:
+                post["val"] = f"{metrics['validation/accuracy']:.2f}"
+            bar.set_postfix(post)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    wall = time.time() - run_t0
+    if not is_main:
+        return None
+    log.metrics.close()
+    png = None
+    if cfg.logger.plot:
+        from efa_ep.recipes.grpo.metrics import plot_curves
+
+        png = plot_curves(log.metrics.jsonl_path)
+    return _summary(history, wall, log.metrics.jsonl_path, png)
+
+
+def _summary(history: List[dict], wall: float, jsonl: str, png: Optional[str]) -> dict:
+    rewards = [h["train/reward"] for h in history if "train/reward" in h]
+    vals = [h["validation/accuracy"] for h in history if "validation/accuracy" in h]
+    k = max(1, min(10, len(rewards) // 5))
+    return {
+        "steps": len(rewards),
+        "grpo_wall_s": wall,
+        "reward_first": rewards[0] if rewards else None,
+        "reward_start": sum(rewards[:k]) / k if rewards else None,
+        "reward_end": sum(rewards[-k:]) / k if rewards else None,
+        "reward_window": k,
+        "val_accuracy_start": vals[0] if vals else None,
+        "val_accuracy_end": vals[-1] if vals else None,
+        "token_mult_prob_error_max": max((h["train/token_mult_prob_error"] for h in history
+                                          if "train/token_mult_prob_error" in h), default=None),
+        "metrics_jsonl": jsonl,
+        "png": png,
+    }
+
+
+class _RankZeroLog:
+    """Rank 0 prints, owns the metrics files and the progress bars; other ranks stay quiet."""
+
+    def __init__(self, cfg: TrainerConfig, is_main: bool):
+        self.is_main = is_main
+        self.progress = cfg.logger.progress_bar
+        self.metrics = None
+        if is_main:
+            from efa_ep.recipes.grpo.metrics import MetricsLogger
+
+            self.metrics = MetricsLogger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled)
+
+    def info(self, msg: str) -> None:
+        if self.is_main:
+            print(f"[efa-ep grpo] {msg}", flush=True)
+
+    def bar(self, total: int, desc: str):
+        if not (self.is_main and self.progress):
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+# ----------------------------------------------------------------------------- entry
+def run(cfg_dict: dict, log: Callable[[str], None] = print) -> dict:
+    """Runs the built-in trainer on a resolved recipe dict; returns rank 0's summary.
+
+    Starts ``policy.megatron_cfg.expert_model_parallel_size`` ranks as local processes (gloo on
+    CPU or when ranks share a GPU; NCCL with one GPU per rank), with the ``efa_ep.transport``
+    settings exported as ``EFA_EP_*`` environment variables.
+    """
+    from efa_ep.distributed import run_ranks
+    from efa_ep.recipes.grpo.config import trainer_config
+
+    cfg = trainer_config(cfg_dict)  # validate before spawning
+    world = cfg.world_size
+    use_cuda = cfg.efa_ep.device == "cuda" or (cfg.efa_ep.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if use_cuda and torch.cuda.device_count() >= world else "gloo"
+    env = dict(cfg.efa_ep.transport.env())
+    env.setdefault("OMP_NUM_THREADS", str(cfg.efa_ep.num_threads))
+    if "EFA_EP_TRANSPORT" in os.environ and cfg.efa_ep.transport.transport == "auto":
+        env["EFA_EP_TRANSPORT"] = os.environ["EFA_EP_TRANSPORT"]
+    os.makedirs(cfg.logger.log_dir, exist_ok=True)
+    t0 = time.time()
+    results = run_ranks(_rank_main, world, (cfg_dict,), backend=backend,
+                        timeout_s=cfg.efa_ep.timeout_s, pg_timeout_s=300.0, env=env)
+    summary = results[0]
+    summary["total_wall_s"] = time.time() - t0
+    summary["world_size"] = world
+    summary["backend"] = backend
+    return summary
