@@ -1,0 +1,454 @@
+"""The ``gda`` transport: GPU-initiated dispatch and combine through symmetric-memory windows.
+
+The GPU moves every byte: Triton kernels store token rows straight into the peers' receive
+windows (torch symmetric memory, CUDA backend: NVLink peers of one host, or several ranks as
+processes on one GPU) and raise per-source flags; no CPU on the data path. Kernels and the flag
+protocol: :mod:`efa_ep.kernels.gda_kernels` (read its module docstring first).
+
+Symbols: W ranks, T tokens here, K top-k, E experts, L = E // W, H hidden, D row width,
+T_MAX = ``max_tokens_per_rank``, N rows received, S rows sent.
+
+Windows (allocated once per transport, collective, reused by every call):
+    One ``symm_mem.empty`` byte buffer per rank holding two parities of
+    ``data [W, T_MAX, H * elem bytes] | idx [W, T_MAX, K_CAP] int64 | wts [W, T_MAX, K_CAP] f32 |
+    hdr [W, 2 + L] int64``, each region 256-byte aligned; ``K_CAP`` = option ``max_topk``
+    (default 16). Bytes per rank ~= 2 * W * T_MAX * (H * elem + 12 * K_CAP). Op ``e`` uses parity
+    ``e % 2`` for every window kind (data of dispatch, returned rows of combine), which is what
+    lets windows be reused with no resets and no extra acknowledgement (protocol step 5).
+
+One dispatch (collective, current stream; kernels in order):
+    1. host: shape/dtype/capacity checks (no sync). An overflow (T > T_MAX, K > K_CAP, rows wider
+       than the window) raises here, before any byte moves, on the offending rank; it still
+       takes part in the count exchange with ``status`` set, so its peers raise too instead of
+       timing out.
+    2. ``layout`` (2 launches over token blocks): slot of every (token, destination), rows per
+       destination, (token, expert) pairs per expert, value checks (bad ids, NaN weights).
+    3. ``dispatch_store``: every token row stored once per destination rank at
+       ``window[me * T_MAX + slot]`` of that rank (16-byte stores), with its local expert ids and
+       weights; program 0 also writes the count header ``[status, rows, rows per local expert]``
+       into every destination (the count exchange); the grid's last program raises the
+       per-source signal (release, system scope).
+    4. ``recv_header`` (1 program): waits (acquire, bounded) for all W sources, gathers headers
+       and the error word into one small tensor; the host copies it: **the one host sync per
+       dispatch** (Megatron needs ``tokens_per_expert`` on the CPU, as in its alltoall dispatcher).
+    5. ``gather_rows``: the receive permutation, window -> compact ``recv_x [N, H]`` in
+       (source, token) order, with ids and weights.
+Combine: ``combine_store`` returns row i to its source's window at ``me * T_MAX + j`` and signals;
+``combine_reduce`` waits (bounded) and sums the partials in ascending rank order in float32 from
++0.0, rounding once: bit-equal to ``torch``. No host sync; a deadline expiry is recorded in the
+error word and raised at the next dispatch (or by :meth:`GdaTransport.check_errors`, or at once
+with option ``check_every_call=1``). ``dispatch_cached`` replays the layout with new rows, no host
+sync. Deadline errors name the missing source ranks; after one the transport refuses further
+calls (the group's epochs no longer agree): rebuild it.
+
+Fixed-capacity decode mode (designed, not implemented yet; CUDA-graph capturable):
+    ``dispatch_fixed(x, idx, w) -> (recv_x [W * T_MAX, H] view of the window, recv_idx, recv_w,
+    num_recv_W (device), tokens_per_expert_L (device), handle)``: steps 2-4 unchanged but with
+    no device-to-host copy; ``recv_header`` also writes -1 into ``idx`` of every unused row
+    ``j >= n_s`` of each source block so expert kernels can mask rows (DeepEP's
+    ``num_worst_tokens`` / low-latency layout); there is no step 5: the receive buffer *is* the
+    window (zero copy), so every launch has a static grid and no host read. ``combine_fixed(y
+    [W * T_MAX, H], handle)`` stores only rows ``j < n_s`` (read on the device from the header)
+    and reduces as above. Warning it must carry: the returned views are overwritten two ops
+    later (window parity), so a caller may hold at most one fixed-mode dispatch result while it
+    runs the matching combine (the DeepEP low-latency rule). Decode at T = 128 would then be 4
+    launches (2 layout, store, combine store + reduce is 5 with combine) and no host sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from efa_ep.kernels.base import (
+    DispatchHandle, DispatchInputError, Transport, TransportError, TransportUnavailable,
+)
+
+STATUS_OK, STATUS_BAD_ID, STATUS_BAD_WEIGHT, STATUS_BAD_INPUT = 0, 1, 2, 4
+_ALIGN = 256
+_MAX_WORLD = 63   # the error word is a 64-bit mask of missing sources
+
+
+class PeerTimeoutError(TransportError):
+    """A device-side wait passed its deadline: the named source rank(s) never signalled."""
+
+
+def availability() -> Optional[str]:
+    """None when gda can run here (CUDA GPU, triton, torch symmetric memory), else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"torch symmetric memory is unavailable ({e})"
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    return None
+
+
+def _round_up(n: int, a: int = _ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowLayout:
+    """Byte layout of one rank's window (see the module docstring).
+
+    Attributes:
+        world: W. t_max: T_MAX rows per source. row_bytes: capacity of one row in bytes.
+        k_cap: K_CAP top-k slots per row. num_local: L (header length is 2 + L).
+    """
+
+    world: int
+    t_max: int
+    row_bytes: int
+    k_cap: int
+    num_local: int
+
+    @property
+    def rows(self) -> int:
+        return self.world * max(1, self.t_max)
+
+    @property
+    def data_bytes(self) -> int:
+        return _round_up(self.rows * self.row_bytes)
+
+    @property
+    def idx_bytes(self) -> int:
+        return _round_up(self.rows * self.k_cap * 8)
+
+    @property
+    def w_bytes(self) -> int:
+        return _round_up(self.rows * self.k_cap * 4)
+
+    @property
+    def hdr_len(self) -> int:
+        return 2 + self.num_local
+
+    @property
+    def hdr_bytes(self) -> int:
+        return _round_up(self.world * self.hdr_len * 8)
+
+    @property
+    def parity_bytes(self) -> int:
+        return self.data_bytes + self.idx_bytes + self.w_bytes + self.hdr_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.parity_bytes
+
+    def offsets(self, parity: int) -> dict:
+        """Byte offsets of the regions of parity 0 or 1."""
+        base = parity * self.parity_bytes
+        return dict(data_off=base, idx_off=base + self.data_bytes,
+                    w_off=base + self.data_bytes + self.idx_bytes,
+                    hdr_off=base + self.data_bytes + self.idx_bytes + self.w_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GdaDispatchState:
+    """``DispatchHandle.state`` of a gda dispatch.
+
+    Attributes:
+        slot_TW: ``[T, W]`` int64, device: row of (token, rank) in rank's block, -1 = not sent.
+        recv_offsets: ``[W + 1]`` int64, device: first received row of each source.
+        epoch: the dispatch's op number. owner: ``id()`` of the transport that made it.
+    """
+
+    slot_TW: torch.Tensor
+    recv_offsets: torch.Tensor
+    epoch: int
+    owner: int
+
+
+class GdaTransport(Transport):
+    """GPU-initiated transport over symmetric-memory windows; contract in ``efa_ep.kernels.base``.
+
+    Options (``create_transport(..., **options)``, identical on every rank):
+        max_topk: K_CAP, most top-k slots a dispatch may carry (default 16).
+        timeout_s: deadline of every device-side wait (default 60).
+        num_programs: grid of the store/gather kernels (default 2 x SMs / ranks sharing the GPU).
+        check_every_call: 1 = sync after combine/dispatch_cached to raise deadline errors at
+            once (default 0: raised at the next dispatch or by :meth:`check_errors`).
+
+    Synchronization: all kernels run on the current stream. ``dispatch`` blocks the CPU once
+    (device-to-host copy of the counts), so it is not CUDA-graph capturable; ``combine`` and
+    ``dispatch_cached`` do not block. Calls are collective: every rank must make the same
+    sequence of calls.
+
+    Warning: all calls of one transport must be issued on one stream (the flag protocol relies
+    on stream order between consecutive ops).
+    """
+
+    name = "gda"
+
+    def __init__(self, cfg, group):
+        super().__init__(cfg, group)
+        why = availability()
+        if why is not None:
+            raise TransportUnavailable(f"rank {self.rank}: gda is not available: {why}")
+        if self.world_size > _MAX_WORLD:
+            raise TransportError(f"gda supports up to {_MAX_WORLD} ranks, got {self.world_size}")
+        from efa_ep.kernels import gda_kernels as K  # triton import stays lazy
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._k = K
+        opts = dict(cfg.options)
+        self.max_topk = int(opts.get("max_topk", 16))
+        self.timeout_s = float(opts.get("timeout_s", 60.0))
+        self.check_every_call = bool(int(opts.get("check_every_call", 0)))
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(self.device)
+        me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
+        peers = [None] * self.world_size
+        dist.all_gather_object(peers, me, group=group)
+        hosts = sorted({h for h, _ in peers})
+        if len(hosts) > 1:
+            raise TransportError(
+                f"rank {self.rank}: gda needs every EP rank on one host (symmetric memory over "
+                f"NVLink); the group spans hosts {hosts}; use transport 'proxy' across hosts")
+        self.ranks_per_device = peers.count(me)
+        if self.ranks_per_device > 1:
+            # Several ranks on one GPU (tests, benchmarks): rendezvous refuses overlapping devices
+            # unless told otherwise (this also disables multicast, which gda does not use).
+            os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        sms = props.multi_processor_count
+        default_programs = max(4, 2 * sms // self.ranks_per_device)
+        self.num_programs = int(opts.get("num_programs", default_programs))
+        self.num_wait_programs = max(1, min(self.num_programs, sms // self.ranks_per_device))
+        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        self.layout = WindowLayout(world=self.world_size, t_max=cfg.max_tokens_per_rank,
+                                   row_bytes=_round_up(cfg.hidden * elem, 16), k_cap=self.max_topk,
+                                   num_local=cfg.num_local_experts)
+        self._buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        self._hdl = symm_mem.rendezvous(self._buf, group)
+        self._buf_ptrs = torch.tensor(list(self._hdl.buffer_ptrs), dtype=torch.int64,
+                                      device=self.device)
+        self._sig_ptrs = torch.tensor(list(self._hdl.signal_pad_ptrs), dtype=torch.int64,
+                                      device=self.device)
+        self._win_ptr = self._buf_ptrs[self.rank:self.rank + 1]
+        self._my_sig = self._hdl.get_signal_pad(self.rank, (self.world_size,), dtype=torch.int32)
+        self._my_sig.zero_()
+        self._err = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._done = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._epoch = 0
+        self._broken: Optional[str] = None
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------------------------
+    def _wait_args(self):
+        return dict(timeout_ns=int(self.timeout_s * 1e9), max_spins=2**31 - 1,
+                    use_globaltimer=True)
+
+    def _begin_op(self, op: str) -> int:
+        if self._broken is not None:
+            raise TransportError(f"rank {self.rank}: gda transport unusable after an earlier "
+                                 f"failure ({self._broken}); create a new one")
+        self._epoch += 1
+        if self._epoch >= 2**31 - 1:
+            raise TransportError(f"rank {self.rank}: gda epoch counter exhausted; recreate")
+        return self._epoch
+
+    def _raise_missing(self, bits: int, op: str, epoch: int) -> None:
+        if not bits:
+            return
+        missing = [s for s in range(self.world_size) if (bits >> s) & 1]
+        msg = (f"rank {self.rank}: gda {op} (op {epoch}) gave up after {self.timeout_s:g}s "
+               f"waiting for source rank(s) {missing}: they never signalled (crashed, hung, or "
+               f"skipped this collective call)")
+        self._broken = msg
+        raise PeerTimeoutError(msg)
+
+    def check_errors(self, op: str = "call") -> None:
+        """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired."""
+        self._raise_missing(int(self._err.item()), op, self._epoch)
+
+    def _hdr_view(self, hdr_off: int) -> torch.Tensor:
+        n = self.world_size * self.layout.hdr_len
+        return self._buf[hdr_off:hdr_off + 8 * n].view(torch.int64).view(self.world_size, -1)
+
+    def _host_check(self, x, topk_idx, topk_weights) -> Optional[str]:
+        cfg, who = self.cfg, f"rank {self.rank}"
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                return f"{who}: {name} must be a tensor, got {type(t).__name__}"
+        if x.dim() != 2 or x.shape[1] != cfg.hidden:
+            return f"{who}: x must be [num_tokens, {cfg.hidden}], got {tuple(x.shape)}"
+        if x.dtype != cfg.dtype:
+            return f"{who}: x must be {cfg.dtype} (the transport's dtype), got {x.dtype}"
+        t = x.shape[0]
+        if t > cfg.max_tokens_per_rank:
+            return (f"{who}: x has {t} tokens > max_tokens_per_rank={cfg.max_tokens_per_rank}; "
+                    f"create the transport with a larger max_tokens_per_rank "
+                    f"(Megatron dispatcher: EFA_EP_MAX_TOKENS_PER_RANK)")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != t:
+            return f"{who}: topk_idx must be [{t}, K], got {tuple(topk_idx.shape)}"
+        if topk_idx.dtype != torch.int64:
+            return f"{who}: topk_idx must be torch.int64, got {topk_idx.dtype}"
+        if topk_weights.shape != topk_idx.shape:
+            return (f"{who}: topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, "
+                    f"got {tuple(topk_weights.shape)}")
+        if topk_weights.dtype != torch.float32:
+            return f"{who}: topk_weights must be torch.float32, got {topk_weights.dtype}"
+        if topk_idx.shape[1] > self.max_topk:
+            return (f"{who}: top-k {topk_idx.shape[1]} > the gda window's max_topk="
+                    f"{self.max_topk}; create the transport with max_topk={topk_idx.shape[1]}")
+        for name, tt in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if tt.device != self.device:
+                return f"{who}: {name} must be on {self.device}, got {tt.device}"
+        return None
+
+    def _check_row_fits(self, d: int, dtype: torch.dtype, what: str) -> None:
+        nbytes = d * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.layout.row_bytes:
+            raise DispatchInputError(
+                f"rank {self.rank}: {what} rows of {d} x {dtype} ({nbytes} bytes) exceed the gda "
+                f"window row capacity {self.layout.row_bytes} bytes (hidden={self.cfg.hidden} x "
+                f"{self.cfg.dtype})")
+
+    def _state(self, handle: DispatchHandle) -> GdaDispatchState:
+        st = handle.state
+        if not isinstance(st, GdaDispatchState) or st.owner != id(self):
+            raise DispatchInputError(
+                f"rank {self.rank}: handle was not made by this gda transport's dispatch")
+        return st
+
+    # ------------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, topk_weights):
+        """See ``efa_ep.kernels.base``. Blocks the CPU once for the counts (not graph-safe).
+
+        Args:
+            x: ``[T, H]`` cfg.dtype, this rank's GPU. topk_idx: ``[T, K]`` int64, -1 = unused.
+            topk_weights: ``[T, K]`` float32.
+        Returns:
+            recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64 (local ids, -1 elsewhere),
+            recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
+        """
+        K, cfg, world = self._k, self.cfg, self.world_size
+        error = self._host_check(x, topk_idx, topk_weights)
+        epoch = self._begin_op("dispatch")
+        offs = self.layout.offsets(epoch % 2)
+        if error is not None:  # take part with no rows and a bad status: nobody waits forever
+            x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
+            topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
+            topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
+        x = x.contiguous() if x.stride(-1) != 1 else x
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        k = topk_idx.shape[1]
+        slot, send_idx, num_per_rank, num_per_expert, status = K.layout(
+            topk_idx, topk_weights, cfg.num_experts, world)
+        if error is not None:
+            status.fill_(STATUS_BAD_INPUT)
+        K.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
+                         self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
+                         t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
+                         epoch=epoch, with_meta=True, num_programs=self.num_programs)
+        info, recv_offsets = K.recv_header(
+            self._my_sig, self._hdr_view(offs["hdr_off"]), self._err, num_per_rank,
+            num_local=cfg.num_local_experts, epoch=epoch, **self._wait_args())
+        info = info.cpu()  # the one host sync per dispatch
+        self._raise_missing(int(info[0]), "dispatch", epoch)
+        hdr_len = self.layout.hdr_len
+        hdr = info[1:1 + world * hdr_len].view(world, hdr_len)
+        num_send = info[1 + world * hdr_len:].tolist()
+        if error is not None:
+            raise DispatchInputError(error)
+        bad = {s: int(hdr[s, 0]) for s in range(world) if int(hdr[s, 0]) != STATUS_OK}
+        if bad:
+            mine = bad.get(self.rank)
+            if mine is not None and mine != STATUS_BAD_INPUT:
+                what = []
+                if mine & STATUS_BAD_ID:
+                    what.append(f"expert ids outside -1 or 0 <= id < num_experts={cfg.num_experts}")
+                if mine & STATUS_BAD_WEIGHT:
+                    what.append("NaN/Inf in topk_weights (expected finite float32)")
+                raise DispatchInputError(f"rank {self.rank}: topk_idx/topk_weights hold " +
+                                         " and ".join(what))
+            raise DispatchInputError(
+                f"rank {self.rank}: EP peer rank(s) {sorted(bad)} passed invalid dispatch inputs "
+                f"(see their error)")
+        num_recv = hdr[:, 1].tolist()
+        tokens_per_expert = hdr[:, 2:].sum(0)
+        n = int(sum(num_recv))
+        recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=self.device)
+        recv_idx = torch.empty(n, k, dtype=torch.int64, device=self.device)
+        recv_w = torch.empty(n, k, dtype=torch.float32, device=self.device)
+        if n:
+            K.gather_rows(self._win_ptr, recv_offsets, recv_x, recv_idx, recv_w, self._my_sig,
+                          self._err, data_off=offs["data_off"], idx_off=offs["idx_off"],
+                          w_off=offs["w_off"], t_max=cfg.max_tokens_per_rank, epoch=epoch,
+                          wait=False, num_programs=self.num_programs, **self._wait_args())
+        s_total = int(sum(num_send))
+        handle = DispatchHandle(
+            num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
+            send_token_idx=send_idx[:s_total], num_send_per_rank=tuple(num_send),
+            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
+            state=GdaDispatchState(slot_TW=slot, recv_offsets=recv_offsets, epoch=epoch,
+                                   owner=id(self)))
+        return recv_x, recv_idx, recv_w, tokens_per_expert, handle
+
+    def dispatch_cached(self, x, handle):
+        """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
+        row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
+        st = self._state(handle)
+        if x.dim() != 2 or x.shape[0] != handle.num_tokens:
+            raise DispatchInputError(
+                f"rank {self.rank}: cached dispatch input must be [{handle.num_tokens}, D], "
+                f"got {tuple(x.shape)}")
+        self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
+        K = self._k
+        epoch = self._begin_op("dispatch_cached")
+        offs = self.layout.offsets(epoch % 2)
+        x = x.contiguous() if (x.shape[1] > 1 and x.stride(1) != 1) else x
+        K.dispatch_store(x, None, None, st.slot_TW, None, None, None, self._buf_ptrs,
+                         self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
+                         t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
+                         epoch=epoch, with_meta=False, num_programs=self.num_programs)
+        out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
+        K.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
+                      data_off=offs["data_off"], idx_off=0, w_off=0,
+                      t_max=self.cfg.max_tokens_per_rank, epoch=epoch, wait=True,
+                      num_programs=self.num_wait_programs, **self._wait_args())
+        if self.check_every_call:
+            self.check_errors("dispatch_cached")
+        return out
+
+    def combine(self, y, handle):
+        """``y`` ``[N, D]`` (rows received by ``handle``'s dispatch) -> ``[T, D]`` in y's dtype:
+        per token the float32 sum over destination ranks ascending, bit-equal to ``torch``.
+        No host sync (deadline errors are deferred, see the class)."""
+        self._check_combine_input(y, handle)
+        st = self._state(handle)
+        self._check_row_fits(y.shape[1], y.dtype, "combine")
+        K = self._k
+        epoch = self._begin_op("combine")
+        offs = self.layout.offsets(epoch % 2)
+        y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
+        K.combine_store(y, st.recv_offsets, self._buf_ptrs, self._sig_ptrs, self._done[1:2],
+                        data_off=offs["data_off"], me=self.rank,
+                        t_max=self.cfg.max_tokens_per_rank, epoch=epoch,
+                        num_programs=self.num_programs)
+        out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        K.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,
+                         data_off=offs["data_off"], t_max=self.cfg.max_tokens_per_rank,
+                         epoch=epoch, wait=True, num_programs=self.num_wait_programs,
+                         **self._wait_args())
+        if self.check_every_call:
+            self.check_errors("combine")
+        return out
+
+    def close(self) -> None:
+        """Drops the windows (idempotent). Collective in spirit: peers may still map them."""
+        for name in ("_hdl", "_buf", "_buf_ptrs", "_sig_ptrs", "_win_ptr", "_my_sig"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self._broken = self._broken or "closed"

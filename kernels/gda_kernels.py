@@ -1,0 +1,599 @@
+"""Triton kernels of the ``gda`` transport: layout, peer stores, waits, receive gather, reduce.
+
+Symbols (shape suffixes):
+    W: EP ranks.   T: tokens on this rank.   K: top-k slots.   E: experts.   L = E // W.
+    D: row width in elements (H for token rows, K for the weight-gradient combine).
+    T_MAX: window capacity per source rank (``max_tokens_per_rank``).
+    N: rows received.   NB: token blocks of the layout kernels.
+
+Every kernel takes peers as a pointer table ``*_ptrs`` (int64 device addresses, one per rank):
+on the GPU these are the symmetric-memory mappings of the peers' windows; in the CPU tests
+(``TRITON_INTERPRET=1``) they are ``data_ptr()`` of local tensors standing in for peers.
+
+Window of one rank (one parity of the double buffer; byte offsets are kernel arguments):
+
+    data [W, T_MAX, D]  rows from source s at s * T_MAX + slot (dispatch: token rows; combine:
+                        expert outputs returned by destination rank s)
+    idx  [W, T_MAX, K]  int64 local expert ids of dispatched rows (-1: not this rank's expert)
+    wts  [W, T_MAX, K]  float32 routing weights (0 where idx is -1)
+    hdr  [W, 2 + L]     int64 per source: [status, rows sent here, rows per local expert...]
+
+Flag protocol (the only cross-rank synchronisation; DESIGN in ``gda.py``):
+
+1. Every collective call ("op") has an epoch ``e`` (1, 2, 3, ... identical on all ranks, int32)
+   and uses window parity ``e % 2``.
+2. A sender stores all its rows (and header) into the peer's window with plain (weak) stores,
+   16 bytes per thread. Each program of the grid then does ``__syncthreads`` and an
+   ``atom.acq_rel.sys`` increment of a local completion counter; the program that increments
+   last has observed (acquire) every other program's release, so after its own
+   ``__syncthreads`` it publishes ``epoch`` into ``signal[me]`` of every peer with
+   ``atom.exch.release.sys`` (release is cumulative: it covers every program's stores).
+   It also resets the counter for the next launch (stream order).
+3. A receiver polls its own signal pad with ``atom.add(0).acquire.sys`` until
+   ``signal[s] >= e`` for every source ``s``; the acquire pairs with the sender's release, so
+   the rows are visible. ``>=`` (not ``==``): a fast sender may already have published e + 1.
+4. Every wait is bounded: ``%globaltimer`` against ``timeout_ns`` (and a spin bound). On expiry
+   the kernel ORs the bit of every missing source into the error word and carries on; the host
+   reads the error word and raises, naming the missing ranks.
+5. Reuse without resets: op e writes parity e % 2, last written by op e - 2. A sender reaches
+   op e only after its wait in op e - 1 saw every peer's op e - 1 signal, which each peer
+   raised after (stream order) it consumed op e - 2's rows. So no flag is ever reset, and a
+   window is never overwritten while its owner still reads it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "layout", "dispatch_store", "recv_header", "gather_rows", "combine_store", "combine_reduce",
+    "next_pow2",
+]
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+# -------------------------------------------------------------------------------------------
+# Device helpers
+# -------------------------------------------------------------------------------------------
+@triton.jit
+def _now_ns(USE_GLOBALTIMER: tl.constexpr):
+    if USE_GLOBALTIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        t = tl.full([], 0, tl.int64)
+    return t
+
+
+@triton.jit
+def _wait_for_sources(sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W: tl.constexpr,
+                      W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+    """Spins until ``sig_ptr[s] >= epoch`` for all s < W (acquire, system scope), or the
+    deadline. On expiry ORs ``1 << s`` of each missing source into ``err_ptr[0]`` (int64)."""
+    offs = tl.arange(0, W_PAD)
+    live = offs < W
+    v = tl.atomic_add(sig_ptr + offs, 0, mask=live, sem="acquire", scope="sys")
+    missing = live & (v < epoch)
+    num_missing = tl.sum(missing.to(tl.int32), axis=0)
+    start = _now_ns(USE_GLOBALTIMER)
+    spins = 0
+    expired = 0
+    while (num_missing > 0) & (expired == 0):
+        v = tl.atomic_add(sig_ptr + offs, 0, mask=live, sem="acquire", scope="sys")
+        missing = live & (v < epoch)
+        num_missing = tl.sum(missing.to(tl.int32), axis=0)
+        spins += 1
+        late = (_now_ns(USE_GLOBALTIMER) - start) > timeout_ns
+        expired = (late | (spins >= max_spins)).to(tl.int32)
+    if num_missing > 0:
+        bits = tl.sum(tl.where(missing, tl.full([W_PAD], 1, tl.int64) << offs.to(tl.int64), 0),
+                      axis=0)
+        tl.atomic_or(err_ptr, bits, sem="relaxed")
+
+
+@triton.jit
+def _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W: tl.constexpr):
+    """Step 2 of the flag protocol; returns nothing. Call after this program's last store."""
+    tl.debug_barrier()
+    old = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
+    if old == tl.num_programs(0) - 1:
+        tl.store(done_ptr, 0)
+        tl.debug_barrier()
+        for r in tl.static_range(W):
+            sig = tl.load(sig_ptrs + r).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(sig + me, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _round_f32_to(acc, OUT: tl.constexpr):
+    """float32 -> OUT. bf16 is rounded to nearest-even with integer ops (c10's rule, NaN ->
+    0x7FC0), identical on the GPU and in the interpreter (whose plain cast truncates)."""
+    if OUT == tl.bfloat16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(acc != acc, 0x7FC0, rounded)
+        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = acc.to(OUT)
+    return out
+
+
+@triton.jit
+def _source_of_row(offsets_ptr, i, W: tl.constexpr, W_PAD: tl.constexpr):
+    """Received row i -> (source rank s, row j inside s's block); offsets_ptr: [W + 1] int64."""
+    ws = tl.arange(0, W_PAD)
+    ends = tl.load(offsets_ptr + 1 + ws, mask=ws < W, other=0x7FFFFFFFFFFFFFFF)
+    s = tl.sum((ends <= i).to(tl.int64), axis=0)
+    j = i - tl.load(offsets_ptr + s)
+    return s, j
+
+
+@triton.jit
+def _token_ranks(topk_idx_ptr, t, tmask, num_topk, num_experts, num_local, W_PAD: tl.constexpr,
+                 K_PAD: tl.constexpr):
+    """[BT, K_PAD] ids of tokens t -> (ids, valid, is_in [BT, W_PAD] int64)."""
+    k = tl.arange(0, K_PAD)
+    m = tmask[:, None] & (k[None, :] < num_topk)
+    ids = tl.load(topk_idx_ptr + t[:, None] * num_topk + k[None, :], mask=m, other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    dest = tl.where(valid, ids // num_local, -1)
+    r = tl.arange(0, W_PAD).to(tl.int64)
+    hit = (dest[:, :, None] == r[None, None, :]).to(tl.int64)
+    is_in = tl.max(hit, axis=1)
+    return ids, m, valid, is_in
+
+
+# -------------------------------------------------------------------------------------------
+# 1. Layout (two launches over token blocks; deterministic prefix sums, no ordering atomics)
+# -------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_tokens"])
+def _layout_count_kernel(
+    topk_idx_ptr: tl.pointer_type(tl.int64),       # [T, K] global expert ids, -1 = none
+    topk_w_ptr: tl.pointer_type(tl.float32),       # [T, K] routing weights
+    block_counts_ptr: tl.pointer_type(tl.int64),   # out [NB, W] tokens of block b sent to rank r
+    num_per_expert_ptr: tl.pointer_type(tl.int64), # in/out [E] zeroed; (token, expert) pairs
+    status_ptr: tl.pointer_type(tl.int64),         # in/out [1] zeroed; bit 1 bad id, bit 2 NaN/Inf
+    num_tokens, num_topk, num_experts, num_local,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Example: W=2, L=2, ids [[0, 3], [1, -1], [2, 2]] -> block counts [2, 2] (token 0 goes
+    to ranks 0 and 1, token 1 to rank 0, token 2 to rank 1), expert counts [1, 1, 2, 1]."""
+    b = tl.program_id(0).to(tl.int64)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    tmask = t < num_tokens
+    ids, m, valid, is_in = _token_ranks(topk_idx_ptr, t, tmask, num_topk, num_experts, num_local,
+                                        W_PAD, K_PAD)
+    r = tl.arange(0, W_PAD)
+    tl.store(block_counts_ptr + b * W + r, tl.sum(is_in, axis=0), mask=r < W)
+    # Per-expert counts are integers: atomic order cannot change them.
+    tl.atomic_add(num_per_expert_ptr + tl.where(valid, ids, 0), tl.full(ids.shape, 1, tl.int64),
+                  mask=valid, sem="relaxed")
+    w = tl.load(topk_w_ptr + t[:, None] * num_topk + tl.arange(0, K_PAD)[None, :], mask=m,
+                other=0.0)
+    bad_id = tl.max(((ids < -1) | (ids >= num_experts)).to(tl.int64))
+    bad_w = tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int64))
+    st = bad_id | (bad_w * 2)
+    if st != 0:
+        tl.atomic_or(status_ptr, st, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+def _layout_slot_kernel(
+    topk_idx_ptr: tl.pointer_type(tl.int64),       # [T, K]
+    block_counts_ptr: tl.pointer_type(tl.int64),   # [NB, W] from _layout_count_kernel
+    slot_ptr: tl.pointer_type(tl.int64),           # out [T, W] row of (t, r) in r's block, -1
+    send_token_idx_ptr: tl.pointer_type(tl.int64), # out [S] token of each sent row, rank-major
+    num_per_rank_ptr: tl.pointer_type(tl.int64),   # out [W] rows sent to each rank
+    num_tokens, num_topk, num_experts, num_local, num_blocks,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    NB_PAD: tl.constexpr,
+):
+    """slot[t, r] = number of tokens t' < t sent to r (exclusive prefix sum over token order);
+    send_token_idx[offset_r + slot[t, r]] = t with offset_r = rows sent to ranks < r."""
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, W_PAD)
+    rmask = r < W
+    nb = tl.arange(0, NB_PAD).to(tl.int64)
+    cnt = tl.load(block_counts_ptr + nb[:, None] * W + r[None, :],
+                  mask=(nb[:, None] < num_blocks) & rmask[None, :], other=0)   # [NB_PAD, W_PAD]
+    total = tl.sum(cnt, axis=0)                                                 # [W_PAD]
+    before = tl.sum(tl.where(nb[:, None] < b, cnt, 0), axis=0)                  # [W_PAD]
+    rank_off = tl.cumsum(total, axis=0) - total
+    if b == 0:
+        tl.store(num_per_rank_ptr + r, total, mask=rmask)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    tmask = t < num_tokens
+    ids, m, valid, is_in = _token_ranks(topk_idx_ptr, t, tmask, num_topk, num_experts, num_local,
+                                        W_PAD, K_PAD)
+    incl = tl.cumsum(is_in, axis=0) + before[None, :]
+    sent = is_in > 0
+    slot = tl.where(sent, incl - 1, -1)
+    tl.store(slot_ptr + t[:, None] * W + r[None, :], slot, mask=tmask[:, None] & rmask[None, :])
+    pos = tl.where(sent, rank_off[None, :] + slot, 0)
+    tl.store(send_token_idx_ptr + pos, tl.broadcast_to(t[:, None], pos.shape),
+             mask=sent & tmask[:, None] & rmask[None, :])
+
+
+# -------------------------------------------------------------------------------------------
+# 2-3. Dispatch: store rows (+ ids, weights, header) into every destination's window
+# -------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["me", "num_tokens", "epoch"])
+def _dispatch_store_kernel(
+    x_ptr,                                          # [T, D] rows (any dtype), row stride stride_x
+    topk_idx_ptr: tl.pointer_type(tl.int64),        # [T, K]
+    topk_w_ptr: tl.pointer_type(tl.float32),        # [T, K]
+    slot_ptr: tl.pointer_type(tl.int64),            # [T, W] from the layout
+    num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W]
+    num_per_expert_ptr: tl.pointer_type(tl.int64),  # [E]
+    status_ptr: tl.pointer_type(tl.int64),          # [1]
+    buf_ptrs: tl.pointer_type(tl.int64),            # [W] window base address of every rank
+    sig_ptrs: tl.pointer_type(tl.int64),            # [W] signal pad address of every rank
+    done_ptr: tl.pointer_type(tl.int32),            # [1] local grid-completion counter (0)
+    data_off, idx_off, w_off, hdr_off,              # byte offsets of the regions (this parity)
+    me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, epoch,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr, WITH_META: tl.constexpr,
+):
+    """Token t of rank ``me`` goes to every rank r with slot[t, r] >= 0, at window row
+    me * T_MAX + slot[t, r]: the row is loaded once per chunk and stored W times at most.
+    Example: W=2, me=1, T_MAX=4, slot=[[0, -1], [1, 0]] -> rank 0 rows 4, 5 = x[0], x[1];
+    rank 1 row 4 = x[1]; then each rank's signal[1] = epoch."""
+    elt = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    me64 = tl.cast(me, tl.int64)
+    for t in range(pid, num_tokens, nprog):
+        t64 = tl.cast(t, tl.int64)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            cm = cols < D
+            v = tl.load(x_ptr + t64 * stride_x + cols, mask=cm)
+            for r in tl.static_range(W):
+                slot = tl.load(slot_ptr + t64 * W + r)
+                if slot >= 0:
+                    base = tl.multiple_of(tl.load(buf_ptrs + r) + data_off, 16)
+                    dst = base.to(tl.pointer_type(elt)) + (me64 * T_MAX + slot) * D
+                    tl.store(dst + cols, v, mask=cm)
+        if WITH_META:
+            k = tl.arange(0, K_PAD)
+            km = k < num_topk
+            ids = tl.load(topk_idx_ptr + t64 * num_topk + k, mask=km, other=-1)
+            wts = tl.load(topk_w_ptr + t64 * num_topk + k, mask=km, other=0.0)
+            for r in tl.static_range(W):
+                slot = tl.load(slot_ptr + t64 * W + r)
+                if slot >= 0:
+                    own = (ids >= r * num_local) & (ids < (r + 1) * num_local)
+                    row = me64 * T_MAX + slot
+                    pi = (tl.load(buf_ptrs + r) + idx_off).to(tl.pointer_type(tl.int64))
+                    pw = (tl.load(buf_ptrs + r) + w_off).to(tl.pointer_type(tl.float32))
+                    tl.store(pi + row * num_topk + k, tl.where(own, ids - r * num_local, -1), mask=km)
+                    tl.store(pw + row * num_topk + k, tl.where(own, wts, 0.0), mask=km)
+    if WITH_META:
+        # Header rows are written by program 0; the grid-done release below covers them.
+        if pid == 0:
+            st = tl.load(status_ptr)
+            hl = tl.arange(0, L_PAD)
+            for r in tl.static_range(W):
+                hdr = (tl.load(buf_ptrs + r) + hdr_off).to(tl.pointer_type(tl.int64))
+                hdr += me64 * (2 + num_local)
+                tl.store(hdr, st)
+                tl.store(hdr + 1, tl.load(num_per_rank_ptr + r))
+                cnt = tl.load(num_per_expert_ptr + r * num_local + hl, mask=hl < num_local)
+                tl.store(hdr + 2 + hl, cnt, mask=hl < num_local)
+    _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
+
+
+@triton.jit(do_not_specialize=["epoch", "timeout_ns", "max_spins"])
+def _recv_header_kernel(
+    my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
+    hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
+    err_ptr: tl.pointer_type(tl.int64),             # [1] sticky error word (missing-source bits)
+    num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
+    info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W] for the host
+    offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
+    num_local, epoch, timeout_ns, max_spins,
+    W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+):
+    """One program: wait for every source, then copy the headers (and the error word, and this
+    rank's send counts) into ``info`` for one device-to-host copy; offsets = exclusive prefix
+    sum of the rows each source sent here."""
+    _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD, USE_GLOBALTIMER)
+    hdr_len = 2 + num_local
+    s = tl.arange(0, W_PAD)
+    c = tl.arange(0, HDR_PAD)
+    hm = (s[:, None] < W) & (c[None, :] < hdr_len)
+    h = tl.load(hdr_ptr + s[:, None] * hdr_len + c[None, :], mask=hm)
+    tl.store(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], h, mask=hm)
+    n = tl.load(hdr_ptr + s * hdr_len + 1, mask=s < W, other=0)
+    tl.store(offsets_ptr + 1 + s, tl.cumsum(n, axis=0), mask=s < W)
+    tl.store(offsets_ptr, 0)
+    sent = tl.load(num_per_rank_ptr + s, mask=s < W)
+    tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
+    tl.debug_barrier()
+    tl.store(info_ptr, tl.atomic_add(err_ptr, 0, sem="relaxed"))
+
+
+@triton.jit(do_not_specialize=["num_rows", "epoch", "timeout_ns", "max_spins"])
+def _gather_rows_kernel(
+    win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
+    offsets_ptr: tl.pointer_type(tl.int64),         # [W + 1]
+    out_x_ptr,                                      # out [N, D] received rows (compact)
+    out_idx_ptr: tl.pointer_type(tl.int64),         # out [N, K] (WITH_META)
+    out_w_ptr: tl.pointer_type(tl.float32),         # out [N, K] (WITH_META)
+    my_sig_ptr: tl.pointer_type(tl.int32), err_ptr: tl.pointer_type(tl.int64),
+    data_off, idx_off, w_off,
+    num_rows, D, num_topk, T_MAX, epoch, timeout_ns, max_spins,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_META: tl.constexpr, WAIT: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+):
+    """Receive permutation: output row i (source s, j-th row from s) = window row
+    s * T_MAX + j. Example: W=2, T_MAX=4, offsets [0, 1, 3] -> out rows 0, 1, 2 = window rows
+    0, 4, 5. With WAIT, every program first waits for all sources (dispatch_cached)."""
+    elt = out_x_ptr.dtype.element_ty
+    if WAIT:
+        _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD,
+                          USE_GLOBALTIMER)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    win = tl.multiple_of(tl.load(win_ptr), 16)
+    src_x = (win + data_off).to(tl.pointer_type(elt))
+    for i in range(pid, num_rows, nprog):
+        i64 = tl.cast(i, tl.int64)
+        s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
+        row = s * T_MAX + j
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            cm = cols < D
+            v = tl.load(src_x + row * D + cols, mask=cm)
+            tl.store(out_x_ptr + i64 * D + cols, v, mask=cm)
+        if WITH_META:
+            k = tl.arange(0, K_PAD)
+            km = k < num_topk
+            pi = (win + idx_off).to(tl.pointer_type(tl.int64))
+            pw = (win + w_off).to(tl.pointer_type(tl.float32))
+            tl.store(out_idx_ptr + i64 * num_topk + k, tl.load(pi + row * num_topk + k, mask=km),
+                     mask=km)
+            tl.store(out_w_ptr + i64 * num_topk + k, tl.load(pw + row * num_topk + k, mask=km),
+                     mask=km)
+
+
+# -------------------------------------------------------------------------------------------
+# 4. Combine: return rows to their sources, reduce in ascending rank order in float32
+# -------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["me", "num_rows", "epoch"])
+def _combine_store_kernel(
+    y_ptr,                                          # [N, D] expert outputs, row stride stride_y
+    offsets_ptr: tl.pointer_type(tl.int64),         # [W + 1] of the matching dispatch
+    buf_ptrs: tl.pointer_type(tl.int64), sig_ptrs: tl.pointer_type(tl.int64),
+    done_ptr: tl.pointer_type(tl.int32),
+    data_off, me, num_rows, stride_y, D, T_MAX, epoch,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Row i (the j-th row received from source s) -> source s's window row me * T_MAX + j."""
+    elt = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    me64 = tl.cast(me, tl.int64)
+    for i in range(pid, num_rows, nprog):
+        i64 = tl.cast(i, tl.int64)
+        s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
+        base = tl.multiple_of(tl.load(buf_ptrs + s) + data_off, 16)
+        dst = base.to(tl.pointer_type(elt)) + (me64 * T_MAX + j) * D
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            cm = cols < D
+            tl.store(dst + cols, tl.load(y_ptr + i64 * stride_y + cols, mask=cm), mask=cm)
+    _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "epoch", "timeout_ns", "max_spins"])
+def _combine_reduce_kernel(
+    win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
+    slot_ptr: tl.pointer_type(tl.int64),            # [T, W] of the matching dispatch
+    out_ptr,                                        # out [T, D] in the rows' dtype
+    my_sig_ptr: tl.pointer_type(tl.int32), err_ptr: tl.pointer_type(tl.int64),
+    data_off, num_tokens, D, T_MAX, epoch, timeout_ns, max_spins,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, WAIT: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+):
+    """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over ranks r ascending with slot[t, r] >= 0,
+    in float32, rounded once to the output dtype: bit-equal to ``reduce_rows_by_rank``.
+    A skipped rank adds nothing (adding +0.0 would also be exact: the sum is never -0.0)."""
+    elt = out_ptr.dtype.element_ty
+    if WAIT:
+        _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD,
+                          USE_GLOBALTIMER)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    win = tl.multiple_of(tl.load(win_ptr), 16)
+    src = (win + data_off).to(tl.pointer_type(elt))
+    for t in range(pid, num_tokens, nprog):
+        t64 = tl.cast(t, tl.int64)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            cm = cols < D
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for r in tl.static_range(W):
+                slot = tl.load(slot_ptr + t64 * W + r)
+                if slot >= 0:
+                    part = tl.load(src + (r * T_MAX + slot) * D + cols, mask=cm)
+                    acc += part.to(tl.float32)
+            tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
+
+
+# -------------------------------------------------------------------------------------------
+# Public wrappers (check dtypes, build grids, pass constexprs by keyword)
+# -------------------------------------------------------------------------------------------
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int = None) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _block_d(d: int, elem: int) -> int:
+    """Columns per chunk: up to 8 KiB of row per iteration (16 bytes per thread)."""
+    return max(16, min(next_pow2(d), 8192 // elem))
+
+
+def _warps(block_d: int, elem: int) -> int:
+    return max(1, min(8, block_d * elem // 512))
+
+
+LAYOUT_BLOCK_T = 64
+
+
+def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world: int):
+    """Routing layout on the device (two launches, no host sync).
+
+    Args:
+        topk_idx: ``[T, K]`` int64; global expert ids, -1 = unused slot; other values outside
+            [-1, E) are flagged in ``status`` (bit 1) and routed nowhere.
+        topk_weights: ``[T, K]`` float32; NaN/Inf flagged in ``status`` (bit 2).
+    Returns:
+        (slot_TW [T, W] int64 (-1 = not sent), send_token_idx [T*W] int64 (first S valid),
+        num_per_rank_W [W] int64, num_per_expert_E [E] int64, status [1] int64), on the device.
+    """
+    _check("topk_idx", topk_idx, torch.int64, 2)
+    _check("topk_weights", topk_weights, torch.float32, 2)
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights must be {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    num_local = num_experts // world
+    scratch = torch.zeros(1 + num_experts, dtype=torch.int64, device=dev)
+    status, num_per_expert = scratch[:1], scratch[1:]
+    nb = max(1, triton.cdiv(t, LAYOUT_BLOCK_T))
+    block_counts = torch.empty(nb, world, dtype=torch.int64, device=dev)
+    slot = torch.empty(t, world, dtype=torch.int64, device=dev)
+    send_token_idx = torch.empty(max(1, t * world), dtype=torch.int64, device=dev)
+    num_per_rank = torch.empty(world, dtype=torch.int64, device=dev)
+    consts = dict(W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)),
+                  BLOCK_T=LAYOUT_BLOCK_T)
+    _layout_count_kernel[(nb,)](topk_idx, topk_weights, block_counts, num_per_expert, status,
+                                t, k, num_experts, num_local, **consts, num_warps=4)
+    _layout_slot_kernel[(nb,)](topk_idx, block_counts, slot, send_token_idx, num_per_rank,
+                               t, k, num_experts, num_local, nb, **consts,
+                               NB_PAD=max(2, next_pow2(nb)), num_warps=4)
+    return slot, send_token_idx, num_per_rank, num_per_expert, status
+
+
+def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
+                   buf_ptrs, sig_ptrs, done, *, data_off, idx_off, w_off, hdr_off, me, t_max,
+                   num_local, epoch, with_meta, num_programs):
+    """Stores rows (and, ``with_meta``, ids, weights and headers) into every destination's
+    window, then raises ``signal[me] = epoch`` at every rank. ``x``: ``[T, D]`` (row stride
+    ``x.stride(0)``, unit column stride); tables: ``[W]`` int64; ``done``: ``[1]`` int32."""
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be [T, D] with unit column stride, got {tuple(x.shape)}")
+    _check("slot", slot, torch.int64, 2)
+    _check("buf_ptrs", buf_ptrs, torch.int64, 1)
+    _check("sig_ptrs", sig_ptrs, torch.int64, 1)
+    _check("done", done, torch.int32, 1)
+    world = buf_ptrs.numel()
+    t, d = x.shape
+    k = topk_idx.shape[1] if topk_idx is not None else 1
+    if with_meta:
+        _check("topk_idx", topk_idx, torch.int64, 2)
+        _check("topk_weights", topk_weights, torch.float32, 2)
+    else:  # unused int64 / float32 pointers: the kernel never reads them
+        topk_idx = num_per_expert = num_per_rank = status = slot
+        topk_weights = torch.empty(1, dtype=torch.float32, device=x.device)
+    elem = x.element_size()
+    bd = _block_d(d, elem)
+    grid = (max(1, min(t, num_programs)),)
+    _dispatch_store_kernel[grid](
+        x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs,
+        done, data_off, idx_off, w_off, hdr_off, me, t, max(1, x.stride(0)), d, k, t_max,
+        num_local, epoch, W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)),
+        L_PAD=max(2, next_pow2(num_local)), BLOCK_D=bd, WITH_META=with_meta,
+        num_warps=_warps(bd, elem))
+
+
+def recv_header(my_sig, hdr, err, num_per_rank, *, num_local, epoch, timeout_ns, max_spins,
+                use_globaltimer):
+    """Waits for every source and returns (info [1 + W*(2+L) + W] int64, offsets [W+1] int64)
+    on the device. info = [error bits, headers (status, rows, rows per local expert) per
+    source, rows this rank sent per destination]."""
+    _check("my_sig", my_sig, torch.int32, 1)
+    _check("hdr", hdr, torch.int64, 2)
+    _check("err", err, torch.int64, 1)
+    world = my_sig.numel()
+    info = torch.empty(1 + world * (2 + num_local) + world, dtype=torch.int64, device=hdr.device)
+    offsets = torch.empty(world + 1, dtype=torch.int64, device=hdr.device)
+    _recv_header_kernel[(1,)](my_sig, hdr, err, num_per_rank, info, offsets, num_local, epoch,
+                              timeout_ns, max_spins, W=world, W_PAD=max(2, next_pow2(world)),
+                              HDR_PAD=max(2, next_pow2(2 + num_local)),
+                              USE_GLOBALTIMER=use_globaltimer, num_warps=4)
+    return info, offsets
+
+
+def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
+                w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs):
+    """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
+    ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order."""
+    _check("win_ptr", win_ptr, torch.int64, 1)
+    _check("offsets", offsets, torch.int64, 1)
+    _check("out_x", out_x, out_x.dtype, 2)
+    world = offsets.numel() - 1
+    n, d = out_x.shape
+    with_meta = out_idx is not None
+    if with_meta:
+        _check("out_idx", out_idx, torch.int64, 2)
+        _check("out_w", out_w, torch.float32, 2)
+        k = out_idx.shape[1]
+    else:
+        out_idx, out_w, k = offsets, torch.empty(1, dtype=torch.float32, device=out_x.device), 1
+    elem = out_x.element_size()
+    bd = _block_d(d, elem)
+    grid = (max(1, min(n, num_programs)),)
+    _gather_rows_kernel[grid](
+        win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, data_off, idx_off, w_off,
+        n, d, k, t_max, epoch, timeout_ns, max_spins, W=world, W_PAD=max(2, next_pow2(world)),
+        K_PAD=max(2, next_pow2(k)), BLOCK_D=bd, WITH_META=with_meta, WAIT=wait,
+        USE_GLOBALTIMER=use_globaltimer, num_warps=_warps(bd, elem))
+
+
+def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
+                  num_programs):
+    """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank."""
+    if y.dim() != 2 or (y.shape[1] > 1 and y.stride(1) != 1):
+        raise ValueError(f"y must be [N, D] with unit column stride, got {tuple(y.shape)}")
+    _check("offsets", offsets, torch.int64, 1)
+    _check("done", done, torch.int32, 1)
+    world = buf_ptrs.numel()
+    n, d = y.shape
+    elem = y.element_size()
+    bd = _block_d(d, elem)
+    grid = (max(1, min(n, num_programs)),)
+    _combine_store_kernel[grid](
+        y, offsets, buf_ptrs, sig_ptrs, done, data_off, me, n, max(1, y.stride(0)), d, t_max,
+        epoch, W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd, num_warps=_warps(bd, elem))
+
+
+def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
+                   max_spins, use_globaltimer, num_programs):
+    """``out`` ``[T, D]`` = float32 sum of this rank's returned partials in ascending rank order
+    (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype."""
+    _check("win_ptr", win_ptr, torch.int64, 1)
+    _check("slot", slot, torch.int64, 2)
+    _check("out", out, out.dtype, 2)
+    t, d = out.shape
+    world = slot.shape[1]
+    elem = out.element_size()
+    bd = _block_d(d, elem)
+    grid = (max(1, min(t, num_programs)),)
+    _combine_reduce_kernel[grid](
+        win_ptr, slot, out, my_sig, err, data_off, t, d, t_max, epoch, timeout_ns, max_spins,
+        W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd, WAIT=wait,
+        USE_GLOBALTIMER=use_globaltimer, num_warps=_warps(bd, elem))

@@ -1,0 +1,253 @@
+"""CPU tests of the gda Triton kernels under the Triton interpreter (no GPU needed).
+
+Each test runs this file as a subprocess with ``TRITON_INTERPRET=1`` set before triton is
+imported (the interpreter is chosen when the ``@triton.jit`` functions are created, so it must not
+share a process with modules that imported the kernels for the GPU). Peers are local CPU tensors:
+the pointer tables hold their ``data_ptr()``, as in torchtitan's one-GPU peer-store tests.
+
+Checked against the references: ``compute_send_layout`` (layout kernels), the brute-force
+``reference_dispatch`` (store + receive permutation, ids, weights, counts) and
+``reference_combine`` / ``reduce_rows_by_rank`` semantics (combine reduce), bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECKS = ["layout", "layout_errors", "dispatch_combine", "dispatch_combine_float32", "wait_timeout"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_gda_kernels_interpreted(check):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), check], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{check} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert f"OK {check}" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side (runs in the subprocess, interpreter on)
+# ------------------------------------------------------------------------------------------
+def _check_layout():
+    import torch
+    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels.base import compute_send_layout
+    from tests.routes import make_route
+
+    cases = 0
+    for world in (1, 2, 4, 8):
+        for num_experts in ((world * 2, 64) if world in (2, 8) else (64,)):
+            for topk in (1, 2, 8):
+                if topk > num_experts:
+                    continue
+                for t in (0, 1, 65, 130):
+                    for kind in ("random", "skewed", "dropped", "one_rank"):
+                        seed = hash((world, num_experts, topk, t, kind)) % 10_000
+                        idx, w = make_route(kind, t, num_experts, topk, world, seed)
+                        slot, send_idx, per_rank, per_expert, status = K.layout(
+                            idx, w, num_experts, world)
+                        ref = compute_send_layout(idx, num_experts, world)
+                        s = int(ref.num_tokens_per_rank_W.sum())
+                        assert torch.equal(slot, ref.send_slot_TW), (world, num_experts, topk, t, kind)
+                        assert torch.equal(per_rank, ref.num_tokens_per_rank_W)
+                        assert torch.equal(per_expert, ref.num_tokens_per_expert_E)
+                        assert torch.equal(send_idx[:s], ref.send_token_idx_S)
+                        assert int(status) == 0
+                        cases += 1
+    print(f"layout cases: {cases}")
+
+
+def _check_layout_errors():
+    import torch
+    from efa_ep.kernels import gda_kernels as K
+
+    idx = torch.tensor([[0, 3], [1, -1], [2, 2]], dtype=torch.int64)
+    w = torch.ones(3, 2)
+    slot, send_idx, per_rank, per_expert, status = K.layout(idx, w, 4, 2)
+    # The docstring example of _layout_count_kernel, written by hand.
+    assert per_rank.tolist() == [2, 2] and per_expert.tolist() == [1, 1, 2, 1]
+    assert slot.tolist() == [[0, 0], [1, -1], [-1, 1]]
+    assert send_idx[:4].tolist() == [0, 1, 0, 2]
+    bad = torch.tensor([[0, 9], [-3, 1]], dtype=torch.int64)
+    *_, status = K.layout(bad, torch.ones(2, 2), 4, 2)
+    assert int(status) == 1, int(status)
+    nan_w = torch.tensor([[0.5, float("nan")], [1.0, 0.0]])
+    *_, status = K.layout(torch.zeros(2, 2, dtype=torch.int64), nan_w, 4, 2)
+    assert int(status) == 2, int(status)
+    try:
+        K.layout(idx.int(), w, 4, 2)
+        raise AssertionError("expected a dtype error")
+    except ValueError as e:
+        assert "torch.int64" in str(e)
+
+
+class _Peers:
+    """W simulated ranks in one process: windows, signal pads and pointer tables on the CPU."""
+
+    def __init__(self, world, t_max, hidden, dtype, k_cap, num_local):
+        import torch
+        from efa_ep.kernels.gda import WindowLayout
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.layout = WindowLayout(world, t_max, -(-hidden * elem // 16) * 16, k_cap, num_local)
+        self.bufs = [torch.full((self.layout.total_bytes,), 0xAB, dtype=torch.uint8)
+                     for _ in range(world)]
+        self.sigs = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
+        self.errs = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        self.dones = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+        self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
+        self.sig_ptrs = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64)
+        self.win_ptrs = [self.buf_ptrs[r:r + 1] for r in range(world)]
+
+    def hdr(self, r, hdr_off):
+        n = self.layout.world * self.layout.hdr_len
+        return self.bufs[r][hdr_off:hdr_off + 8 * n].view(__import__("torch").int64).view(
+            self.layout.world, -1)
+
+
+WAIT = dict(timeout_ns=0, max_spins=1000, use_globaltimer=False)
+
+
+def _run_dispatch_combine(row_dtype_name):
+    import torch
+    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from tests.routes import make_route
+
+    dtype = getattr(torch, row_dtype_name)
+    cases = 0
+    for world, num_experts, topk, hidden, kind, progs in [
+        (1, 4, 2, 16, "random", 3),
+        (2, 8, 2, 24, "random", 1),
+        (2, 8, 8, 32, "skewed", 4),
+        (4, 16, 4, 24, "dropped", 2),
+        (4, 8, 1, 8, "one_rank", 5),
+        (3, 12, 3, 40, "random", 64),
+    ]:
+        t_max = 12
+        peers = _Peers(world, t_max, hidden, dtype, 8, num_experts // world)
+        g = torch.Generator().manual_seed(world * 100 + topk)
+        ts = [(t_max - 3 * r) % (t_max + 1) for r in range(world)]  # includes 0 for some cases
+        xs = [torch.randn(t, hidden, generator=g).to(dtype) for t in ts]
+        routes = [make_route(kind, t, num_experts, topk, world, 7 + r) for r, t in enumerate(ts)]
+        idxs = [i for i, _ in routes]
+        ws = [w for _, w in routes]
+        num_local = num_experts // world
+        # ---- dispatch (epoch 1, parity 1) ----
+        epoch, offs = 1, peers.layout.offsets(1)
+        lays = []
+        for me in range(world):
+            lay = K.layout(idxs[me], ws[me], num_experts, world)
+            lays.append(lay)
+            slot, send_idx, per_rank, per_expert, status = lay
+            K.dispatch_store(xs[me], idxs[me], ws[me], slot, per_rank, per_expert, status,
+                             peers.buf_ptrs, peers.sig_ptrs, peers.dones[me], **offs, me=me,
+                             t_max=t_max, num_local=num_local, epoch=epoch, with_meta=True,
+                             num_programs=progs)
+        ref = reference_dispatch(xs, idxs, ws, num_experts)
+        recv = []
+        for me in range(world):
+            assert peers.sigs[me].tolist() == [epoch] * world
+            info, offsets = K.recv_header(peers.sigs[me], peers.hdr(me, offs["hdr_off"]),
+                                          peers.errs[me], lays[me][2], num_local=num_local,
+                                          epoch=epoch, **WAIT)
+            hl = 2 + num_local
+            assert int(info[0]) == 0
+            hdr = info[1:1 + world * hl].view(world, hl)
+            assert hdr[:, 0].tolist() == [0] * world
+            assert info[1 + world * hl:].tolist() == lays[me][2].tolist()
+            n = int(hdr[:, 1].sum())
+            rx = torch.full((n, hidden), float("nan"), dtype=dtype)
+            ri = torch.full((n, topk), -7, dtype=torch.int64)
+            rw = torch.full((n, topk), float("nan"))
+            K.gather_rows(peers.win_ptrs[me], offsets, rx, ri, rw, peers.sigs[me], peers.errs[me],
+                          data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"],
+                          t_max=t_max, epoch=epoch, wait=False, num_programs=progs, **WAIT)
+            ref_x, ref_i, ref_w, ref_tpe, _ = ref[me]
+            assert torch.equal(rx.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               ref_x.view(torch.int16 if dtype != torch.float32 else torch.int32))
+            assert torch.equal(ri, ref_i) and torch.equal(rw.view(torch.int32), ref_w.view(torch.int32))
+            assert torch.equal(hdr[:, 2:].sum(0), ref_tpe)
+            recv.append((n, offsets))
+        # ---- combine (epoch 2, parity 0) ----
+        epoch, offs = 2, peers.layout.offsets(0)
+        ys = [torch.randn(n, hidden, generator=g).to(dtype) for n, _ in recv]
+        for d in range(world):
+            K.combine_store(ys[d], recv[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
+                            data_off=offs["data_off"], me=d, t_max=t_max, epoch=epoch,
+                            num_programs=progs)
+        ref_out = reference_combine(ys, [r[4] for r in ref], ts)
+        for s in range(world):
+            out = torch.full((ts[s], hidden), float("nan"), dtype=dtype)
+            K.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
+                             data_off=offs["data_off"], t_max=t_max, epoch=epoch, wait=True,
+                             num_programs=progs, **WAIT)
+            assert int(peers.errs[s]) == 0
+            iv = torch.int16 if dtype != torch.float32 else torch.int32
+            assert torch.equal(out.view(iv), ref_out[s].view(iv)), (world, kind, s)
+        # ---- dispatch_cached of float32 rows of another width (epoch 3, parity 1) ----
+        epoch, offs = 3, peers.layout.offsets(1)
+        d2 = max(1, hidden * torch.empty((), dtype=dtype).element_size() // 4 - 1)
+        x2 = [torch.randn(t, d2, generator=g) for t in ts]
+        for me in range(world):
+            K.dispatch_store(x2[me], None, None, lays[me][0], None, None, None, peers.buf_ptrs,
+                             peers.sig_ptrs, peers.dones[me], **offs, me=me, t_max=t_max,
+                             num_local=num_local, epoch=epoch, with_meta=False, num_programs=progs)
+        for me in range(world):
+            out = torch.full((recv[me][0], d2), float("nan"))
+            K.gather_rows(peers.win_ptrs[me], recv[me][1], out, None, None, peers.sigs[me],
+                          peers.errs[me], data_off=offs["data_off"], idx_off=0, w_off=0,
+                          t_max=t_max, epoch=epoch, wait=True, num_programs=progs, **WAIT)
+            want = torch.stack([x2[s][t] for s, t in ref[me][4]]) if ref[me][4] else out
+            assert torch.equal(out, want)
+            assert int(peers.errs[me]) == 0
+        cases += 1
+    print(f"dispatch/combine cases: {cases}")
+
+
+def _check_wait_timeout():
+    import torch
+    from efa_ep.kernels import gda_kernels as K
+
+    world = 4
+    peers = _Peers(world, 4, 8, torch.bfloat16, 2, 2)
+    offs = peers.layout.offsets(1)
+    peers.sigs[0][:] = torch.tensor([1, 0, 1, 1], dtype=torch.int32)  # rank 1 never signalled
+    info, _ = K.recv_header(peers.sigs[0], peers.hdr(0, offs["hdr_off"]), peers.errs[0],
+                            torch.zeros(world, dtype=torch.int64), num_local=2, epoch=1,
+                            timeout_ns=0, max_spins=5, use_globaltimer=False)
+    assert int(info[0]) == 0b0010, int(info[0])
+    # Sticky: a later wait that misses rank 3 adds its bit.
+    out = torch.empty(0, 8, dtype=torch.bfloat16)
+    K.combine_reduce(peers.win_ptrs[0], torch.empty(0, world, dtype=torch.int64), out,
+                     peers.sigs[0], peers.errs[0], data_off=offs["data_off"], t_max=4, epoch=1,
+                     wait=True, timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
+    assert int(peers.errs[0]) == 0b0010
+    peers.sigs[0][:] = torch.tensor([2, 2, 2, 1], dtype=torch.int32)
+    K.combine_reduce(peers.win_ptrs[0], torch.empty(0, world, dtype=torch.int64), out,
+                     peers.sigs[0], peers.errs[0], data_off=offs["data_off"], t_max=4, epoch=2,
+                     wait=True, timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
+    assert int(peers.errs[0]) == 0b1010, int(peers.errs[0])
+
+
+def _main(check):
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    sys.path.insert(0, REPO)
+    {
+        "layout": _check_layout,
+        "layout_errors": _check_layout_errors,
+        "dispatch_combine": lambda: _run_dispatch_combine("bfloat16"),
+        "dispatch_combine_float32": lambda: _run_dispatch_combine("float32"),
+        "wait_timeout": _check_wait_timeout,
+    }[check]()
+    print(f"OK {check}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
