@@ -1,0 +1,116 @@
+/* efa_proxy.h: the native CPU proxy of efa-ep (C ABI, no Python, no torch types).
+ *
+ * An engine owns K channels. Each channel is one thread with its own libfabric fabric, domain,
+ * RDM endpoint, completion queue (FI_CQ_FORMAT_DATA), address vector (FI_AV_TABLE) and memory
+ * registration of the engine's window. Producers (torch code on the host, or a Triton kernel on
+ * the GPU writing into pinned host memory) append 16-byte descriptors to a channel's command
+ * ring and publish the ring's tail with a release store; the channel thread acquires the tail,
+ * posts each descriptor as fi_writedata (an RMA write carrying 32 bits of immediate data) into
+ * the destination rank's window, and releases the slots by advancing the head.
+ *
+ * The target side never infers completion from order (EFA's SRD delivers in no order): every
+ * write carries imm = (source rank << 20) | message id, and the target channel thread adds one to
+ * counters[source * num_slots + message id % num_slots] (host memory the receiver polls) for each
+ * remote completion it reads from its CQ. A receiver knows how many chunks a message has, so it
+ * waits for that count, never for "the last one".
+ *
+ * Memory the caller owns (allocated by Python, pinned when a GPU is present so a kernel can
+ * reach it; all must outlive the engine):
+ *   window   : window_bytes, 16-byte aligned; registered in every channel's domain. Descriptor
+ *              offsets are relative to its base, locally and remotely (every rank lays its
+ *              window out the same way).
+ *   rings    : K * ring_slots * 2 uint64 (descriptor words, see EFA_DESC_* below).
+ *   ring_ctrl: K * EFA_CTRL_STRIDE uint64; [ch*STRIDE + EFA_CTRL_TAIL] is written by the producer
+ *              (release), [ch*STRIDE + EFA_CTRL_HEAD] by the channel thread (release). Separate
+ *              cache lines so the two sides do not false-share.
+ *   counters : world * num_slots uint64 arrival counters, written only by channel threads
+ *              (atomic add, release); read by waiters (acquire) and reset by the consumer.
+ *
+ * Descriptor (two little-endian uint64 words):
+ *   w0 = dest_rank << 52 | (msg_id & 0xFFFFF) << 32 | length_bytes (32 bits)
+ *   w1 = (local_offset >> 4) << 32 | (remote_offset >> 4)      (offsets 16-byte aligned, < 64 GiB)
+ *   length 0 is a no-op marker: the thread counts it as an arrival from its own rank (used to
+ *   measure the ring -> proxy -> counter round trip without the wire).
+ *
+ * Every function returns 0 on success or a negative errno-style code; on failure it writes a
+ * message naming the verb, the peer and the message into err (errlen bytes, NUL-terminated).
+ * Waits take a timeout in milliseconds and fail with -ETIMEDOUT naming the peer they waited for.
+ */
+#ifndef EFA_PROXY_H
+#define EFA_PROXY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EFA_PROXY_ABI_VERSION 1
+#define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
+#define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
+#define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
+#define EFA_CTRL_HEAD 8       /* consumer index (next slot to read), monotonically increasing */
+#define EFA_MSG_BITS 20
+#define EFA_MAX_RANKS 4096    /* 12 bits of source rank in the immediate data */
+
+/* Inject flags (test-only fault injection). */
+#define EFA_INJECT_TARGET 1   /* target side: hold completions, delay, publish shuffled in batches */
+#define EFA_INJECT_SENDER 2   /* sender side: post popped descriptors in a shuffled order */
+
+int efa_abi_version(void);
+
+/* Checks that `provider` offers RDM endpoints with FI_RMA and FI_REMOTE_CQ_DATA. */
+int efa_probe(const char *provider, char *err, size_t errlen);
+
+/* Creates the engine and starts its K channel threads; each thread pins itself (cpu_base >= 0:
+ * channel c on CPU cpu_base + c), opens its endpoint and registers the window, then reports.
+ * Returns once every thread reported ready (or the first init error, with the thread's verb). */
+int efa_engine_create(const char *provider, int rank, int world, int num_channels,
+                      void *window, uint64_t window_bytes,
+                      uint64_t *rings, uint32_t ring_slots, uint64_t *ring_ctrl,
+                      uint64_t *counters, uint32_t num_slots,
+                      int max_inflight, int spin_us, int inject, uint64_t seed, int cpu_base,
+                      int timeout_ms, uint64_t *out_handle, char *err, size_t errlen);
+
+/* Channel ch's endpoint name (up to EFA_ADDR_MAX bytes), the window's remote key and the remote
+ * base address peers must add to offsets (the window's VA with FI_MR_VIRT_ADDR, else 0). */
+int efa_engine_local_info(uint64_t handle, int ch, uint8_t *name, uint64_t *name_len,
+                          uint64_t *key, uint64_t *base, char *err, size_t errlen);
+
+/* Gives channel ch every rank's name/key/base (arrays indexed by rank; names EFA_ADDR_MAX apart).
+ * The channel thread inserts them into its AV (so its domain stays single-threaded). */
+int efa_engine_set_peers(uint64_t handle, int ch, const uint8_t *names, const uint64_t *name_lens,
+                         const uint64_t *keys, const uint64_t *bases, int timeout_ms,
+                         char *err, size_t errlen);
+
+/* Producer side of ring ch: wait (bounded) until at least n slots are free. */
+int efa_ring_wait_space(uint64_t handle, int ch, uint32_t n, int timeout_ms, char *err, size_t errlen);
+/* Publish new_tail (release): the slots below it hold complete descriptors. */
+int efa_ring_publish(uint64_t handle, int ch, uint64_t new_tail);
+/* Convenience producer: copies n descriptors (2n words) into ring ch with back-pressure. */
+int efa_ring_push(uint64_t handle, int ch, const uint64_t *descs, uint32_t n, int timeout_ms,
+                  char *err, size_t errlen);
+
+/* Waits until counters[src * num_slots + msg % num_slots] >= expected[i] for every i (srcs[i]),
+ * then (reset != 0) stores 0 into those counters so the slot can serve a later message. */
+int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
+                      const uint64_t *expected, int reset, int timeout_ms, char *err, size_t errlen);
+
+/* Waits until every ring is drained and every posted write has completed locally (the window's
+ * send side may be reused). Names the oldest outstanding (peer, message) on timeout. */
+int efa_wait_idle(uint64_t handle, int timeout_ms, char *err, size_t errlen);
+
+/* Per-channel statistics, 8 uint64 per channel: descriptors popped, writes posted, local write
+ * completions, remote arrivals, -FI_EAGAIN retries, no-op markers, max in flight, idle sleeps. */
+int efa_engine_stats(uint64_t handle, uint64_t *out, int n);
+
+/* Stops every thread (waiters return -ECANCELED), closes endpoints. Idempotent. */
+int efa_engine_stop(uint64_t handle);
+/* Stops if needed and frees the engine. The handle is invalid afterwards. */
+int efa_engine_destroy(uint64_t handle);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EFA_PROXY_H */

@@ -1,0 +1,515 @@
+"""The ``proxy`` transport: command rings + a native multi-channel CPU proxy + a libfabric wire.
+
+How bytes move (one *round*; dispatch is one round, combine one, dispatch_cached one; a row wider
+than the window's row capacity is split into column rounds):
+
+1. **Header** (the count exchange, on our own wire, not torch.distributed): every rank writes a
+   small int64 header ``[status, op, rows, row_bytes, rows per local expert (L)]`` into each
+   peer's header slot (message id ``2*seq``). A rank with invalid input still sends its header
+   with ``status=1``, so every rank learns of the failure and raises instead of waiting. The
+   header is also the handshake that makes window reuse safe: a rank sends its header for round
+   n+1 only after it copied round n's data out, and nobody writes data into a peer's window before
+   that peer's header for the same round arrived.
+2. **Pack**: rows to each destination are packed contiguously (``index_select`` straight into the
+   send slot of the registered window), planes back to back (x rows, then routing metadata).
+3. **Describe**: each message is cut into ``chunk_bytes`` chunks; every chunk becomes a 16-byte
+   descriptor (``efa_proxy.h``) written by torch code (CPU) or by a Triton kernel (GPU inputs)
+   into channel ``j % K``'s ring; the ring's tail is published with a release store.
+4. **Proxy**: the K native channel threads post ``fi_writedata`` into the peer's window with
+   imm = (source rank, message id). The target threads count completions per (source, message)
+   in host memory.
+5. **Wait**: the receiver waits until each source's counter reaches that message's chunk count
+   (known from the header), never inferring completion from order; then copies out.
+
+Memory (allocated once at setup, registered with every channel's domain, pinned when CUDA is
+present): ``[hdr send W][hdr recv 2 x W][data send W slots][data recv W slots]``; a slot holds
+``max_tokens_per_rank`` rows of ``row_cap`` bytes (row_cap = H * elem + 16 * max_topk by default).
+Rows to or from this rank itself never touch the wire (copied locally).
+
+GPU inputs are host-staged: copied to host, moved by the proxy, copied back (the descriptors of a
+GPU-input dispatch are produced by a Triton kernel into the pinned ring). Every call blocks the
+CPU until its outputs are ready (synchronizes the current CUDA stream for GPU inputs); not
+CUDA-graph capturable.
+
+Options (``create_transport("proxy", ..., **options)``; env var in parentheses):
+    provider (EFA_EP_PROXY_PROVIDER): ``efa`` if usable, else ``tcp``; also ``shm``.
+    num_channels (EFA_EP_PROXY_CHANNELS): K proxy channels (threads + endpoints), default 2.
+    inject_reorder (EFA_EP_PROXY_INJECT): test-only fault injection (0 off, 1 target-side hold/
+        delay/shuffle/batch of completions + sender-side shuffled posting).
+    timeout_s (EFA_EP_PROXY_TIMEOUT_S): deadline of every wait, default 60.
+    chunk_bytes (EFA_EP_PROXY_CHUNK_BYTES): bytes per descriptor, default 256 KiB.
+    max_topk: top-k the windows are sized for (default 8). max_row_bytes: override row_cap.
+    ring_slots (1024), max_inflight (64 writes per channel), spin_us (EFA_EP_PROXY_SPIN_US, 200),
+    cpu_base (EFA_EP_PROXY_CPU_BASE, -1 = no pinning): channel c pinned to CPU cpu_base + c.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from efa_ep.kernels import proxy_native as native
+from efa_ep.kernels.base import (
+    DispatchHandle, DispatchInputError, Transport, TransportConfig, TransportError,
+    compute_send_layout, float_bits_to_int64, int64_to_float_bits, nbytes_of,
+    reduce_rows_by_rank, validate_dispatch_inputs,
+)
+
+_STATUS_OK, _STATUS_BAD = 0, 1
+_OP_DISPATCH, _OP_COMBINE, _OP_CACHED = 1, 2, 3
+_OP_NAMES = {_OP_DISPATCH: "dispatch", _OP_COMBINE: "combine", _OP_CACHED: "dispatch_cached"}
+_HDR_FIXED = 4            # status, op, rows, row_bytes
+_NUM_COUNTER_SLOTS = 64   # counter slots per source; a peer is never more than 2 messages ahead
+_ALIGN = 16
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def _default_provider() -> str:
+    return "efa" if native.probe("efa") is None else "tcp"
+
+
+def availability() -> Optional[str]:
+    """None when the proxy can run here; else what is missing (headers, compiler, provider)."""
+    problem = native.build_problem()
+    if problem:
+        return problem
+    try:
+        native.load()
+    except RuntimeError as e:
+        return str(e)
+    provider = os.environ.get("EFA_EP_PROXY_PROVIDER") or _default_provider()
+    why = native.probe(provider)
+    if why:
+        return f"libfabric provider {provider!r} unusable: {why}"
+    return None
+
+
+def _opt(options: dict, key: str, env: str, default, cast):
+    if key in options:
+        return cast(options[key])
+    if env and os.environ.get(env):
+        return cast(os.environ[env])
+    return default
+
+
+def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes: int) -> torch.Tensor:
+    """Cuts messages into chunks and encodes one 16-byte descriptor per chunk (reference for the
+    Triton producer).
+
+    Args:
+        dest, local_off, remote_off, nbytes: ``[M]`` int64 CPU, one entry per message; offsets are
+            16-byte aligned window offsets, nbytes > 0.
+        msg: message id (20 bits). chunk_bytes: multiple of 16.
+    Returns:
+        ``[D, 2]`` int64 CPU descriptor words (see efa_proxy.h), chunks in message order.
+    """
+    nch = (nbytes + chunk_bytes - 1) // chunk_bytes
+    total = int(nch.sum())
+    if total == 0:
+        return torch.empty(0, 2, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(nch)), nch)
+    first = torch.cumsum(nch, 0) - nch
+    k = torch.arange(total) - first[owner]
+    off = k * chunk_bytes
+    length = torch.minimum(nbytes[owner] - off, torch.full_like(off, chunk_bytes))
+    w0 = (dest[owner] << 52) | ((msg & ((1 << native.MSG_BITS) - 1)) << 32) | length
+    w1 = (((local_off[owner] + off) >> 4) << 32) | ((remote_off[owner] + off) >> 4)
+    return torch.stack([w0, w1], 1)
+
+
+class ProxyTransport(Transport):
+    """CPU-proxy transport over libfabric; see the module docstring for the protocol.
+
+    Synchronization: every call is collective over the EP group and blocks the calling thread
+    until this rank's outputs are complete (the waits are bounded by ``timeout_s`` and name the
+    peer and message on expiry). GPU inputs are staged through host memory on the current stream
+    (the call synchronizes it). Buffers (windows, rings, counters) are allocated once and reused.
+
+    Warning: one operation at a time per transport object (calls are not thread-safe).
+    """
+
+    name = "proxy"
+
+    def __init__(self, cfg: TransportConfig, group):
+        super().__init__(cfg, group)
+        o = dict(cfg.options)
+        self.provider = _opt(o, "provider", "EFA_EP_PROXY_PROVIDER", None, str) or _default_provider()
+        self.num_channels = _opt(o, "num_channels", "EFA_EP_PROXY_CHANNELS", 2, int)
+        inj = _opt(o, "inject_reorder", "EFA_EP_PROXY_INJECT", 0, int)
+        self.inject = (native.INJECT_TARGET | native.INJECT_SENDER) if inj == 1 else inj
+        self.timeout_ms = int(1000 * _opt(o, "timeout_s", "EFA_EP_PROXY_TIMEOUT_S", 60.0, float))
+        self.chunk_bytes = _align(_opt(o, "chunk_bytes", "EFA_EP_PROXY_CHUNK_BYTES", 256 << 10, int))
+        self.ring_slots = _opt(o, "ring_slots", "", 1024, int)
+        self.max_inflight = _opt(o, "max_inflight", "", 64, int)
+        self.spin_us = _opt(o, "spin_us", "EFA_EP_PROXY_SPIN_US", 200, int)
+        self.cpu_base = _opt(o, "cpu_base", "EFA_EP_PROXY_CPU_BASE", -1, int)
+        max_topk = _opt(o, "max_topk", "", 8, int)
+        esize = nbytes_of(cfg.dtype)
+        self.row_cap = _align(_opt(o, "max_row_bytes", "", cfg.hidden * esize + 16 * max_topk, int))
+        if self.num_channels < 1 or self.num_channels > 64:
+            raise TransportError(f"num_channels={self.num_channels} must be in 1..64")
+        if self.chunk_bytes < _ALIGN or self.chunk_bytes >= (1 << 32):
+            raise TransportError(f"chunk_bytes={self.chunk_bytes} must be in [16, 4 GiB)")
+        if self.world_size > native.MAX_RANKS:
+            raise TransportError(f"EP group of {self.world_size} ranks > {native.MAX_RANKS} (imm has 12 rank bits)")
+        w, L = self.world_size, cfg.num_local_experts
+        self.hdr_fields = _HDR_FIXED + L
+        self.hdr_bytes = _align(self.hdr_fields * 8)
+        # A slot carries at most max_tokens_per_rank rows (a rank sends each token once per
+        # destination), plus alignment slack for up to 4 planes.
+        self.slot_bytes = _align(max(1, cfg.max_tokens_per_rank) * self.row_cap) + 4 * _ALIGN
+        self.off_hdr_send = 0
+        self.off_hdr_recv = w * self.hdr_bytes
+        # Header receive slots are double-buffered by round parity: a peer that expects no rows
+        # from us can finish round n and send its round n+1 header before we read its round n
+        # header; it cannot send round n+2's before we sent ours for n+1 (after reading n).
+        self.off_data_send = 3 * w * self.hdr_bytes
+        self.off_data_recv = self.off_data_send + w * self.slot_bytes
+        self.window_bytes = self.off_data_recv + w * self.slot_bytes
+        if self.window_bytes >= (1 << 36):
+            raise TransportError(
+                f"window of {self.window_bytes} bytes exceeds 64 GiB (descriptor offsets); lower "
+                f"max_tokens_per_rank={cfg.max_tokens_per_rank} or hidden={cfg.hidden}")
+
+        pin = torch.cuda.is_available()
+        # Host memory the NIC writes into and the GPU may read: pinned so a kernel can reach it.
+        self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.rings = torch.zeros(self.num_channels, self.ring_slots, 2, dtype=torch.int64, pin_memory=pin)
+        self.ring_ctrl = torch.zeros(self.num_channels, native.CTRL_STRIDE, dtype=torch.int64, pin_memory=pin)
+        self.counters = torch.zeros(w * _NUM_COUNTER_SLOTS, dtype=torch.int64, pin_memory=pin)
+        self._tails = [0] * self.num_channels
+        self._next_channel = 0
+        self._seq = 0
+        self.engine = None
+        self._setup()
+
+    # Setup ----------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        settings = (self.provider, self.num_channels, self.chunk_bytes, self.row_cap,
+                    self.window_bytes, self.inject)
+        self.engine = native.Engine(
+            self.provider, self.rank, self.world_size, self.num_channels, self.window.data_ptr(),
+            self.window_bytes, self.rings.data_ptr(), self.ring_slots, self.ring_ctrl.data_ptr(),
+            self.counters.data_ptr(), _NUM_COUNTER_SLOTS, self.max_inflight, self.spin_us,
+            self.inject, 1234 + self.rank, self.cpu_base, self.timeout_ms)
+        mine = [self.engine.local_info(c) for c in range(self.num_channels)]
+        # Endpoint names, window keys and base addresses travel over the torch group (gloo) once.
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, (settings, mine), group=self.group)
+        bad = [r for r, (s, _) in enumerate(gathered) if s != settings]
+        if bad:
+            self.close()
+            raise TransportError(
+                f"rank {self.rank}: proxy settings (provider, num_channels, chunk_bytes, row_cap, "
+                f"window_bytes, inject) differ across ranks: {[g[0] for g in gathered]} "
+                f"(check EFA_EP_PROXY_* env vars on ranks {bad})")
+        for c in range(self.num_channels):
+            names = b"".join(g[1][c][0] for g in gathered)
+            self.engine.set_peers(c, names, [g[1][c][1] for g in gathered],
+                                  [g[1][c][2] for g in gathered], [g[1][c][3] for g in gathered],
+                                  self.timeout_ms)
+        dist.barrier(group=self.group)  # every AV is populated before anyone writes
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def stats(self) -> list:
+        """Per-channel native counters (popped, posted, tx_done, arrived, eagain, ...)."""
+        return self.engine.stats()
+
+    # Wire primitives ------------------------------------------------------------------------
+    def _window_view(self, off: int, nbytes: int) -> torch.Tensor:
+        return self.window[off:off + nbytes]
+
+    def _push(self, descs: torch.Tensor) -> None:
+        """Writes descriptors ``[D, 2]`` int64 into the rings (descriptor j -> channel (j + r) % K,
+        r rotating per call so small messages spread over channels) and publishes each tail."""
+        n = descs.shape[0]
+        if n == 0:
+            return
+        k = self.num_channels
+        start = self._next_channel
+        self._next_channel = (start + n) % k
+        for j in range(min(k, n)):
+            c = (start + j) % k
+            mine = descs[j::k]
+            done = 0
+            while done < mine.shape[0]:
+                cnt = min(mine.shape[0] - done, self.ring_slots)
+                self.engine.ring_wait_space(c, cnt, self.timeout_ms)  # back-pressure
+                tail = self._tails[c]
+                s0 = tail % self.ring_slots
+                first = min(cnt, self.ring_slots - s0)
+                self.rings[c, s0:s0 + first].copy_(mine[done:done + first])
+                if cnt > first:  # wrap around
+                    self.rings[c, :cnt - first].copy_(mine[done + first:done + cnt])
+                self._tails[c] = tail + cnt
+                self.engine.ring_publish(c, self._tails[c])  # release store of the tail
+                done += cnt
+
+    def _wait(self, msg: int, srcs: List[int], expected: List[int]) -> None:
+        if not srcs:
+            return
+        s = torch.tensor(srcs, dtype=torch.int32)
+        e = torch.tensor(expected, dtype=torch.int64)
+        try:
+            self.engine.wait_counters(msg, s.data_ptr(), e.data_ptr(), len(srcs), True, self.timeout_ms)
+        except native.NativeError as ex:
+            raise TransportError(str(ex)) from ex
+
+    def _quiesce(self) -> None:
+        """Waits until our previous writes completed locally, so the send side may be rewritten."""
+        try:
+            self.engine.wait_idle(self.timeout_ms)
+        except native.NativeError as ex:
+            raise TransportError(str(ex)) from ex
+
+    def _chunks(self, nbytes: int) -> int:
+        return -(-nbytes // self.chunk_bytes)
+
+    def _round(self, op: int, planes: Dict[int, List[torch.Tensor]], widths: List[int],
+               n_recv: Optional[List[int]], extra_WL: Optional[torch.Tensor],
+               error: Optional[str]):
+        """One header + data exchange with every peer (collective).
+
+        Args:
+            planes: dest rank (!= self) -> list of ``[n, widths[p]]`` uint8 CPU tensors (rows to
+                that rank); empty when ``error``.
+            widths: bytes per row of each plane (same on every rank).
+            n_recv: rows expected from each rank, or None (dispatch: learned from the headers).
+            extra_WL: ``[W, L]`` int64 CPU, per-destination extra header fields, or None.
+            error: this rank's input error (sent as status, then raised).
+        Returns:
+            (headers ``[W, F]`` int64 CPU (row ``self.rank`` unset), {src: [plane views into the
+            receive window]}). The views are valid until the next round: copy them out.
+        """
+        w, me = self.world_size, self.rank
+        peers = [r for r in range(w) if r != me]
+        msg_hdr, msg_data = (2 * self._seq) & 0xFFFFF, (2 * self._seq + 1) & 0xFFFFF
+        hdr_in = self.off_hdr_recv + (self._seq % 2) * w * self.hdr_bytes  # parity buffer
+        self._seq += 1
+        row_bytes = sum(widths)
+        self._quiesce()
+
+        # 1. headers (also the "my window is free" handshake and the status carrier)
+        hdr = self._window_view(self.off_hdr_send, w * self.hdr_bytes).view(torch.int64).view(w, -1)
+        hdr.zero_()
+        hdr[:, 0] = _STATUS_BAD if error else _STATUS_OK
+        hdr[:, 1] = op
+        hdr[:, 3] = row_bytes
+        if not error:
+            for d, pl in planes.items():
+                hdr[d, 2] = pl[0].shape[0] if pl else 0
+            if extra_WL is not None:
+                hdr[:, _HDR_FIXED:_HDR_FIXED + extra_WL.shape[1]] = extra_WL
+        if peers:
+            p = torch.tensor(peers, dtype=torch.int64)
+            self._push(describe_messages(
+                p, self.off_hdr_send + p * self.hdr_bytes,
+                torch.full_like(p, hdr_in + me * self.hdr_bytes),
+                torch.full_like(p, self.hdr_fields * 8), msg_hdr, self.chunk_bytes))
+        self._wait(msg_hdr, peers, [1] * len(peers))
+        got = self._window_view(hdr_in, w * self.hdr_bytes).view(torch.int64).view(w, -1)
+        got = got[:, :self.hdr_fields].clone()
+        if error:
+            raise DispatchInputError(error)
+        what = _OP_NAMES[op]
+        bad = [r for r in peers if int(got[r, 0]) != _STATUS_OK]
+        if bad:
+            raise DispatchInputError(
+                f"rank {me}: EP peer rank(s) {bad} passed invalid {what} inputs (see their error)")
+        wrong = [r for r in peers if int(got[r, 1]) != op or int(got[r, 3]) != row_bytes]
+        if wrong:
+            raise TransportError(
+                f"rank {me}: peers {wrong} are in a different operation or row size: "
+                f"{[(int(got[r, 1]), int(got[r, 3])) for r in wrong]} vs this rank's "
+                f"({op}={what}, {row_bytes} bytes/row); every rank must call the same ops in order")
+        rows_from = {r: int(got[r, 2]) for r in peers}
+        if n_recv is not None:
+            mism = [r for r in peers if rows_from[r] != n_recv[r]]
+            if mism:
+                raise TransportError(
+                    f"rank {me}: {what}: ranks {mism} send {[rows_from[r] for r in mism]} rows, "
+                    f"the handle expects {[n_recv[r] for r in mism]}; handles from different "
+                    f"dispatches?")
+
+        # 2-3. pack into the send slots, describe, push
+        dests, loffs, roffs, sizes = [], [], [], []
+        for d, pl in planes.items():
+            n = pl[0].shape[0] if pl else 0
+            if n == 0:
+                continue
+            base = self.off_data_send + d * self.slot_bytes
+            rbase = self.off_data_recv + me * self.slot_bytes
+            off = 0
+            for t, wdt in zip(pl, widths):
+                nb = n * wdt
+                dst = self._window_view(base + off, nb).view(n, wdt)
+                if t.data_ptr() != dst.data_ptr():
+                    dst.copy_(t)
+                dests.append(d); loffs.append(base + off); roffs.append(rbase + off); sizes.append(nb)
+                off += _align(nb)
+        if dests:
+            self._push(describe_messages(torch.tensor(dests), torch.tensor(loffs), torch.tensor(roffs),
+                                         torch.tensor(sizes), msg_data, self.chunk_bytes))
+
+        # 5. wait for every chunk of every source's message, then hand out views
+        srcs = [r for r in peers if rows_from[r]]
+        self._wait(msg_data, srcs, [sum(self._chunks(rows_from[r] * wd) for wd in widths) for r in srcs])
+        out = {}
+        for r in peers:
+            n = rows_from[r]
+            base = self.off_data_recv + r * self.slot_bytes
+            views, off = [], 0
+            for wdt in widths:
+                views.append(self._window_view(base + off, n * wdt).view(n, wdt))
+                off += _align(n * wdt)
+            out[r] = views
+        return got, out
+
+    def _send_slot(self, d: int, off: int, n: int, width: int) -> torch.Tensor:
+        """Writable ``[n, width]`` uint8 view of dest d's send slot at byte offset off."""
+        return self._window_view(self.off_data_send + d * self.slot_bytes + off, n * width).view(n, width)
+
+    def _exchange_rows(self, op: int, rows_to: Dict[int, torch.Tensor], self_rows: torch.Tensor,
+                       n_recv: List[int]) -> torch.Tensor:
+        """Moves ``[n, D]`` row blocks (any dtype, CPU, contiguous) to each rank and returns the
+        received rows concatenated in source-rank order (this rank's block = ``self_rows``).
+        Rows wider than the window's row capacity go in column rounds."""
+        me, w = self.rank, self.world_size
+        d_cols, dtype = self_rows.shape[1], self_rows.dtype
+        row_bytes = d_cols * self_rows.element_size()
+        as_bytes = {d: t.contiguous().view(torch.uint8).view(t.shape[0], row_bytes) for d, t in rows_to.items()}
+        recv = {r: torch.empty(n_recv[r], row_bytes, dtype=torch.uint8) for r in range(w) if r != me}
+        for c0 in range(0, max(row_bytes, 1), self.row_cap):
+            c1 = min(row_bytes, c0 + self.row_cap)
+            planes = {d: [t[:, c0:c1].contiguous()] for d, t in as_bytes.items()}
+            _, got = self._round(op, planes, [c1 - c0], n_recv, None, None)
+            for r, views in got.items():
+                recv[r][:, c0:c1].copy_(views[0])
+            if row_bytes == 0:
+                break
+        blocks = [self_rows if r == me else recv[r].view(dtype).view(n_recv[r], d_cols) for r in range(w)]
+        return torch.cat(blocks, 0) if blocks else self_rows
+
+    # Contract -------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, topk_weights):
+        cfg, w, me = self.cfg, self.world_size, self.rank
+        error = validate_dispatch_inputs(cfg, me, x, topk_idx, topk_weights)
+        if error is None and cfg.hidden * x.element_size() + 16 * topk_idx.shape[1] > self.row_cap:
+            # would overflow a window row: refused on every rank (status in the header) before any
+            # row moves; all ranks share H and K, so all of them hit this
+            error = (f"rank {me}: dispatch rows of {cfg.hidden * x.element_size()} + "
+                     f"{16 * topk_idx.shape[1]} bytes (hidden*elem + 16*top-k) exceed the window's "
+                     f"row capacity {self.row_cap}; create the transport with "
+                     f"max_topk>={topk_idx.shape[1]} (or max_row_bytes)")
+        dev = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+        if error is not None:
+            self._round(_OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
+        # Host-staged: everything below runs on CPU tensors (no-ops for CPU inputs).
+        xh, idxh, wh = x.cpu(), topk_idx.cpu(), topk_weights.cpu()
+        k = idxh.shape[1]
+        layout = compute_send_layout(idxh, cfg.num_experts, w)
+        num_send = layout.num_tokens_per_rank_W.tolist()
+        starts = [sum(num_send[:r]) for r in range(w)]
+        row_x = cfg.hidden * xh.element_size()
+        widths = [row_x, 16 * k]
+        send_w = torch.where(layout.send_topk_idx_SK >= 0, wh.index_select(0, layout.send_token_idx_S),
+                             torch.zeros((), dtype=torch.float32))
+        meta = torch.cat([layout.send_topk_idx_SK, float_bits_to_int64(send_w)], dim=1)  # [S, 2K]
+        extra = layout.num_tokens_per_expert_E.view(w, cfg.num_local_experts)
+
+        planes = {}
+        self._quiesce()  # the previous round's writes must have left the send slots
+        for d in range(w):
+            if d == me:
+                continue
+            n = num_send[d]
+            idx = layout.send_token_idx_S[starts[d]:starts[d] + n]
+            # pack straight into the registered send slot (no intermediate copy)
+            xs = self._send_slot(d, 0, n, row_x)
+            torch.index_select(xh, 0, idx, out=xs.view(xh.dtype).view(n, cfg.hidden))
+            ms = meta[starts[d]:starts[d] + n].view(torch.uint8).view(n, 16 * k)
+            planes[d] = [xs, ms]
+        got, recv = self._round(_OP_DISPATCH, planes, widths, None, extra, None)
+        recv_blocks_x = {r: v[0] for r, v in recv.items()}
+        recv_blocks_m = {r: v[1] for r, v in recv.items()}
+        num_recv = [num_send[me] if r == me else int(got[r, 2]) for r in range(w)]
+        tokens_per_expert = extra[me].clone()
+        for r in range(w):
+            if r != me:
+                tokens_per_expert += got[r, _HDR_FIXED:]
+        self_idx = layout.send_token_idx_S[starts[me]:starts[me] + num_send[me]]
+        xb, mb = [], []
+        for r in range(w):
+            if r == me:
+                xb.append(xh.index_select(0, self_idx))
+                mb.append(meta[starts[me]:starts[me] + num_send[me]])
+            else:
+                n = num_recv[r]
+                xb.append(recv_blocks_x[r].view(xh.dtype).view(n, cfg.hidden))
+                mb.append(recv_blocks_m[r].view(torch.int64).view(n, 2 * k))
+        recv_x = torch.cat(xb, 0)      # copies out of the window (it is reused next round)
+        recv_meta = torch.cat(mb, 0)
+        recv_topk_idx = recv_meta[:, :k].contiguous()
+        recv_topk_weights = int64_to_float_bits(recv_meta[:, k:]).contiguous()
+        n_recv = sum(num_recv)
+        if dev.type != "cpu":
+            recv_x = recv_x.to(dev, non_blocking=False)
+            recv_topk_idx = recv_topk_idx.to(dev)
+            recv_topk_weights = recv_topk_weights.to(dev)
+        handle = DispatchHandle(
+            num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
+            send_token_idx=layout.send_token_idx_S.to(dev), num_send_per_rank=tuple(num_send),
+            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
+            state={"send_token_idx_cpu": layout.send_token_idx_S})
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
+
+    def _send_idx(self, handle) -> torch.Tensor:
+        st = handle.state if isinstance(handle.state, dict) else {}
+        return st.get("send_token_idx_cpu", handle.send_token_idx.cpu())
+
+    def dispatch_cached(self, x, handle):
+        if x.dim() != 2 or x.shape[0] != handle.num_tokens:
+            self._round(_OP_CACHED, {}, [0], None, None,
+                        f"rank {self.rank}: cached dispatch input must be [{handle.num_tokens}, D], "
+                        f"got {tuple(x.shape)}")
+        w, me = self.world_size, self.rank
+        xh = x.cpu().contiguous()
+        idx = self._send_idx(handle)
+        num_send = handle.num_send_per_rank
+        starts = [sum(num_send[:r]) for r in range(w)]
+        rows_to = {d: xh.index_select(0, idx[starts[d]:starts[d] + num_send[d]])
+                   for d in range(w) if d != me}
+        self_rows = xh.index_select(0, idx[starts[me]:starts[me] + num_send[me]])
+        out = self._exchange_rows(_OP_CACHED, rows_to, self_rows, list(handle.num_recv_per_rank))
+        return out.to(x.device) if x.device.type != "cpu" else out
+
+    def combine(self, y, handle):
+        if y.dim() != 2 or y.shape[0] != handle.num_recv_tokens:
+            self._round(_OP_COMBINE, {}, [0], None, None,
+                        f"rank {self.rank}: combine input y must be [{handle.num_recv_tokens}, D] "
+                        f"(rows received by the matching dispatch), got {tuple(y.shape)}")
+        w, me = self.world_size, self.rank
+        yh = y.cpu().contiguous()
+        num_recv = handle.num_recv_per_rank
+        starts = [sum(num_recv[:r]) for r in range(w)]
+        rows_to = {d: yh[starts[d]:starts[d] + num_recv[d]] for d in range(w) if d != me}
+        self_rows = yh[starts[me]:starts[me] + num_recv[me]]
+        back = self._exchange_rows(_OP_COMBINE, rows_to, self_rows, list(handle.num_send_per_rank))
+        out = reduce_rows_by_rank(back, self._send_idx(handle), handle.num_send_per_rank,
+                                  handle.num_tokens).to(y.dtype)
+        return out.to(y.device) if y.device.type != "cpu" else out
