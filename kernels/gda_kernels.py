@@ -236,7 +236,7 @@ def _dispatch_store_kernel(
     data_off, idx_off, w_off, hdr_off,              # byte offsets of the regions (this parity)
     me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, epoch,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr, WITH_META: tl.constexpr,
+    BLOCK_D: tl.constexpr, WITH_META: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Token t of rank ``me`` goes to every rank r with slot[t, r] >= 0, at window row
     me * T_MAX + slot[t, r]: the row is loaded once per chunk and stored W times at most.
@@ -256,8 +256,10 @@ def _dispatch_store_kernel(
             for r in tl.static_range(W):
                 slot = tl.load(slot_ptr + t64 * W + r)
                 if slot >= 0:
-                    base = tl.multiple_of(tl.load(buf_ptrs + r) + data_off, 16)
-                    dst = base.to(tl.pointer_type(elt)) + (me64 * T_MAX + slot) * D
+                    base = (tl.load(buf_ptrs + r) + data_off).to(tl.pointer_type(elt))
+                    dst = base + (me64 * T_MAX + slot) * D
+                    if ALIGNED:  # peer address from a table: tell the compiler (16-byte stores)
+                        dst = tl.multiple_of(dst, 16)
                     tl.store(dst + cols, v, mask=cm)
         if WITH_META:
             k = tl.arange(0, K_PAD)
@@ -330,6 +332,7 @@ def _gather_rows_kernel(
     num_rows, D, num_topk, T_MAX, epoch, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_META: tl.constexpr, WAIT: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Receive permutation: output row i (source s, j-th row from s) = window row
     s * T_MAX + j. Example: W=2, T_MAX=4, offsets [0, 1, 3] -> out rows 0, 1, 2 = window rows
@@ -341,16 +344,19 @@ def _gather_rows_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
-    win = tl.multiple_of(tl.load(win_ptr), 16)
+    win = tl.load(win_ptr)
     src_x = (win + data_off).to(tl.pointer_type(elt))
     for i in range(pid, num_rows, nprog):
         i64 = tl.cast(i, tl.int64)
         s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
         row = s * T_MAX + j
+        src_row = src_x + row * D
+        if ALIGNED:
+            src_row = tl.multiple_of(src_row, 16)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + offs
             cm = cols < D
-            v = tl.load(src_x + row * D + cols, mask=cm)
+            v = tl.load(src_row + cols, mask=cm)
             tl.store(out_x_ptr + i64 * D + cols, v, mask=cm)
         if WITH_META:
             k = tl.arange(0, K_PAD)
@@ -373,7 +379,7 @@ def _combine_store_kernel(
     buf_ptrs: tl.pointer_type(tl.int64), sig_ptrs: tl.pointer_type(tl.int64),
     done_ptr: tl.pointer_type(tl.int32),
     data_off, me, num_rows, stride_y, D, T_MAX, epoch,
-    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Row i (the j-th row received from source s) -> source s's window row me * T_MAX + j."""
     elt = y_ptr.dtype.element_ty
@@ -384,8 +390,10 @@ def _combine_store_kernel(
     for i in range(pid, num_rows, nprog):
         i64 = tl.cast(i, tl.int64)
         s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
-        base = tl.multiple_of(tl.load(buf_ptrs + s) + data_off, 16)
-        dst = base.to(tl.pointer_type(elt)) + (me64 * T_MAX + j) * D
+        base = (tl.load(buf_ptrs + s) + data_off).to(tl.pointer_type(elt))
+        dst = base + (me64 * T_MAX + j) * D
+        if ALIGNED:
+            dst = tl.multiple_of(dst, 16)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + offs
             cm = cols < D
@@ -401,7 +409,7 @@ def _combine_reduce_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32), err_ptr: tl.pointer_type(tl.int64),
     data_off, num_tokens, D, T_MAX, epoch, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, WAIT: tl.constexpr,
-    USE_GLOBALTIMER: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over ranks r ascending with slot[t, r] >= 0,
     in float32, rounded once to the output dtype: bit-equal to ``reduce_rows_by_rank``.
@@ -413,7 +421,7 @@ def _combine_reduce_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
-    win = tl.multiple_of(tl.load(win_ptr), 16)
+    win = tl.load(win_ptr)
     src = (win + data_off).to(tl.pointer_type(elt))
     for t in range(pid, num_tokens, nprog):
         t64 = tl.cast(t, tl.int64)
@@ -424,7 +432,10 @@ def _combine_reduce_kernel(
             for r in tl.static_range(W):
                 slot = tl.load(slot_ptr + t64 * W + r)
                 if slot >= 0:
-                    part = tl.load(src + (r * T_MAX + slot) * D + cols, mask=cm)
+                    src_row = src + (r * T_MAX + slot) * D
+                    if ALIGNED:
+                        src_row = tl.multiple_of(src_row, 16)
+                    part = tl.load(src_row + cols, mask=cm)
                     acc += part.to(tl.float32)
             tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
 
@@ -448,6 +459,11 @@ def _block_d(d: int, elem: int) -> int:
 
 def _warps(block_d: int, elem: int) -> int:
     return max(1, min(8, block_d * elem // 512))
+
+
+def _aligned16(d: int, elem: int, row_stride: int, region_off: int) -> bool:
+    """Window rows start 16-byte aligned (windows are 256-byte aligned allocations)."""
+    return (d * elem) % 16 == 0 and (row_stride * elem) % 16 == 0 and region_off % 16 == 0
 
 
 LAYOUT_BLOCK_T = 64
@@ -517,7 +533,7 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
         done, data_off, idx_off, w_off, hdr_off, me, t, max(1, x.stride(0)), d, k, t_max,
         num_local, epoch, W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)),
         L_PAD=max(2, next_pow2(num_local)), BLOCK_D=bd, WITH_META=with_meta,
-        num_warps=_warps(bd, elem))
+        ALIGNED=_aligned16(d, elem, x.stride(0), data_off), num_warps=_warps(bd, elem))
 
 
 def recv_header(my_sig, hdr, err, num_per_rank, *, num_local, epoch, timeout_ns, max_spins,
@@ -561,7 +577,8 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
         win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, data_off, idx_off, w_off,
         n, d, k, t_max, epoch, timeout_ns, max_spins, W=world, W_PAD=max(2, next_pow2(world)),
         K_PAD=max(2, next_pow2(k)), BLOCK_D=bd, WITH_META=with_meta, WAIT=wait,
-        USE_GLOBALTIMER=use_globaltimer, num_warps=_warps(bd, elem))
+        USE_GLOBALTIMER=use_globaltimer, ALIGNED=_aligned16(d, elem, d, data_off),
+        num_warps=_warps(bd, elem))
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
@@ -578,7 +595,8 @@ def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, 
     grid = (max(1, min(n, num_programs)),)
     _combine_store_kernel[grid](
         y, offsets, buf_ptrs, sig_ptrs, done, data_off, me, n, max(1, y.stride(0)), d, t_max,
-        epoch, W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd, num_warps=_warps(bd, elem))
+        epoch, W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd,
+        ALIGNED=_aligned16(d, elem, y.stride(0), data_off), num_warps=_warps(bd, elem))
 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
@@ -596,4 +614,5 @@ def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, w
     _combine_reduce_kernel[grid](
         win_ptr, slot, out, my_sig, err, data_off, t, d, t_max, epoch, timeout_ns, max_spins,
         W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd, WAIT=wait,
-        USE_GLOBALTIMER=use_globaltimer, num_warps=_warps(bd, elem))
+        USE_GLOBALTIMER=use_globaltimer, ALIGNED=_aligned16(d, elem, d, data_off),
+        num_warps=_warps(bd, elem))
