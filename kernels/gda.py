@@ -230,8 +230,10 @@ class GdaTransport(Transport):
                                    num_local=cfg.num_local_experts)
         self._buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._hdl = symm_mem.rendezvous(self._buf, group)
-        self._buf_ptrs = torch.tensor(list(self._hdl.buffer_ptrs), dtype=torch.int64,
-                                      device=self.device)
+        # Peers' windows at the same offset inside their allocations as ours inside ours.
+        delta = self._buf.data_ptr() - int(self._hdl.buffer_ptrs[self.rank])
+        self._buf_ptrs = torch.tensor([int(p) + delta for p in self._hdl.buffer_ptrs],
+                                      dtype=torch.int64, device=self.device)
         self._sig_ptrs = torch.tensor(list(self._hdl.signal_pad_ptrs), dtype=torch.int64,
                                       device=self.device)
         self._win_ptr = self._buf_ptrs[self.rank:self.rank + 1]

@@ -1,0 +1,212 @@
+"""One device call: the gda GPU tests, then dispatch/combine latency and bandwidth.
+
+Run after the command has started the MPS daemon (several ranks share one GPU):
+
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python scripts/gda_gpu_check.py [--skip-tests] [--worlds 2,4,8]
+    echo quit | nvidia-cuda-mps-control
+
+Benchmark: H 7168, bf16, top-8 of 256 experts, routes from ``tests/routes.py`` (``random`` and
+``skewed``), decode (128 tokens/rank) and prefill (4096 tokens/rank), EP 2/4/8 as processes on
+one GPU. Each cell is checked before it is timed (dispatch then combine of the received rows
+must give ``x * number of destination ranks`` bit for bit). Timing: CUDA events on every rank
+around each dispatch (which includes its one host sync) and each combine, back to back, after
+warm-up; per-rank median; the reported figure is the slowest rank's median. Bytes: rows sent
+summed over all ranks x row bytes; "HBM frac" = 2 x bytes (each byte read once and written once)
+/ time / 4.26 TB/s (the H200's measured device copy rate): all ranks share one GPU's HBM here,
+so this is an HBM-bound stand-in for NVLink, not an NVLink figure. Launch floor: the same number
+of empty Triton launches plus one device-to-host copy, timed the same way on every rank.
+
+Writes ``$OUT/gda_gpu_check.json`` (and pytest's log) and prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+COPY_CEILING_BPS = 4.26e12
+HIDDEN, EXPERTS, TOPK, T_MAX = 7168, 256, 8, 4096
+PROFILES = {"decode": 128, "prefill": 4096}
+ITERS = {"decode": 300, "prefill": 60}
+WARMUP = 15
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def _empty_kernel():
+    import triton
+
+    @triton.jit
+    def _empty(p):
+        pass
+
+    return _empty
+
+
+def _bench_rank(rank, world, routes):
+    import torch.distributed as dist
+    from efa_ep.kernels import create_transport
+    from tests.routes import make_route
+
+    _empty = _empty_kernel()
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    tr = create_transport("gda", None, EXPERTS, HIDDEN, T_MAX, torch.bfloat16, timeout_s=60)
+    out = {}
+    for route in routes:
+        for prof, t in PROFILES.items():
+            idx, w = make_route(route, t, EXPERTS, TOPK, world, seed=1234 + rank)
+            idx, w = idx.to(dev), w.to(dev)
+            g = torch.Generator(device=dev).manual_seed(99 + rank)
+            x = torch.randn(t, HIDDEN, device=dev, generator=g).to(torch.bfloat16)
+            # check: combine(dispatch(x)) == x * (destination ranks), exact in float32
+            recv_x, _, _, _, h = tr.dispatch(x, idx, w)
+            back = tr.combine(recv_x, h)
+            dest = torch.zeros(t, world, dtype=torch.bool, device=dev)
+            valid = idx >= 0
+            rows = torch.arange(t, device=dev).unsqueeze(1).expand_as(idx)
+            dest[rows[valid], (idx // (EXPERTS // world))[valid]] = True
+            want = (x.float() * dest.sum(1, keepdim=True).float()).to(torch.bfloat16)
+            ok = bool(torch.equal(back.view(torch.int16), want.view(torch.int16)))
+            sent_rows = sum(h.num_send_per_rank)
+            recv_rows = h.num_recv_tokens
+            for _ in range(WARMUP):
+                r = tr.dispatch(x, idx, w)
+                tr.combine(r[0], r[4])
+            torch.cuda.synchronize()
+            dist.barrier()
+            n = ITERS[prof]
+            evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
+            for e in evs:
+                e[0].record()
+                r = tr.dispatch(x, idx, w)
+                e[1].record()
+                tr.combine(r[0], r[4])
+                e[2].record()
+            torch.cuda.synchronize()
+            disp = [e[0].elapsed_time(e[1]) * 1e3 for e in evs]
+            comb = [e[1].elapsed_time(e[2]) * 1e3 for e in evs]
+            both = [a + b for a, b in zip(disp, comb)]
+            # launch floor: 1 memset + 5 launches + one D2H copy + 2 launches (gda's D+C shape)
+            tiny = torch.zeros(64, dtype=torch.int64, device=dev)
+            fl = []
+            for i in range(n + WARMUP):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                torch.zeros(257, dtype=torch.int64, device=dev)
+                for _ in range(5):
+                    _empty[(1,)](tiny)
+                tiny.cpu()
+                for _ in range(2):
+                    _empty[(1,)](tiny)
+                e1.record()
+                torch.cuda.synchronize()
+                if i >= WARMUP:
+                    fl.append(e0.elapsed_time(e1) * 1e3)
+            dist.barrier()
+            out[f"{route}/{prof}"] = dict(
+                ok=ok, tokens=t, sent_rows=sent_rows, recv_rows=recv_rows,
+                dispatch_us=statistics.median(disp), combine_us=statistics.median(comb),
+                total_us=statistics.median(both), total_p10_us=_pct(both, 0.1),
+                total_p90_us=_pct(both, 0.9), floor_us=statistics.median(fl), iters=n)
+    tr.check_errors()
+    dist.barrier()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--routes", default="random,skewed")
+    ap.add_argument("--pytest-args", default="")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", os.path.join(REPO, "outputs"))
+    os.makedirs(out_dir, exist_ok=True)
+    report = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        torch=torch.__version__, mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        shape=dict(hidden=HIDDEN, experts=EXPERTS, topk=TOPK, dtype="bf16", t_max=T_MAX),
+        copy_ceiling_tbps=COPY_CEILING_BPS / 1e12)
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if not args.skip_tests:
+        t0 = time.time()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+               "tests/kernels/test_gda_gpu.py"] + args.pytest_args.split()
+        with open(os.path.join(out_dir, "pytest_gda_gpu.log"), "w") as f:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        with open(os.path.join(out_dir, "pytest_gda_gpu.log")) as f:
+            tail = f.read()[-4000:]
+        print(tail)
+        report["tests"] = dict(rc=proc.returncode, seconds=round(time.time() - t0, 1), tail=tail[-1500:])
+    from efa_ep.distributed import run_ranks
+    cells = []
+    routes = args.routes.split(",")
+    for world in [int(w) for w in args.worlds.split(",")]:
+        t0 = time.time()
+        try:
+            res = run_ranks(_bench_rank, world, (routes,), timeout_s=400, pg_timeout_s=300,
+                            env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
+        except Exception as e:  # record and go on with the next size
+            cells.append(dict(world=world, error=str(e)[-3000:]))
+            print(f"world {world} failed: {str(e)[-1500:]}")
+            continue
+        for key in res[0]:
+            per = [r[key] for r in res]
+            row_bytes = HIDDEN * 2
+            moved = sum(p["sent_rows"] for p in per) * row_bytes
+            d = max(p["dispatch_us"] for p in per)
+            c = max(p["combine_us"] for p in per)
+            tot = max(p["total_us"] for p in per)
+            cells.append(dict(
+                world=world, cell=key, ok=all(p["ok"] for p in per), bytes_moved=moved,
+                dispatch_us=d, combine_us=c, total_us=tot,
+                total_p10_us=max(p["total_p10_us"] for p in per),
+                total_p90_us=max(p["total_p90_us"] for p in per),
+                floor_us=max(p["floor_us"] for p in per),
+                dispatch_hbm_frac=2 * moved / (d * 1e-6) / COPY_CEILING_BPS,
+                combine_hbm_frac=2 * moved / (c * 1e-6) / COPY_CEILING_BPS,
+                total_hbm_frac=4 * moved / (tot * 1e-6) / COPY_CEILING_BPS,
+                per_rank=per, seconds=round(time.time() - t0, 1)))
+    report["cells"] = cells
+    with open(os.path.join(out_dir, "gda_gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\ngda on {report['device']} (MPS {'on' if report['mps'] else 'OFF'}), H={HIDDEN} bf16 "
+          f"top-{TOPK}/{EXPERTS}; slowest-rank medians; frac = share of 4.26 TB/s (read+write)")
+    if "tests" in report:
+        print(f"GPU tests rc={report['tests']['rc']} ({report['tests']['seconds']}s)")
+    print(f"{'W':>2} {'cell':<16} {'ok':<3} {'MB':>7} {'disp us':>8} {'comb us':>8} {'D+C us':>8} "
+          f"{'p10-p90':>13} {'floor':>6} {'D frac':>6} {'C frac':>6} {'DC frac':>7}")
+    for c in cells:
+        if "error" in c:
+            print(f"{c['world']:>2} ERROR {c['error'][-200:]}")
+            continue
+        print(f"{c['world']:>2} {c['cell']:<16} {'y' if c['ok'] else 'N':<3} "
+              f"{c['bytes_moved'] / 1e6:7.1f} {c['dispatch_us']:8.1f} {c['combine_us']:8.1f} "
+              f"{c['total_us']:8.1f} {c['total_p10_us']:6.0f}-{c['total_p90_us']:<6.0f} "
+              f"{c['floor_us']:6.1f} {c['dispatch_hbm_frac']:6.2f} {c['combine_hbm_frac']:6.2f} "
+              f"{c['total_hbm_frac']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

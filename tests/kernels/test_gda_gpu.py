@@ -1,0 +1,155 @@
+"""GPU tests of the ``gda`` transport: W ranks as processes on one GPU (gloo group, torch symmetric
+memory with overlapping devices allowed). Start the MPS daemon first, or the processes time-slice
+the GPU and every flag round trip costs milliseconds (see DESIGN.md).
+
+Each rank runs the same inputs through ``gda`` (on the GPU) and ``torch`` (the reference, on CPU
+tensors over gloo) and compares bit for bit: dispatch outputs, ``tokens_per_expert`` (CPU int64),
+the handle's counts and row order, combine, ``dispatch_cached`` and ``combine_topk_weights``.
+Skipped without a CUDA GPU.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from efa_ep.distributed import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
+T_MAX = 4096
+NUM_EXPERTS = 256
+
+# (route kind, tokens on rank 0 (other ranks get fewer), hidden, top-k)
+CASES = [
+    ("random", 0, 2048, 8),
+    ("random", 1, 2048, 1),
+    ("one_rank", 64, 2048, 2),
+    ("dropped", 300, 2048, 4),
+    ("skewed", 128, 7168, 8),
+    ("random", 1000, 7168, 3),
+    ("dropped", 777, 7168, 6),
+    ("random", 4096, 2048, 8),
+    ("skewed", 4096, 7168, 8),
+]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), t.dtype))
+
+
+def _same(a, b, what, case):
+    a, b = _bits(a), _bits(b)
+    if a.shape != b.shape or not torch.equal(a, b):
+        bad = (a != b).sum().item() if a.shape == b.shape else "shape"
+        raise AssertionError(f"{what} differs from torch for {case}: {tuple(a.shape)} vs "
+                             f"{tuple(b.shape)}, mismatches {bad}")
+
+
+def _equal_to_torch(rank, world, cases):
+    import torch.distributed as dist
+    from efa_ep.kernels import create_transport
+    from tests.routes import make_route
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    gdas, refs = {}, {}
+    for h in sorted({c[2] for c in cases}):
+        gdas[h] = create_transport("gda", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16, timeout_s=60)
+        refs[h] = create_transport("torch", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16)
+    done = []
+    for ci, (kind, t0, h, k) in enumerate(cases):
+        case = (world, kind, t0, h, k, rank)
+        t = t0 if rank == 0 else max(0, t0 - 37 * rank)
+        g = torch.Generator().manual_seed(1000 * ci + rank)
+        idx, w = make_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        ref = refs[h].dispatch(x, idx, w)
+        got = gdas[h].dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], ref[:3]):
+            _same(a, b, name, case)
+        assert got[3].device.type == "cpu" and got[3].dtype == torch.int64, got[3]
+        _same(got[3], ref[3], "tokens_per_expert", case)
+        hg, hr = got[4], ref[4]
+        assert hg.num_send_per_rank == hr.num_send_per_rank, case
+        assert hg.num_recv_per_rank == hr.num_recv_per_rank, case
+        _same(hg.send_token_idx, hr.send_token_idx, "send_token_idx", case)
+        n = hr.num_recv_tokens
+        y = torch.randn(n, h, generator=g).to(torch.bfloat16)
+        _same(gdas[h].combine(y.to(dev), hg), refs[h].combine(y, hr), "combine", case)
+        x2 = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        _same(gdas[h].dispatch_cached(x2.to(dev), hg), refs[h].dispatch_cached(x2, hr),
+              "dispatch_cached", case)
+        gw = torch.randn(n, k, generator=g)
+        _same(gdas[h].combine_topk_weights(gw.to(dev), hg), refs[h].combine_topk_weights(gw, hr),
+              "combine_topk_weights", case)
+        done.append(case)
+    for tr in gdas.values():
+        tr.check_errors()
+    dist.barrier()
+    return len(done)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gda_bit_identical_to_torch(world):
+    t0 = time.time()
+    counts = run_ranks(_equal_to_torch, world, (CASES,), timeout_s=540, pg_timeout_s=300, env=ENV)
+    assert counts == [len(CASES)] * world
+    print(f"world={world}: {len(CASES)} cases bit-identical in {time.time() - t0:.1f}s")
+
+
+def _peer_never_arrives(rank, world):
+    import torch.distributed as dist
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.base import DispatchInputError, TransportError
+    from efa_ep.kernels.gda import PeerTimeoutError
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    tr = create_transport("gda", None, 8, 64, 16, torch.bfloat16, timeout_s=2)
+    x = torch.randn(4, 64, device=dev).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4]], device=dev)
+    w = torch.ones(4, 2, device=dev)
+    # 1. a bad expert id on the last rank raises on every rank (no one waits for a deadline)
+    bad = idx.clone()
+    if rank == world - 1:
+        bad[0, 0] = 99
+    try:
+        tr.dispatch(x, bad, w)
+        raise AssertionError("expected DispatchInputError")
+    except DispatchInputError as e:
+        msg_bad = str(e)
+    dist.barrier()
+    # 2. the last rank skips a dispatch: the others raise a deadline error naming it
+    out = {"bad_input": msg_bad}
+    if rank == world - 1:
+        time.sleep(6)
+    else:
+        t0 = time.time()
+        try:
+            tr.dispatch(x, idx, w)
+            raise AssertionError("expected PeerTimeoutError")
+        except PeerTimeoutError as e:
+            out["timeout"] = str(e)
+            out["seconds"] = time.time() - t0
+        try:
+            tr.dispatch(x, idx, w)
+        except TransportError as e:
+            out["after"] = str(e)
+    dist.barrier()
+    return out
+
+
+def test_gda_deadline_names_missing_rank():
+    world = 3
+    outs = run_ranks(_peer_never_arrives, world, (), timeout_s=180, pg_timeout_s=60, env=ENV)
+    assert "expert ids outside" in outs[world - 1]["bad_input"], outs
+    for r in range(world - 1):
+        assert f"peer rank(s) [{world - 1}]" in outs[r]["bad_input"], outs[r]
+        assert f"source rank(s) [{world - 1}]" in outs[r]["timeout"], outs[r]
+        assert 1.5 < outs[r]["seconds"] < 30, outs[r]
+        assert "unusable" in outs[r]["after"], outs[r]
