@@ -165,7 +165,7 @@ def main():
     for world in [int(w) for w in args.worlds.split(",")]:
         t0 = time.time()
         try:
-            res = run_ranks(_bench_rank, world, (routes,), timeout_s=400, pg_timeout_s=300,
+            res = run_ranks(_bench_rank, world, (routes,), timeout_s=200, pg_timeout_s=150,
                             env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
         except Exception as e:  # record and go on with the next size
             cells.append(dict(world=world, error=str(e)[-3000:]))

@@ -97,7 +97,7 @@ def _equal_to_torch(rank, world, cases):
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gda_bit_identical_to_torch(world):
     t0 = time.time()
-    counts = run_ranks(_equal_to_torch, world, (CASES,), timeout_s=540, pg_timeout_s=300, env=ENV)
+    counts = run_ranks(_equal_to_torch, world, (CASES,), timeout_s=240, pg_timeout_s=200, env=ENV)
     assert counts == [len(CASES)] * world
     print(f"world={world}: {len(CASES)} cases bit-identical in {time.time() - t0:.1f}s")
 
@@ -146,7 +146,7 @@ def _peer_never_arrives(rank, world):
 
 def test_gda_deadline_names_missing_rank():
     world = 3
-    outs = run_ranks(_peer_never_arrives, world, (), timeout_s=180, pg_timeout_s=60, env=ENV)
+    outs = run_ranks(_peer_never_arrives, world, (), timeout_s=90, pg_timeout_s=60, env=ENV)
     assert "expert ids outside" in outs[world - 1]["bad_input"], outs
     for r in range(world - 1):
         assert f"peer rank(s) [{world - 1}]" in outs[r]["bad_input"], outs[r]
