@@ -57,6 +57,7 @@ Fixed-capacity decode mode (designed, not implemented yet; CUDA-graph capturable
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import socket
 from typing import Optional
@@ -86,7 +87,7 @@ def availability() -> Optional[str]:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as e:
         return f"torch symmetric memory is unavailable ({e})"
     if not dist.is_available():
@@ -198,7 +199,7 @@ class GdaTransport(Transport):
         if self.world_size > _MAX_WORLD:
             raise TransportError(f"gda supports up to {_MAX_WORLD} ranks, got {self.world_size}")
         from efa_ep.kernels import gda_kernels as K  # triton import stays lazy
-        import torch.distributed._symmetric_memory as symm_mem
+        symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
 
         self._k = K
         opts = dict(cfg.options)
