@@ -154,31 +154,50 @@ class SendLayout:
     send_slot_TW: torch.Tensor
 
 
-def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
+def _tokens_in_rank(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+    num_local = num_experts // world_size
+    # Out-of-range ids count as unused here so that counting never indexes out of bounds; the
+    # transport reports them (value_error_flags) before any row moves.
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    dest = torch.where(valid, topk_idx // num_local, torch.full_like(topk_idx, -1))
+    is_in = torch.zeros(topk_idx.shape[0], world_size, dtype=torch.bool, device=topk_idx.device)
+    if topk_idx.numel():
+        rows = torch.arange(topk_idx.shape[0], device=topk_idx.device).unsqueeze(1).expand_as(dest)
+        is_in[rows[valid], dest[valid]] = True
+    return valid, dest, is_in
+
+
+def count_sends(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+    """Counts only, with no device-to-host sync: ``(num_tokens_per_rank_W [W] int64,
+    num_tokens_per_expert_E [E] int64)`` on ``topk_idx``'s device (see :class:`SendLayout`)."""
+    valid, _, is_in = _tokens_in_rank(topk_idx, num_experts, world_size)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)
+    per_expert.index_add_(0, torch.where(valid, topk_idx, num_experts).reshape(-1),
+                          torch.ones(topk_idx.numel(), dtype=torch.int64, device=topk_idx.device))
+    return is_in.sum(0).to(torch.int64), per_expert[:num_experts]
+
+
+def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
+                        num_rows: Optional[int] = None) -> SendLayout:
     """Routing layout of one rank's tokens (the reference the Triton layout kernel must match).
 
     Args:
         topk_idx: ``[T, K]`` int64, any device; global expert ids, -1 marks an unused slot.
             Must already be validated (ids in [-1, E)).
         num_experts: E. world_size: W.
+        num_rows: S if the host already knows it (e.g. after the count exchange): the row
+            indices are then built without a device-to-host sync.
 
     Returns:
         SendLayout on ``topk_idx``'s device. Deterministic: slots come from prefix sums over
         token order, never from atomics.
     """
     num_local = num_experts // world_size
-    num_tokens = topk_idx.shape[0]
-    dev = topk_idx.device
-    valid = topk_idx >= 0
-    dest = torch.where(valid, topk_idx // num_local, torch.full_like(topk_idx, -1))
-    is_in = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=dev)
-    if topk_idx.numel():
-        rows = torch.arange(num_tokens, device=dev).unsqueeze(1).expand_as(dest)
-        is_in[rows[valid], dest[valid]] = True
-    num_per_rank = is_in.sum(0).to(torch.int64)
-    num_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int64)
+    valid, dest, is_in = _tokens_in_rank(topk_idx, num_experts, world_size)
+    num_per_rank, num_per_expert = count_sends(topk_idx, num_experts, world_size)
     # Rank-major row order: transpose so that nonzero() walks rank by rank, tokens ascending.
-    nz = is_in.t().nonzero()  # [S, 2] (rank, token), lexicographic
+    is_in_t = is_in.t()
+    nz = is_in_t.nonzero() if num_rows is None else torch.nonzero_static(is_in_t, size=num_rows)
     send_rank = nz[:, 0].contiguous()
     send_token = nz[:, 1].contiguous()
     # Slot of (token, rank) inside rank's block: exclusive prefix sum down the token axis.
@@ -195,13 +214,17 @@ def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: in
 
 def validate_dispatch_inputs(
     cfg: TransportConfig, rank: int, x: torch.Tensor, topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_weights: torch.Tensor, value_checks: bool = True,
 ) -> Optional[str]:
     """Checks one rank's dispatch inputs against the contract.
 
     Returns None when valid, else a message naming the rank, the tensor and what was expected.
     It returns instead of raising so a transport can tell its peers about the failure through
     the count exchange before raising (nobody is left waiting).
+
+    ``value_checks=False`` skips the checks that read tensor values (expert range, NaN), which
+    cost a device-to-host sync on GPU; a transport that does so must fold
+    :func:`value_error_flags` into its count exchange instead.
     """
     who = f"rank {rank}"
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden:
@@ -226,6 +249,29 @@ def validate_dispatch_inputs(
     if topk_idx.device != x.device or topk_weights.device != x.device:
         return (f"{who}: x, topk_idx and topk_weights must share a device, got "
                 f"{x.device}, {topk_idx.device}, {topk_weights.device}")
+    if value_checks and topk_idx.numel():
+        return describe_value_errors(cfg, rank, topk_idx, topk_weights)
+    return None
+
+
+_BAD_EXPERT_ID, _NON_FINITE_WEIGHT = 1, 2
+
+
+def value_error_flags(cfg: TransportConfig, topk_idx: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+    """Bit flags (int64 scalar on the inputs' device, no host sync): 1 = an expert id outside
+    [-1, E), 2 = a NaN/Inf weight. :func:`describe_value_errors` explains non-zero flags."""
+    if not topk_idx.numel():
+        return torch.zeros((), dtype=torch.int64, device=topk_idx.device)
+    bad_id = ((topk_idx < -1) | (topk_idx >= cfg.num_experts)).any().to(torch.int64)
+    bad_w = (~torch.isfinite(topk_weights)).any().to(torch.int64)
+    return bad_id * _BAD_EXPERT_ID + bad_w * _NON_FINITE_WEIGHT
+
+
+def describe_value_errors(cfg: TransportConfig, rank: int, topk_idx: torch.Tensor,
+                          topk_weights: torch.Tensor) -> Optional[str]:
+    """The value checks with their messages (syncs with the device; error path or CPU)."""
+    who = f"rank {rank}"
     if topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= cfg.num_experts:
@@ -354,7 +400,7 @@ def nbytes_of(dtype: torch.dtype) -> int:
 
 __all__ = [
     "Transport", "TransportConfig", "DispatchHandle", "SendLayout", "TransportError",
-    "TransportUnavailable", "DispatchInputError", "compute_send_layout",
-    "validate_dispatch_inputs", "check_group_agreement", "reduce_rows_by_rank",
+    "TransportUnavailable", "DispatchInputError", "compute_send_layout", "count_sends",
+    "validate_dispatch_inputs", "value_error_flags", "describe_value_errors", "check_group_agreement", "reduce_rows_by_rank",
     "float_bits_to_int64", "int64_to_float_bits", "ceil_div", "nbytes_of",
 ]

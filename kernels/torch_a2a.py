@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from efa_ep.kernels.base import (
-    DispatchHandle, DispatchInputError, Transport, compute_send_layout, float_bits_to_int64,
-    int64_to_float_bits, reduce_rows_by_rank, validate_dispatch_inputs,
+    DispatchHandle, DispatchInputError, Transport, compute_send_layout, count_sends,
+    describe_value_errors, float_bits_to_int64, int64_to_float_bits, reduce_rows_by_rank,
+    validate_dispatch_inputs, value_error_flags,
 )
 
 _STATUS_OK, _STATUS_BAD_INPUT = 0, 1
@@ -25,28 +26,41 @@ def availability():
     return None
 
 
-def exchange_counts(rank: int, group, world: int, num_local: int, error, layout, device):
+def exchange_counts(t: Transport, error, topk_idx, topk_weights, device):
     """All-to-all of per-destination headers ``[status, rows, rows per local expert...]``.
 
-    Returns (num_recv_per_rank list, tokens_per_expert [L] int64 CPU). Raises on every rank when
-    any rank reported bad input, naming the rank(s); the offending rank raises its own message.
+    ``status`` carries this rank's input check without a host sync: the host-side check
+    (``error``, shapes and dtypes) or the device-side value flags. After the one sync every
+    rank knows every peer's status, so a bad input raises on every rank, naming the rank(s),
+    and the offending rank raises its own detailed message. Nobody is left waiting.
+
+    Returns:
+        (num_send_per_rank list, num_recv_per_rank list, tokens_per_expert [L] int64 CPU).
     """
-    send = torch.zeros(world, 2 + num_local, dtype=torch.int64, device=device)
+    cfg, world = t.cfg, t.world_size
+    send = torch.zeros(world, 2 + cfg.num_local_experts, dtype=torch.int64, device=device)
     if error is not None:
         send[:, 0] = _STATUS_BAD_INPUT
     else:
-        send[:, 1] = layout.num_tokens_per_rank_W
-        send[:, 2:] = layout.num_tokens_per_expert_E.view(world, num_local)
+        send[:, 0] = value_error_flags(cfg, topk_idx, topk_weights)
+        num_per_rank, num_per_expert = count_sends(topk_idx, cfg.num_experts, world)
+        send[:, 1] = num_per_rank
+        send[:, 2:] = num_per_expert.view(world, cfg.num_local_experts)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    recv = recv.cpu()  # the one host sync per dispatch: Megatron needs counts on the host
+    dist.all_to_all_single(recv, send, group=t.group)
+    # The one host sync per dispatch (Megatron needs counts on the host): send and receive
+    # headers come over together.
+    both = torch.stack([send, recv]).cpu()
+    send, recv = both[0], both[1]
+    if error is None and int(send[0, 0]) != _STATUS_OK:
+        error = describe_value_errors(cfg, t.rank, topk_idx, topk_weights)
     if error is not None:
         raise DispatchInputError(error)
     bad = [r for r in range(world) if int(recv[r, 0]) != _STATUS_OK]
     if bad:
         raise DispatchInputError(
-            f"rank {rank}: EP peer rank(s) {bad} passed invalid dispatch inputs (see their error)")
-    return recv[:, 1].tolist(), recv[:, 2:].sum(0)
+            f"rank {t.rank}: EP peer rank(s) {bad} passed invalid dispatch inputs (see their error)")
+    return send[:, 1].tolist(), recv[:, 1].tolist(), recv[:, 2:].sum(0)
 
 
 class TorchTransport(Transport):
@@ -60,14 +74,12 @@ class TorchTransport(Transport):
 
     def dispatch(self, x, topk_idx, topk_weights):
         cfg, world = self.cfg, self.world_size
-        error = validate_dispatch_inputs(cfg, self.rank, x, topk_idx, topk_weights)
-        layout = None
+        error = validate_dispatch_inputs(cfg, self.rank, x, topk_idx, topk_weights,
+                                         value_checks=False)
         device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-        if error is None:
-            layout = compute_send_layout(topk_idx, cfg.num_experts, world)
-        num_recv, tokens_per_expert = exchange_counts(
-            self.rank, self.group, world, cfg.num_local_experts, error, layout, device)
-        num_send = layout.num_tokens_per_rank_W.tolist()
+        num_send, num_recv, tokens_per_expert = exchange_counts(self, error, topk_idx,
+                                                                topk_weights, device)
+        layout = compute_send_layout(topk_idx, cfg.num_experts, world, num_rows=sum(num_send))
         send_x = x.index_select(0, layout.send_token_idx_S)
         n_recv = sum(num_recv)
         recv_x = x.new_empty((n_recv, x.shape[1]))
