@@ -9,7 +9,6 @@ Skipped without a CUDA GPU.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -110,7 +109,7 @@ def _peer_never_arrives(rank, world):
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    tr = create_transport("gda", None, 8, 64, 16, torch.bfloat16, timeout_s=2)
+    tr = create_transport("gda", None, 12, 64, 16, torch.bfloat16, timeout_s=2)
     x = torch.randn(4, 64, device=dev).to(torch.bfloat16)
     idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4]], device=dev)
     w = torch.ones(4, 2, device=dev)
