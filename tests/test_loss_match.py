@@ -9,9 +9,7 @@
 """
 import json
 import math
-import os
 
-import pytest
 
 from efa_ep.tools import loss_match
 from efa_ep.tools.config import compose

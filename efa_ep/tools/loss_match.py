@@ -340,7 +340,7 @@ def _rank_main(rank: int, world: int, cfg: Dict[str, Any], arms: List[Arm], out_
     _force_determinism(cfg)
     if cfg["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(cfg["device"]))
-    import efa_ep  # noqa: F401  (registers the efa dispatcher)
+    import efa_ep  # noqa: F401,E501  (registers the efa dispatcher)
     from efa_ep.tiny_moe import init_megatron
 
     init_megatron(world, seed=cfg["seed"])
@@ -471,7 +471,6 @@ def compare(arms: List[Arm], results: Dict[str, Dict[str, Any]], tol: Dict[str, 
     - ``assert_equal_to``: candidates equal those (imported) arms bit for bit.
     """
     failures: List[str] = []
-    by_name = {a.name: a for a in arms}
     ok_arms = []
     for a in arms:
         r = results.get(a.name, {})
