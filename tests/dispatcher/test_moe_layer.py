@@ -83,9 +83,21 @@ def _moe_layer_worker(rank, world, transport):
     return n_params, efa.token_dispatcher.tokens_per_expert.device.type
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_efa_layer_bitwise_equals_alltoall(world):
-    results = run_ranks(_moe_layer_worker, world, ("torch",), timeout_s=180)
+def _needs(world, name):
+    from efa_ep.kernels import transport_status
+
+    why = transport_status().get(name)
+    return pytest.param(world, name, id=f"{world}-{name}",
+                        marks=pytest.mark.skipif(why is not None, reason=str(why)))
+
+
+@pytest.mark.parametrize("world,transport", [
+    (1, "torch"), (2, "torch"), (4, "torch"),
+    _needs(2, "proxy"),  # end to end over libfabric (tcp on loopback)
+])
+def test_efa_layer_bitwise_equals_alltoall(world, transport):
+    env = {"EFA_EP_TRANSPORT_OPTIONS": "provider=tcp"} if transport == "proxy" else {}
+    results = run_ranks(_moe_layer_worker, world, (transport,), timeout_s=240, env=env)
     for n_params, tpe_device in results:
         assert n_params >= 3 and tpe_device == "cpu"
 
