@@ -122,6 +122,67 @@ def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes
     return torch.stack([w0, w1], 1)
 
 
+_TRITON = None
+
+
+def _triton_producer():
+    """Builds (once) the Triton descriptor producer; None when triton is missing."""
+    global _TRITON
+    if _TRITON is not None:
+        return _TRITON or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _TRITON = False
+        return None
+
+    # Protocol: the producer writes descriptor words into ring slots [tail0, tail0 + n) of pinned
+    # host memory with plain stores, and a second launch on the same stream publishes the new tail
+    # with a system-scope release exchange; the channel thread acquires the tail before reading.
+    @triton.jit(do_not_specialize=["tail0", "msg", "chunk_bytes", "ring_slots"])
+    def _describe_to_ring_kernel(dest_ptr, loff_ptr, roff_ptr, nbytes_ptr, first_ptr, ring_ptr,
+                                 tail0, msg, chunk_bytes, ring_slots, BLOCK: tl.constexpr):
+        # One program per message: its k-th chunk becomes descriptor slot tail0 + first + k.
+        # Example: nbytes=40, chunk_bytes=16 -> lengths 16, 16, 8 at offsets 0, 16, 32.
+        i = tl.program_id(0)
+        dest = tl.load(dest_ptr + i).to(tl.int64)
+        loff = tl.load(loff_ptr + i).to(tl.int64)
+        roff = tl.load(roff_ptr + i).to(tl.int64)
+        nbytes = tl.load(nbytes_ptr + i).to(tl.int64)
+        first = tl.load(first_ptr + i).to(tl.int64)
+        cb = chunk_bytes.to(tl.int64)
+        nch = (nbytes + cb - 1) // cb
+        for k0 in range(0, nch, BLOCK):
+            k = k0 + tl.arange(0, BLOCK).to(tl.int64)
+            m = k < nch
+            off = k * cb
+            length = tl.minimum(nbytes - off, cb)
+            w0 = (dest << 52) | ((msg.to(tl.int64) & 0xFFFFF) << 32) | length
+            w1 = (((loff + off) >> 4) << 32) | ((roff + off) >> 4)
+            slot = (tail0.to(tl.int64) + first + k) % ring_slots
+            tl.store(ring_ptr + slot * 2, w0, mask=m)
+            tl.store(ring_ptr + slot * 2 + 1, w1, mask=m)
+
+    @triton.jit(do_not_specialize=["new_tail"])
+    def _publish_tail_kernel(tail_ptr, new_tail):
+        tl.atomic_xchg(tail_ptr, new_tail.to(tl.int64), sem="release", scope="sys")
+
+    _TRITON = (_describe_to_ring_kernel, _publish_tail_kernel)
+    return _TRITON
+
+
+class _HostPtr:
+    """A pinned host buffer handed to Triton as a raw pointer (UVA: the GPU can store into it)."""
+
+    def __init__(self, t: torch.Tensor, offset_elems: int = 0):
+        self._ptr = t.data_ptr() + offset_elems * t.element_size()
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
 class ProxyTransport(Transport):
     """CPU-proxy transport over libfabric; see the module docstring for the protocol.
 
@@ -148,6 +209,12 @@ class ProxyTransport(Transport):
         self.max_inflight = _opt(o, "max_inflight", "", 64, int)
         self.spin_us = _opt(o, "spin_us", "EFA_EP_PROXY_SPIN_US", 200, int)
         self.cpu_base = _opt(o, "cpu_base", "EFA_EP_PROXY_CPU_BASE", -1, int)
+        # descriptor producer: "torch" (host code), "triton" (kernel into the pinned ring), "auto"
+        # (triton for CUDA inputs when triton is importable, else torch)
+        self.producer = _opt(o, "producer", "EFA_EP_PROXY_PRODUCER", "auto", str)
+        if self.producer not in ("auto", "torch", "triton"):
+            raise TransportError(f"producer={self.producer!r}: expected auto, torch or triton")
+        self._use_triton = False
         max_topk = _opt(o, "max_topk", "", 8, int)
         esize = nbytes_of(cfg.dtype)
         self.row_cap = _align(_opt(o, "max_row_bytes", "", cfg.hidden * esize + 16 * max_topk, int))
@@ -214,6 +281,24 @@ class ProxyTransport(Transport):
                                   [g[1][c][2] for g in gathered], [g[1][c][3] for g in gathered],
                                   self.timeout_ms)
         dist.barrier(group=self.group)  # every AV is populated before anyone writes
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Round 0: every channel writes one small message to every peer and waits for all of
+        theirs, so connections (tcp/rxm connects lazily) exist before the first dispatch."""
+        w, me = self.world_size, self.rank
+        peers = [r for r in range(w) if r != me]
+        msg = (2 * self._seq) & 0xFFFFF
+        hdr_in = self.off_hdr_recv + (self._seq % 2) * w * self.hdr_bytes
+        self._seq += 1
+        if not peers:
+            return
+        p = torch.tensor(peers, dtype=torch.int64)
+        for c in range(self.num_channels):
+            self._push_channel(c, describe_messages(
+                p, self.off_hdr_send + p * self.hdr_bytes, torch.full_like(p, hdr_in + me * self.hdr_bytes),
+                torch.full_like(p, 16), msg, self.chunk_bytes))
+        self._wait(msg, peers, [self.num_channels] * len(peers))
 
     def close(self) -> None:
         if self.engine is not None:
@@ -244,21 +329,60 @@ class ProxyTransport(Transport):
         start = self._next_channel
         self._next_channel = (start + n) % k
         for j in range(min(k, n)):
+            self._push_channel((start + j) % k, descs[j::k])
+
+    def _push_channel(self, c: int, mine: torch.Tensor) -> None:
+        """Torch code writes descriptors into ring c's slots (wrapping), then publishes the tail
+        with a release store (native call); waits for free slots first (back-pressure)."""
+        done = 0
+        while done < mine.shape[0]:
+            cnt = min(mine.shape[0] - done, self.ring_slots)
+            self.engine.ring_wait_space(c, cnt, self.timeout_ms)
+            tail = self._tails[c]
+            s0 = tail % self.ring_slots
+            first = min(cnt, self.ring_slots - s0)
+            self.rings[c, s0:s0 + first].copy_(mine[done:done + first])
+            if cnt > first:  # wrap around
+                self.rings[c, :cnt - first].copy_(mine[done + first:done + cnt])
+            self._tails[c] = tail + cnt
+            self.engine.ring_publish(c, self._tails[c])
+            done += cnt
+
+    def _push_triton(self, dests, loffs, roffs, sizes, msg: int) -> None:
+        """GPU producer: message m goes to channel (r + m) % K; per channel one launch writes every
+        chunk's descriptor into the pinned ring, a second publishes the tail (release, sys)."""
+        describe, publish = _triton_producer()
+        dev = self._triton_device
+        k = self.num_channels
+        start = self._next_channel
+        self._next_channel = (start + len(dests)) % k
+        for j in range(min(k, len(dests))):
             c = (start + j) % k
-            mine = descs[j::k]
-            done = 0
-            while done < mine.shape[0]:
-                cnt = min(mine.shape[0] - done, self.ring_slots)
-                self.engine.ring_wait_space(c, cnt, self.timeout_ms)  # back-pressure
-                tail = self._tails[c]
-                s0 = tail % self.ring_slots
-                first = min(cnt, self.ring_slots - s0)
-                self.rings[c, s0:s0 + first].copy_(mine[done:done + first])
-                if cnt > first:  # wrap around
-                    self.rings[c, :cnt - first].copy_(mine[done + first:done + cnt])
-                self._tails[c] = tail + cnt
-                self.engine.ring_publish(c, self._tails[c])  # release store of the tail
-                done += cnt
+            sel = slice(j, None, k)
+            nb = torch.tensor(sizes[sel], dtype=torch.int64)
+            nch = (nb + self.chunk_bytes - 1) // self.chunk_bytes
+            total = int(nch.sum())
+            if total > self.ring_slots:  # more than the ring holds: the host path handles it
+                self._push_channel(c, describe_messages(
+                    torch.tensor(dests[sel]), torch.tensor(loffs[sel]), torch.tensor(roffs[sel]),
+                    nb, msg, self.chunk_bytes))
+                continue
+            first = torch.cumsum(nch, 0) - nch
+            table = torch.stack([torch.tensor(dests[sel]), torch.tensor(loffs[sel]),
+                                 torch.tensor(roffs[sel]), nb, first]).to(dev)
+            self.engine.ring_wait_space(c, total, self.timeout_ms)  # back-pressure
+            tail = self._tails[c]
+            # Under TRITON_INTERPRET (CPU tests) the kernel needs tensors (it copies them back);
+            # on a GPU it gets the raw pinned-host address.
+            interp = os.environ.get("TRITON_INTERPRET") == "1"
+            ring = self.rings[c] if interp else _HostPtr(self.rings[c])
+            tail_word = self.ring_ctrl[c, native.CTRL_TAIL:native.CTRL_TAIL + 1]
+            describe[(table.shape[1],)](table[0], table[1], table[2], table[3], table[4], ring, tail,
+                                        msg, self.chunk_bytes, self.ring_slots, BLOCK=64)
+            self._tails[c] = tail + total
+            publish[(1,)](tail_word if interp else _HostPtr(tail_word), self._tails[c])
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     def _wait(self, msg: int, srcs: List[int], expected: List[int]) -> None:
         if not srcs:
@@ -363,8 +487,12 @@ class ProxyTransport(Transport):
                 dests.append(d); loffs.append(base + off); roffs.append(rbase + off); sizes.append(nb)
                 off += _align(nb)
         if dests:
-            self._push(describe_messages(torch.tensor(dests), torch.tensor(loffs), torch.tensor(roffs),
-                                         torch.tensor(sizes), msg_data, self.chunk_bytes))
+            if self._use_triton:
+                self._push_triton(dests, loffs, roffs, sizes, msg_data)
+            else:
+                self._push(describe_messages(torch.tensor(dests), torch.tensor(loffs),
+                                             torch.tensor(roffs), torch.tensor(sizes), msg_data,
+                                             self.chunk_bytes))
 
         # 5. wait for every chunk of every source's message, then hand out views
         srcs = [r for r in peers if rows_from[r]]
@@ -419,6 +547,7 @@ class ProxyTransport(Transport):
         dev = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
         if error is not None:
             self._round(_OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
+        self._select_producer(dev)
         # Host-staged: everything below runs on CPU tensors (no-ops for CPU inputs).
         xh, idxh, wh = x.cpu(), topk_idx.cpu(), topk_weights.cpu()
         k = idxh.shape[1]
@@ -478,6 +607,17 @@ class ProxyTransport(Transport):
             state={"send_token_idx_cpu": layout.send_token_idx_S})
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
+    def _select_producer(self, dev: torch.device) -> None:
+        if self.producer == "torch":
+            self._use_triton = False
+        elif self.producer == "triton" or dev.type == "cuda":
+            self._use_triton = _triton_producer() is not None
+            if self.producer == "triton" and not self._use_triton:
+                raise TransportError("producer='triton' needs triton (pip install triton)")
+        else:
+            self._use_triton = False
+        self._triton_device = dev
+
     def _send_idx(self, handle) -> torch.Tensor:
         st = handle.state if isinstance(handle.state, dict) else {}
         return st.get("send_token_idx_cpu", handle.send_token_idx.cpu())
@@ -488,6 +628,7 @@ class ProxyTransport(Transport):
                         f"rank {self.rank}: cached dispatch input must be [{handle.num_tokens}, D], "
                         f"got {tuple(x.shape)}")
         w, me = self.world_size, self.rank
+        self._select_producer(x.device)
         xh = x.cpu().contiguous()
         idx = self._send_idx(handle)
         num_send = handle.num_send_per_rank
@@ -504,6 +645,7 @@ class ProxyTransport(Transport):
                         f"rank {self.rank}: combine input y must be [{handle.num_recv_tokens}, D] "
                         f"(rows received by the matching dispatch), got {tuple(y.shape)}")
         w, me = self.world_size, self.rank
+        self._select_producer(y.device)
         yh = y.cpu().contiguous()
         num_recv = handle.num_recv_per_rank
         starts = [sum(num_recv[:r]) for r in range(w)]

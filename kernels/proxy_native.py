@@ -147,6 +147,8 @@ _SIGS = {
     "efa_wait_counters": ([_u64, _u32, _i32, _vp, _vp, _i32, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_wait_idle": ([_u64, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_engine_stats": ([_u64, _vp, _i32], _i32),
+    "efa_bench_roundtrip": ([_u64, _i32, _u32, _u32, _i32, _vp, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_bench_rate": ([_u64, _i32, _u32, _u32, _u32, _pu64, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_engine_stop": ([_u64], _i32),
     "efa_engine_destroy": ([_u64], _i32),
 }
@@ -264,6 +266,22 @@ class Engine:
         self._lib.efa_engine_stats(self.handle, buf, n)
         return [dict(zip(STAT_NAMES, buf[c * NUM_STATS:(c + 1) * NUM_STATS]))
                 for c in range(self.num_channels)]
+
+    def bench_roundtrip(self, ch: int, nbytes: int, msg0: int, iters: int, timeout_ms: int) -> list:
+        """Per-op ns of push -> proxy -> counter visible, the producer being native code."""
+        out = (ctypes.c_uint64 * iters)()
+        err = _err()
+        _check(self._lib.efa_bench_roundtrip(self.handle, ch, nbytes, msg0, iters, out, timeout_ms,
+                                             err, _ERRLEN), err)
+        return list(out)
+
+    def bench_rate(self, nch: int, n: int, nbytes: int, msg: int, timeout_ms: int) -> int:
+        """ns to push and complete n descriptors on each of nch channels."""
+        out = ctypes.c_uint64()
+        err = _err()
+        _check(self._lib.efa_bench_rate(self.handle, nch, n, nbytes, msg, ctypes.byref(out),
+                                        timeout_ms, err, _ERRLEN), err)
+        return out.value
 
     def stop(self) -> None:
         if self.handle:

@@ -105,6 +105,19 @@ int efa_wait_idle(uint64_t handle, int timeout_ms, char *err, size_t errlen);
  * completions, remote arrivals, -FI_EAGAIN retries, no-op markers, max in flight, idle sleeps. */
 int efa_engine_stats(uint64_t handle, uint64_t *out, int n);
 
+/* Benchmark helper (the caller thread is the producer; no Python between ops):
+ * round trip: iters times { push one descriptor into ring ch: an RMA write of len bytes to this
+ * rank's own window through the wire (len 0: the no-op marker, ring -> proxy -> counter without
+ * the wire); wait until its arrival is counted }. out_ns[i] = nanoseconds of op i. Uses message
+ * ids msg0 .. msg0 + iters - 1 (keep them clear of live transport traffic). */
+int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, int iters,
+                        uint64_t *out_ns, int timeout_ms, char *err, size_t errlen);
+/* Issue rate: pushes n descriptors (len bytes each, to this rank) into each of the first nch
+ * channels (round robin, with back-pressure), waits until all n * nch arrivals are counted for
+ * message msg; *out_ns = elapsed nanoseconds. */
+int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t msg,
+                   uint64_t *out_ns, int timeout_ms, char *err, size_t errlen);
+
 /* Stops every thread (waiters return -ECANCELED), closes endpoints. Idempotent. */
 int efa_engine_stop(uint64_t handle);
 /* Stops if needed and frees the engine. The handle is invalid afterwards. */

@@ -32,69 +32,100 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
-def _compare_rank(rank, world, cases, options):
-    """Runs each case with torch and proxy; returns per-case list of mismatching output names."""
-    import torch.distributed as dist
+def _compare_cases(rank, world, cases, options, device):
+    """Runs each case with torch and proxy (built with ``options``) on the same inputs; returns
+    (per-case list of mismatching output names, per-channel stats of the proxy)."""
     from efa_ep.kernels import create_transport
     from tests.routes import make_route
 
-    torch.set_num_threads(1)
-    report = []
-    transports = {}
+    report, transports = [], {}
     for (route, num_experts, hidden, topk, dtype_name, tokens, seed) in cases:
         dtype = getattr(torch, dtype_name)
         key = (num_experts, hidden, dtype_name)
-        max_tok = 64
         if key not in transports:
             transports[key] = (
-                create_transport("torch", None, num_experts, hidden, max_tok, dtype),
-                create_transport("proxy", None, num_experts, hidden, max_tok, dtype, **options))
+                create_transport("torch", None, num_experts, hidden, 64, dtype),
+                create_transport("proxy", None, num_experts, hidden, 64, dtype, **options))
         ref, px = transports[key]
         t = tokens[rank] if isinstance(tokens, (list, tuple)) else tokens
         idx, w = make_route(route, t, num_experts, topk, world, seed + 17 * rank)
         g = torch.Generator().manual_seed(seed * 31 + rank)
         x = torch.randn(t, hidden, generator=g).to(dtype)
+        n_dev = lambda v: v.to(device)  # noqa: E731
         bad = []
         r_out = ref.dispatch(x, idx, w)
-        p_out = px.dispatch(x, idx, w)
+        p_out = px.dispatch(n_dev(x), n_dev(idx), n_dev(w))
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "tokens_per_expert"),
                               r_out[:4], p_out[:4]):
-            if not _bits_equal(a, b):
+            if not _bits_equal(a, b.cpu()):
                 bad.append(name)
         if p_out[3].device.type != "cpu" or p_out[3].dtype != torch.int64:
             bad.append("tokens_per_expert not CPU int64")
+        if p_out[0].device.type != torch.device(device).type:
+            bad.append("recv_x device")
         hr, hp = r_out[4], p_out[4]
         if hr.num_send_per_rank != hp.num_send_per_rank or hr.num_recv_per_rank != hp.num_recv_per_rank:
             bad.append("handle counts")
-        # combine: expert output of a different width and dtype than x (fp32, 2*hidden+3 columns)
         n = r_out[0].shape[0]
         y = torch.randn(n, hidden, generator=g).to(dtype)
-        if not _bits_equal(ref.combine(y, hr), px.combine(y, hp)):
+        if not _bits_equal(ref.combine(y, hr), px.combine(n_dev(y), hp).cpu()):
             bad.append("combine")
+        # wider than a window row (fp32, 2H+3 columns): exercises the column rounds
         y2 = torch.randn(n, 2 * hidden + 3, generator=g, dtype=torch.float32)
-        if not _bits_equal(ref.combine(y2, hr), px.combine(y2, hp)):
+        if not _bits_equal(ref.combine(y2, hr), px.combine(n_dev(y2), hp).cpu()):
             bad.append("combine_wide_fp32")
         x2 = torch.randn(t, hidden, generator=g).to(dtype)
-        if not _bits_equal(ref.dispatch_cached(x2, hr), px.dispatch_cached(x2, hp)):
+        if not _bits_equal(ref.dispatch_cached(x2, hr), px.dispatch_cached(n_dev(x2), hp).cpu()):
             bad.append("dispatch_cached")
         gw = torch.randn(n, topk, generator=g, dtype=torch.float32)
-        if not _bits_equal(ref.combine_topk_weights(gw, hr), px.combine_topk_weights(gw, hp)):
+        if not _bits_equal(ref.combine_topk_weights(gw, hr), px.combine_topk_weights(n_dev(gw), hp).cpu()):
             bad.append("combine_topk_weights")
         report.append(bad)
     stats = [px.stats() for _, px in transports.values()]
     for _, px in transports.values():
         px.close()
-    dist.barrier()
     return report, stats
 
 
-def _run_compare(world, cases, options, env=None, timeout_s=150, base_env=None):
+def _bad_input_check(rank, world):
+    """Invalid input on rank 1 only: every rank raises (no hang), and the transport stays usable."""
+    from efa_ep.kernels import DispatchInputError, create_transport
+
+    t = create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp", timeout_s=20)
+    idx = torch.tensor([[0, 3], [2, 1]], dtype=torch.int64)
+    bad_idx = idx.clone()
+    if rank == 1:
+        bad_idx[0, 0] = 99  # out of range: only rank 1 knows
+    try:
+        t.dispatch(torch.ones(2, 8), bad_idx, torch.ones(2, 2))
+        msg = "no error"
+    except DispatchInputError as e:
+        msg = str(e)
+    recv = t.dispatch(torch.full((2, 8), float(rank)), idx, torch.ones(2, 2))
+    t.close()
+    return msg, recv[0].shape[0]
+
+
+def _compare_rank(rank, world, cases, configs, with_bad_input=False):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = os.environ.get("EFA_EP_TEST_DEVICE", "cpu")
+    out = [_compare_cases(rank, world, cases, opts, device) for opts in configs]
+    bad_input = _bad_input_check(rank, world) if with_bad_input else None
+    dist.barrier()
+    return out, bad_input
+
+
+def _run_compare(world, cases, configs, env=None, timeout_s=200, base_env=None, with_bad_input=False):
     e = dict(base_env or LOOPBACK)
     e.update(env or {})
-    out = run_ranks(_compare_rank, world, (cases, options), timeout_s=timeout_s, pg_timeout_s=60, env=e)
-    for rank, (report, _) in enumerate(out):
-        for case, bad in zip(cases, report):
-            assert not bad, f"rank {rank} case {case}: proxy differs from torch in {bad}"
+    out = run_ranks(_compare_rank, world, (cases, configs, with_bad_input), timeout_s=timeout_s,
+                    pg_timeout_s=90, env=e)
+    for rank, (per_config, _) in enumerate(out):
+        for opts, (report, _) in zip(configs, per_config):
+            for case, bad in zip(cases, report):
+                assert not bad, f"rank {rank} options {opts} case {case}: proxy differs from torch in {bad}"
     return out
 
 
@@ -106,49 +137,54 @@ CASES_2 = [
     ("random", 8, 32, 4, "float32", [0, 24], 5),      # T=0 on rank 0
     ("random", 8, 48, 2, "bfloat16", [17, 5], 6),
 ]
+# Small chunks so one message becomes many descriptors spread over every channel.
+CONFIGS_2 = [
+    {"provider": "tcp", "num_channels": 1, "timeout_s": 30, "chunk_bytes": 512},
+    {"provider": "tcp", "num_channels": 2, "timeout_s": 30, "chunk_bytes": 256, "inject_reorder": 1},
+    {"provider": "tcp", "num_channels": 4, "timeout_s": 30, "chunk_bytes": 512},
+    # the Triton descriptor producer (run by the Triton interpreter on CPU here)
+    {"provider": "tcp", "num_channels": 2, "timeout_s": 30, "chunk_bytes": 512, "producer": "triton"},
+]
 
 
-@pytest.mark.parametrize("num_channels", [1, 2, 4])
-def test_tcp_two_ranks_bit_identical(num_channels):
-    out = _run_compare(2, CASES_2, {"provider": "tcp", "num_channels": num_channels, "timeout_s": 30,
-                                    "chunk_bytes": 512})
-    # the wire really carried the rows: arrivals counted on every channel of rank 0
-    stats = out[0][1][0]
-    assert sum(c["arrived"] for c in stats) > 0
-    assert all(c["posted"] > 0 for c in stats), stats
+def test_tcp_two_ranks_k124_bit_identical_and_bad_input():
+    """2 ranks over tcp;ofi_rxm, K = 1, 2 (with injected reordering), 4, and the Triton producer;
+    then invalid input on one rank raises on both and the transport stays usable."""
+    out = _run_compare(2, CASES_2, CONFIGS_2, with_bad_input=True, env={"TRITON_INTERPRET": "1"})
+    for per_config, _ in out:
+        for opts, (_, stats) in zip(CONFIGS_2, per_config):
+            chans = stats[0]
+            assert len(chans) == opts["num_channels"]
+            # the wire really carried the rows, on every channel
+            assert all(c["posted"] > 0 and c["arrived"] > 0 for c in chans), (opts, chans)
+    (msg0, n0), (msg1, n1) = out[0][1], out[1][1]
+    assert "expert id 99" in msg1, msg1
+    assert "rank(s) [1]" in msg0, msg0
+    assert n0 == 4 and n1 == 4
 
 
-def test_tcp_four_ranks_injected_reordering():
+def test_tcp_four_ranks_k2_injected_and_k4():
     cases = [
         ("random", 16, 32, 4, "float32", 32, 11),
         ("skewed", 16, 32, 6, "float32", [32, 0, 9, 31], 12),
-        ("dropped", 16, 24, 4, "bfloat16", 20, 13),
+        ("dropped", 16, 24, 4, "bfloat16", [20, 0, 0, 7], 13),
         ("one_rank", 16, 32, 4, "float32", 16, 14),
     ]
-    _run_compare(4, cases, {"provider": "tcp", "num_channels": 2, "inject_reorder": 1,
-                            "timeout_s": 60, "chunk_bytes": 256})
+    _run_compare(4, cases, [
+        {"provider": "tcp", "num_channels": 2, "inject_reorder": 1, "timeout_s": 60, "chunk_bytes": 256},
+        {"provider": "tcp", "num_channels": 4, "timeout_s": 60, "chunk_bytes": 1024},
+    ], timeout_s=230)
 
 
-def test_tcp_four_ranks_k4():
-    cases = [("random", 16, 32, 4, "float32", 32, 21), ("dropped", 16, 32, 4, "float32", [0, 5, 0, 7], 22)]
-    _run_compare(4, cases, {"provider": "tcp", "num_channels": 4, "timeout_s": 60, "chunk_bytes": 1024})
-
-
-def test_shm_two_ranks_with_injection():
+def test_shm_two_ranks_env_knobs_with_injection():
+    """shm provider, K=3 and injection chosen by EFA_EP_PROXY_* env vars (the first-class knobs)."""
     why = proxy_mod.native.probe("shm")
     if why:
         pytest.skip(f"shm provider unusable: {why}")
-    _run_compare(2, CASES_2[:3] + CASES_2[4:], {"provider": "shm", "num_channels": 2,
-                                                "inject_reorder": 1, "timeout_s": 30,
-                                                "chunk_bytes": 512}, base_env=SHM_ENV)
-
-
-def test_env_knobs_select_provider_and_channels():
-    """Provider and K from EFA_EP_PROXY_* env vars (the first-class knob), with injection."""
-    out = _run_compare(2, CASES_2[:1], {"timeout_s": 30},
-                       env={"EFA_EP_PROXY_PROVIDER": "tcp", "EFA_EP_PROXY_CHANNELS": "3",
+    out = _run_compare(2, CASES_2[:3] + CASES_2[4:], [{"timeout_s": 30}], base_env=SHM_ENV,
+                       env={"EFA_EP_PROXY_PROVIDER": "shm", "EFA_EP_PROXY_CHANNELS": "3",
                             "EFA_EP_PROXY_INJECT": "1", "EFA_EP_PROXY_CHUNK_BYTES": "256"})
-    assert len(out[0][1][0]) == 3
+    assert len(out[0][0][0][1][0]) == 3
 
 
 def _dead_peer_rank(rank, world):
@@ -177,35 +213,6 @@ def test_dead_peer_gives_deadline_error():
     msg, elapsed = val
     assert "rank 1" in msg, msg
     assert elapsed < 10, (elapsed, msg)
-
-
-def _bad_input_rank(rank, world):
-    from efa_ep.kernels import create_transport, DispatchInputError
-
-    torch.set_num_threads(1)
-    t = create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp", timeout_s=10)
-    idx = torch.tensor([[0, 3], [2, 1]], dtype=torch.int64)
-    if rank == 1:
-        idx = idx.clone()
-        idx[0, 0] = 99  # out of range: only rank 1 knows
-    try:
-        t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))
-    except DispatchInputError as e:
-        msg = str(e)
-    else:
-        msg = "no error"
-    # the transport is still usable after a refused dispatch
-    idx = torch.tensor([[0, 3], [2, 1]], dtype=torch.int64)
-    recv = t.dispatch(torch.full((2, 8), float(rank)), idx, torch.ones(2, 2))
-    t.close()
-    return msg, recv[0].shape[0]
-
-
-def test_invalid_input_on_one_rank_raises_everywhere():
-    out = run_ranks(_bad_input_rank, 2, (), timeout_s=60, pg_timeout_s=20, env=LOOPBACK)
-    assert "expert id 99" in out[1][0]
-    assert "rank(s) [1]" in out[0][0]
-    assert out[0][1] == 4 and out[1][1] == 4
 
 
 def test_available_transports_lists_proxy():
@@ -253,5 +260,5 @@ def test_describe_messages_encoding():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_host_staged_two_ranks_bit_identical():
-    _run_compare(2, CASES_2[:2], {"provider": "tcp", "num_channels": 2, "timeout_s": 30},
+    _run_compare(2, CASES_2[:2] + CASES_2[4:], [{"provider": "tcp", "num_channels": 2, "timeout_s": 30}],
                  env={"EFA_EP_TEST_DEVICE": "cuda"})
