@@ -270,7 +270,7 @@ class ProxyTransport(Transport):
         dist.all_gather_object(gathered, (settings, mine), group=self.group)
         bad = [r for r, (s, _) in enumerate(gathered) if s != settings]
         if bad:
-            self.close()
+            self.close(barrier=False)
             raise TransportError(
                 f"rank {self.rank}: proxy settings (provider, num_channels, chunk_bytes, row_cap, "
                 f"window_bytes, inject) differ across ranks: {[g[0] for g in gathered]} "
@@ -300,14 +300,29 @@ class ProxyTransport(Transport):
                 torch.full_like(p, 16), msg, self.chunk_bytes))
         self._wait(msg, peers, [self.num_channels] * len(peers))
 
-    def close(self) -> None:
-        if self.engine is not None:
+    def close(self, barrier: bool = True) -> None:
+        """Releases the engine (threads, endpoints, registrations). Idempotent.
+
+        Collective when ``barrier`` (the default): our last writes may still be in flight after
+        our last operation returned (we only waited for what we receive), so we wait for their
+        local completion and then for every peer to reach close (a peer reaches it only after it
+        received everything we sent); only then are endpoints torn down. ``__del__`` skips the
+        barrier (a peer may be gone)."""
+        if self.engine is None:
+            return
+        try:
+            self.engine.wait_idle(min(self.timeout_ms, 10000))
+            if barrier and dist.is_initialized():
+                dist.barrier(group=self.group)
+        except Exception:
+            pass
+        finally:
             self.engine.destroy()
             self.engine = None
 
     def __del__(self):
         try:
-            self.close()
+            self.close(barrier=False)
         except Exception:
             pass
 

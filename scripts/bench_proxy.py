@@ -41,17 +41,18 @@ def _summary(vals):
     return {"n": len(vals), "median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
 
 
-def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20):
+def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20, pin: bool = False):
     """One process, world of 1: every descriptor targets this rank's own window over the wire."""
     from efa_ep.kernels import proxy_native as native
 
-    window = torch.zeros(window_bytes, dtype=torch.uint8)
-    rings = torch.zeros(num_channels, 1024, 2, dtype=torch.int64)
-    ctrl = torch.zeros(num_channels, native.CTRL_STRIDE, dtype=torch.int64)
-    counters = torch.zeros(64, dtype=torch.int64)
+    window = torch.zeros(window_bytes, dtype=torch.uint8, pin_memory=pin)
+    rings = torch.zeros(num_channels, 1024, 2, dtype=torch.int64, pin_memory=pin)
+    ctrl = torch.zeros(num_channels, native.CTRL_STRIDE, dtype=torch.int64, pin_memory=pin)
+    counters = torch.zeros(64, dtype=torch.int64, pin_memory=pin)
     eng = native.Engine(provider, 0, 1, num_channels, window.data_ptr(), window_bytes, rings.data_ptr(),
                         1024, ctrl.data_ptr(), counters.data_ptr(), 64, 64, 1_000_000, 0, 1, -1, 30000)
     keep = (window, rings, ctrl, counters)
+    eng._keep = keep
     for c in range(num_channels):
         name, n, key, base = eng.local_info(c)
         eng.set_peers(c, name, [n], [key], [base], 30000)
@@ -92,7 +93,60 @@ def bench_rate(provider: str, n: int, repeats: int):
     return out
 
 
-def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed):
+def bench_gpu_roundtrip(provider: str, iters: int):
+    """GPU -> pinned ring -> native channel thread -> counter in pinned memory -> GPU, per op.
+
+    One Triton program does, iters times: store a descriptor into the ring, publish the tail with a
+    system-scope release exchange, spin (acquire, system scope) until the counter counts it. The
+    DESIGN floor for this loop with a bare C thread is 3.2 us/op on the H200 host."""
+    import triton
+    import triton.language as tl
+    from efa_ep.kernels.proxy import _HostPtr
+
+    @triton.jit(do_not_specialize=["iters", "w0", "w1", "start"])
+    def _rt_kernel(ring_ptr, tail_ptr, cnt_ptr, iters, w0, w1, start, RING: tl.constexpr):
+        for i in range(iters):
+            n = start + i
+            tl.store(ring_ptr + (n % RING) * 2, w0.to(tl.int64))
+            tl.store(ring_ptr + (n % RING) * 2 + 1, w1.to(tl.int64))
+            tl.atomic_xchg(tail_ptr, (n + 1).to(tl.int64), sem="release", scope="sys")
+            c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="sys")
+            while c < n + 1:
+                c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="sys")
+
+    out = []
+    eng, (window, rings, ctrl, counters) = _single_engine(provider, 1, 1 << 20, pin=True)
+    eng._keep = (window, rings, ctrl, counters)
+    try:
+        half = (1 << 20) // 2
+        done = 0
+        for nbytes in (0, 64):
+            w0 = (0 << 52) | (0 << 32) | nbytes      # rank 0 (self), message 0
+            w1 = (0 << 32) | (half >> 4)
+            # the counter of (src 0, msg 0) counts every op of the run cumulatively; op n (global
+            # ring position) is complete once it reads >= n + 1 (never zeroed mid-run)
+            args = (_HostPtr(rings[0]), _HostPtr(ctrl[0]), _HostPtr(counters))
+            _rt_kernel[(1,)](*args, 200, w0, w1, done, RING=1024, num_warps=1)
+            torch.cuda.synchronize()
+            done += 200
+            per_op = []
+            for rep in range(5):
+                base = done
+                t0 = torch.cuda.Event(enable_timing=True); t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                _rt_kernel[(1,)](*args, iters, w0, w1, base, RING=1024, num_warps=1)
+                t1.record(); torch.cuda.synchronize()
+                done += iters
+                per_op.append(t0.elapsed_time(t1) * 1e3 / iters)
+            out.append({"kind": "gpu_roundtrip", "provider": provider, "bytes": nbytes,
+                        "us_per_op": _summary(per_op), "iters_per_launch": iters,
+                        "floor_us": 3.2, "ratio_to_floor": statistics.median(per_op) / 3.2})
+    finally:
+        eng.destroy()
+    return out
+
+
+def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu"):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from tests.routes import make_route
@@ -106,13 +160,15 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed):
                               provider=provider, num_channels=num_channels)
         idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        if device != "cpu":
+            x, idx, w = x.to(device), idx.to(device), w.to(device)
         # correctness before timing (a failed check voids the cell)
         r, p = ref.dispatch(x, idx, w), px.dispatch(x, idx, w)
-        ok = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
-                             b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+        ok = all(torch.equal(a.cpu().view(torch.uint8) if a.dtype == torch.bfloat16 else a.cpu(),
+                             b.cpu().view(torch.uint8) if b.dtype == torch.bfloat16 else b.cpu())
                  for a, b in zip(r[:4], p[:4]))
-        ok = ok and torch.equal(ref.combine(r[0], r[4]).view(torch.uint8),
-                                px.combine(p[0], p[4]).view(torch.uint8))
+        ok = ok and torch.equal(ref.combine(r[0], r[4]).cpu().view(torch.uint8),
+                                px.combine(p[0], p[4]).cpu().view(torch.uint8))
         times = {"proxy": [], "torch": []}
         for it in range(iters):
             # interleave the arms (ratios, not absolutes, on a shared machine)
@@ -121,6 +177,8 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed):
                 t0 = time.perf_counter()
                 o = t.dispatch(x, idx, w)
                 t.combine(o[0], o[4])
+                if device != "cpu":
+                    torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
         stats = px.stats()
         px.close()
@@ -128,19 +186,19 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed):
     return res
 
 
-def bench_a2a(provider: str, profiles, iters: int, num_channels: int):
+def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu"):
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
     if provider == "tcp":
         env["FI_PROVIDER"] = "tcp"
-    per_rank = run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7), timeout_s=1200,
+    per_rank = run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7, device), timeout_s=1200,
                          pg_timeout_s=600, env=env)
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
                "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
-               "num_channels": num_channels, "route": "random",
+               "num_channels": num_channels, "route": "random", "device": device,
                "bit_identical_to_torch": all(r[i]["ok"] for r in per_rank)}
         for arm in ("proxy", "torch"):
             slowest = [max(r[i]["times"][arm][j] for r in per_rank) for j in range(iters)]
@@ -190,6 +248,8 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=4096,
                     help="prefill tokens/rank (4096 is the profile; lower it on small hosts and say so)")
     ap.add_argument("--num-channels", type=int, default=2, help="K for the dispatch+combine cells")
+    ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
+    ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a")
     args = ap.parse_args(argv)
     os.environ.setdefault("FI_TCP_IFACE", "lo")
@@ -200,12 +260,15 @@ def main(argv=None):
         if "roundtrip" not in skip:
             records += bench_roundtrip(prov, args.rt_iters)
             print(json.dumps(records[-2:]), flush=True)
+        if args.gpu_roundtrip:
+            records += bench_gpu_roundtrip(prov, args.rt_iters)
+            print(json.dumps(records[-2:]), flush=True)
         if "rate" not in skip:
             records += bench_rate(prov, args.rate_n, args.rate_repeats)
             print(json.dumps(records[-8:]), flush=True)
         if "a2a" not in skip:
             records += bench_a2a(prov, [("decode", args.decode_tokens), ("prefill", args.prefill_tokens)],
-                                 args.iters, args.num_channels)
+                                 args.iters, args.num_channels, args.device)
             print(json.dumps([{k: v for k, v in r.items() if k != "proxy_stats_rank0"} for r in records[-2:]]),
                   flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
