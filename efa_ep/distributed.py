@@ -27,7 +27,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, args, result_q):
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank whose launcher died (killed by a timeout, say) exits instead of spinning on."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="efa-ep-parent-watch").start()
+
+
+def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, args, result_q, parent_pid):
+    _exit_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -72,7 +86,7 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
     port = free_port()
     procs = [ctx.Process(target=_child, daemon=False,
                          args=(fn, r, world_size, port, backend, pg_timeout_s, dict(env or {}),
-                               tuple(args), result_q))
+                               tuple(args), result_q, os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()
