@@ -3,7 +3,7 @@
 Megatron's ``MoELayer.__init__`` picks its dispatcher with an if/elif on the type string and
 raises for unknown values. We wrap ``MoELayer.__init__``: for ``"efa"`` it builds the layer with
 the cheap ``allgather`` dispatcher as a placeholder (it creates no streams and communicates
-nothing at construction), restores ``"efa"`` on the config, and installs
+nothing at construction), restores the type on the config, and installs
 :class:`~efa_ep.dispatcher.token_dispatcher.EfaTokenDispatcher`. Every other type is untouched.
 
 ``import efa_ep`` only installs an import hook: the wrap happens when Megatron's ``moe_layer``
@@ -15,12 +15,21 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 import threading
 
 EFA_DISPATCHER_TYPE = "efa"
 _MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
 _lock = threading.Lock()
+
+
+def uses_efa(dispatcher_type) -> bool:
+    """True for ``"efa"``, and for the type named by ``EFA_EP_REPLACE_DISPATCHER`` (e.g.
+    ``alltoall``): stacks that validate the type string (some Megatron-Bridge providers) keep a
+    legal value in their config and still get the efa dispatcher."""
+    replaced = os.environ.get("EFA_EP_REPLACE_DISPATCHER", "").strip()
+    return dispatcher_type == EFA_DISPATCHER_TYPE or (bool(replaced) and dispatcher_type == replaced)
 
 
 def register_with_megatron(moe_layer_module=None) -> None:
@@ -38,7 +47,8 @@ def register_with_megatron(moe_layer_module=None) -> None:
 
         @functools.wraps(original_init)
         def __init__(self, config, *args, **kwargs):
-            if getattr(config, "moe_token_dispatcher_type", None) != EFA_DISPATCHER_TYPE:
+            requested = getattr(config, "moe_token_dispatcher_type", None)
+            if not uses_efa(requested):
                 return original_init(self, config, *args, **kwargs)
             from efa_ep.dispatcher import cpu_compat
             from efa_ep.dispatcher.token_dispatcher import EfaTokenDispatcher, check_supported
@@ -49,7 +59,7 @@ def register_with_megatron(moe_layer_module=None) -> None:
             try:
                 original_init(self, config, *args, **kwargs)
             finally:
-                config.moe_token_dispatcher_type = EFA_DISPATCHER_TYPE
+                config.moe_token_dispatcher_type = requested
             pg_collection = kwargs.get("pg_collection", args[2] if len(args) > 2 else None)
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection

@@ -96,3 +96,25 @@ def _transport_choice_worker(rank, world):
 def test_unknown_transport_in_env_is_refused_at_construction():
     msg = run_ranks(_transport_choice_worker, 1, timeout_s=60)[0]
     assert "unknown transport 'nccl_magic'" in msg
+
+
+def _replace_worker(rank, world):
+    import os
+
+    os.environ["EFA_EP_REPLACE_DISPATCHER"] = "alltoall"
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    from efa_ep.tiny_moe import TinyMoEConfig, init_megatron, transformer_config
+
+    init_megatron(world)
+    cfg = TinyMoEConfig(num_layers=1, hidden_size=32, num_moe_experts=4, ffn_hidden_size=64,
+                        moe_ffn_hidden_size=64)
+    config = transformer_config(cfg, "alltoall", world)
+    layer = MoELayer(config, get_submodules(get_gpt_layer_local_submodules(num_experts=4).mlp))
+    return type(layer.token_dispatcher).__name__, config.moe_token_dispatcher_type
+
+
+def test_replace_dispatcher_keeps_a_legal_type_string():
+    assert run_ranks(_replace_worker, 1, timeout_s=60) == [("EfaTokenDispatcher", "alltoall")]
