@@ -224,9 +224,12 @@ class GdaTransport(Transport):
         sms = props.multi_processor_count
         default_programs = max(4, 2 * sms // self.ranks_per_device)
         self.num_programs = int(opts.get("num_programs", default_programs))
-        # Kernels that spin (gather with wait, reduce) stay within what leaves room on the GPU
-        # for the peers' store kernels when ranks share it (2 x SMs / ranks programs in all).
-        self.num_wait_programs = max(1, min(self.num_programs, 2 * sms // self.ranks_per_device))
+        # Kernels that spin (gather with wait, combine reduce) get at most SMs / ranks-per-GPU
+        # programs. Measured on the H200 with 4-8 ranks under MPS: 2 x SMs / ranks spinning
+        # programs starved the peers' store kernels until the deadline fired (wrong rows and a
+        # PeerTimeoutError, never a hang). The robust fix (not done yet): wait in a 1-program
+        # kernel, then run the reduce/gather without spinning at full width.
+        self.num_wait_programs = max(1, min(self.num_programs, sms // self.ranks_per_device))
         elem = torch.empty((), dtype=cfg.dtype).element_size()
         self.layout = WindowLayout(world=self.world_size, t_max=cfg.max_tokens_per_rank,
                                    row_bytes=_round_up(cfg.hidden * elem, 16), k_cap=self.max_topk,

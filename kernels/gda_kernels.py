@@ -413,7 +413,7 @@ def _combine_reduce_kernel(
 ):
     """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over ranks r ascending with slot[t, r] >= 0,
     in float32, rounded once to the output dtype: bit-equal to ``reduce_rows_by_rank``.
-    A skipped rank adds +0.0 (exact: the running sum is never -0.0)."""
+    A skipped rank adds nothing (adding +0.0 would also be exact: the sum is never -0.0)."""
     elt = out_ptr.dtype.element_ty
     if WAIT:
         _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD,
@@ -430,16 +430,13 @@ def _combine_reduce_kernel(
             cm = cols < D
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
             for r in tl.static_range(W):
-                # Branch-free so the W loads are in flight together; a skipped rank adds +0.0,
-                # which is exact because the running sum (from +0.0, round-to-nearest) is never
-                # -0.0.
                 slot = tl.load(slot_ptr + t64 * W + r)
-                src_row = src + (r * T_MAX + tl.maximum(slot, 0)) * D
-                if ALIGNED:
-                    src_row = tl.multiple_of(src_row, 16)
-                sent = (tl.zeros([BLOCK_D], tl.int64) + slot) >= 0
-                part = tl.load(src_row + cols, mask=cm & sent, other=0.0)
-                acc += part.to(tl.float32)
+                if slot >= 0:
+                    src_row = src + (r * T_MAX + slot) * D
+                    if ALIGNED:
+                        src_row = tl.multiple_of(src_row, 16)
+                    part = tl.load(src_row + cols, mask=cm)
+                    acc += part.to(tl.float32)
             tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
 
 
