@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (see ../.library/device): every GPU check and measurement this
+# project records, in priority order, each bounded by a timeout so one overrun cannot take the
+# others down. Ranks are processes on one GPU under MPS (started here, stopped at the end).
+#
+# Carry: .whl (megatron-core, hydra-core, omegaconf, antlr4 wheels for Python 3.12) and
+# .native_build (libefa_proxy.so built on the CPU machine: the GPU image has the libfabric
+# runtime but no headers). Outputs: $OUT/*.log and $OUT/suite.tgz.
+set -u
+OUT=${OUT:-/tmp/gpu_suite_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo \
+       TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d && echo "MPS on"
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+python3 -c "import efa_ep.kernels as k; print('transports:', k.transport_status())"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2; local t0=$SECONDS
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log" | cut -c1-300
+}
+step proxy_gpu 80 python3 -m pytest -q -x tests/kernels/test_proxy.py -k gpu
+step moe_layer_gpu 100 python3 -m pytest -q -x tests/dispatcher/test_moe_layer_gpu.py
+step loss_match_bf16 150 python3 scripts/loss_match.py --config-name gpu_bf16 out_dir=$OUT/lm
+step bench 180 python3 scripts/bench.py --config-name gpu "arms.transports=[torch,gda,proxy]" \
+  "arms.proxy_channels=[2]" starts=6 iters=10 \
+  warmup=3 layer.enabled=false start_timeout_s=120 out_dir=$OUT/bench
+echo quit | nvidia-cuda-mps-control
+tar czf "$OUT/suite.tgz" -C "$OUT" lm bench 2>/dev/null
+grep -h "loss-match:" "$OUT/loss_match_bf16.log" | tail -1
+cat "$OUT/bench/bench_table.md" 2>/dev/null | head -40
