@@ -140,6 +140,12 @@ def build_gpt_moe(cfg: TinyMoEConfig, dispatcher: str = "efa", device: Optional[
                          max_sequence_length=cfg.seq_length, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False)
     deterministic_init_(model, cfg, ep_rank, ep_size)
+    if cfg.dtype != "fp32":
+        # What Megatron's Float16Module does: every parameter in the low-precision dtype. The
+        # local spec's torch LayerNorm ignores params_dtype, and CUDA's layer_norm refuses a
+        # bf16 input with fp32 weights (CPU tolerates it). The router still computes in fp32
+        # (moe_router_dtype).
+        model = model.to(dtype=_dtype(cfg.dtype))
     if cfg.freeze_router:
         for name, p in model.named_parameters():
             if ".router." in name:
