@@ -17,3 +17,6 @@ def __getattr__(name):
 
         return getattr(token_dispatcher, name)
     raise AttributeError(name)
+
+__all__ = ["EFA_DISPATCHER_TYPE", "register_with_megatron", "DispatcherSettings", "configure",
+           "current_settings", "EfaTokenDispatcher", "check_supported"]

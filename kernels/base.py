@@ -227,7 +227,10 @@ def validate_dispatch_inputs(
     :func:`value_error_flags` into its count exchange instead.
     """
     who = f"rank {rank}"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden:
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            return f"{who}: {name} must be a tensor, got {type(t).__name__}"
+    if x.dim() != 2 or x.shape[1] != cfg.hidden:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         return f"{who}: x must be [num_tokens, {cfg.hidden}], got {shape}"
     if x.dtype != cfg.dtype:

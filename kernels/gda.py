@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from efa_ep.kernels.base import (
     DispatchHandle, DispatchInputError, Transport, TransportError, TransportUnavailable,
+    validate_dispatch_inputs,
 )
 
 STATUS_OK, STATUS_BAD_ID, STATUS_BAD_WEIGHT, STATUS_BAD_INPUT = 0, 1, 2, 4
@@ -285,34 +286,18 @@ class GdaTransport(Transport):
         return self._buf[hdr_off:hdr_off + 8 * n].view(torch.int64).view(self.world_size, -1)
 
     def _host_check(self, x, topk_idx, topk_weights) -> Optional[str]:
-        cfg, who = self.cfg, f"rank {self.rank}"
-        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor):
-                return f"{who}: {name} must be a tensor, got {type(t).__name__}"
-        if x.dim() != 2 or x.shape[1] != cfg.hidden:
-            return f"{who}: x must be [num_tokens, {cfg.hidden}], got {tuple(x.shape)}"
-        if x.dtype != cfg.dtype:
-            return f"{who}: x must be {cfg.dtype} (the transport's dtype), got {x.dtype}"
-        t = x.shape[0]
-        if t > cfg.max_tokens_per_rank:
-            return (f"{who}: x has {t} tokens > max_tokens_per_rank={cfg.max_tokens_per_rank}; "
-                    f"create the transport with a larger max_tokens_per_rank "
-                    f"(Megatron dispatcher: EFA_EP_MAX_TOKENS_PER_RANK)")
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != t:
-            return f"{who}: topk_idx must be [{t}, K], got {tuple(topk_idx.shape)}"
-        if topk_idx.dtype != torch.int64:
-            return f"{who}: topk_idx must be torch.int64, got {topk_idx.dtype}"
-        if topk_weights.shape != topk_idx.shape:
-            return (f"{who}: topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, "
-                    f"got {tuple(topk_weights.shape)}")
-        if topk_weights.dtype != torch.float32:
-            return f"{who}: topk_weights must be torch.float32, got {topk_weights.dtype}"
+        """The contract's host-side checks (no sync; value checks run on the device in the
+        layout kernel) plus this window's limits: top-k capacity and this rank's GPU."""
+        error = validate_dispatch_inputs(self.cfg, self.rank, x, topk_idx, topk_weights,
+                                         value_checks=False)
+        if error is not None:
+            return error
+        who = f"rank {self.rank}"
         if topk_idx.shape[1] > self.max_topk:
             return (f"{who}: top-k {topk_idx.shape[1]} > the gda window's max_topk="
                     f"{self.max_topk}; create the transport with max_topk={topk_idx.shape[1]}")
-        for name, tt in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if tt.device != self.device:
-                return f"{who}: {name} must be on {self.device}, got {tt.device}"
+        if x.device != self.device:
+            return f"{who}: x, topk_idx and topk_weights must be on {self.device}, got {x.device}"
         return None
 
     def _check_row_fits(self, d: int, dtype: torch.dtype, what: str) -> None:

@@ -257,7 +257,6 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
         return (hits[0] / hits[1]).item()
 
     prompts_per_rank = g.num_prompts_per_step // world
-    samples_per_rank = prompts_per_rank * g.num_generations_per_prompt
     num_global_batches = (g.num_prompts_per_step * g.num_generations_per_prompt) // pol.train_global_batch_size
     gb_per_rank = pol.train_global_batch_size // world
     mb = pol.train_micro_batch_size
