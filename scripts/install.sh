@@ -16,7 +16,9 @@ $PY -m pip install -q --upgrade pip 'setuptools>=80' wheel pybind11
 # torch==2.13.0 resolves to a CPU wheel on the CI/dev machines; keep an existing torch.
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0
 # megatron-core >= 0.17 declares Requires-Python >= 3.12 but runs on 3.11, and needs triton.
-$PY -m pip install -q triton
+# Its dependencies go in first, without --ignore-requires-python: that flag applies to every
+# package pip resolves, and would pick a numpy that only builds on Python >= 3.12.
+$PY -m pip install -q triton numpy packaging
 $PY -c "import megatron.core" 2>/dev/null || \
   $PY -m pip install -q --ignore-requires-python megatron-core==0.19.2
 $PY -m pip install -q -e '.[test,recipes]'
