@@ -286,6 +286,11 @@ class _RankContext:
                 t.close()
             except Exception:
                 pass
+        self.transports.clear()
+        if self.megatron_ready:  # transports the efa layers created through the dispatcher
+            from efa_ep.dispatcher.token_dispatcher import clear_transport_cache
+
+            clear_transport_cache()
 
 
 def _inputs(ctx: _RankContext, cell: Cell, rank: int):
@@ -508,7 +513,14 @@ def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: L
     try:
         order = rotate(cells, start)
         routes_cache: Dict[Tuple, Dict[str, float]] = {}
+        prev_arm = None
         for i, cell in enumerate(order):
+            if prev_arm is not None and cell.arm != prev_arm:
+                # An idle transport must not share the CPU with the arm being timed (a proxy's
+                # channel threads poll): close the previous arm's transports (collective, same
+                # order on every rank); setup stays outside the timing boundary.
+                ctx.close()
+            prev_arm = cell.arm
             runner = _run_transport_cell if cell.arm.view == "transport" else _run_layer_cell
             tc = time.perf_counter()
             body = runner(ctx, cell)
