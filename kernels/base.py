@@ -167,14 +167,18 @@ def _tokens_in_rank(topk_idx: torch.Tensor, num_experts: int, world_size: int):
     return valid, dest, is_in
 
 
-def count_sends(topk_idx: torch.Tensor, num_experts: int, world_size: int):
-    """Counts only, with no device-to-host sync: ``(num_tokens_per_rank_W [W] int64,
-    num_tokens_per_expert_E [E] int64)`` on ``topk_idx``'s device (see :class:`SendLayout`)."""
-    valid, _, is_in = _tokens_in_rank(topk_idx, num_experts, world_size)
+def _counts(topk_idx, valid, is_in, num_experts: int):
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)
     per_expert.index_add_(0, torch.where(valid, topk_idx, num_experts).reshape(-1),
                           torch.ones(topk_idx.numel(), dtype=torch.int64, device=topk_idx.device))
     return is_in.sum(0).to(torch.int64), per_expert[:num_experts]
+
+
+def count_sends(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+    """Counts only, with no device-to-host sync: ``(num_tokens_per_rank_W [W] int64,
+    num_tokens_per_expert_E [E] int64)`` on ``topk_idx``'s device (see :class:`SendLayout`)."""
+    valid, _, is_in = _tokens_in_rank(topk_idx, num_experts, world_size)
+    return _counts(topk_idx, valid, is_in, num_experts)
 
 
 def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
@@ -194,7 +198,7 @@ def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: in
     """
     num_local = num_experts // world_size
     valid, dest, is_in = _tokens_in_rank(topk_idx, num_experts, world_size)
-    num_per_rank, num_per_expert = count_sends(topk_idx, num_experts, world_size)
+    num_per_rank, num_per_expert = _counts(topk_idx, valid, is_in, num_experts)
     # Rank-major row order: transpose so that nonzero() walks rank by rank, tokens ascending.
     is_in_t = is_in.t()
     nz = is_in_t.nonzero() if num_rows is None else torch.nonzero_static(is_in_t, size=num_rows)
