@@ -26,8 +26,10 @@ present): ``[hdr send W][hdr recv 2 x W][data send W slots][data recv W slots]``
 ``max_tokens_per_rank`` rows of ``row_cap`` bytes (row_cap = H * elem + 16 * max_topk by default).
 Rows to or from this rank itself never touch the wire (copied locally).
 
-GPU inputs are host-staged: copied to host, moved by the proxy, copied back (the descriptors of a
-GPU-input dispatch are produced by a Triton kernel into the pinned ring). Every call blocks the
+GPU inputs are host-staged: rows are gathered on the GPU and copied once into the pinned send
+slots, moved by the proxy, and copied once from the pinned window back to the GPU, where the
+combine's reduction also runs (the descriptors of a GPU-input round are produced by a Triton
+kernel into the pinned ring). Routing metadata (a few bytes per token) is built on the host. Every call blocks the
 CPU until its outputs are ready (synchronizes the current CUDA stream for GPU inputs); not
 CUDA-graph capturable.
 
@@ -425,7 +427,7 @@ class ProxyTransport(Transport):
         """One header + data exchange with every peer (collective).
 
         Args:
-            planes: dest rank (!= self) -> list of ``[n, widths[p]]`` uint8 CPU tensors (rows to
+            planes: dest rank (!= self) -> list of ``[n, widths[p]]`` uint8 tensors, any device (rows to
                 that rank); empty when ``error``.
             widths: bytes per row of each plane (same on every rank).
             n_recv: rows expected from each rank, or None (dispatch: learned from the headers).
@@ -529,17 +531,19 @@ class ProxyTransport(Transport):
 
     def _exchange_rows(self, op: int, rows_to: Dict[int, torch.Tensor], self_rows: torch.Tensor,
                        n_recv: List[int]) -> torch.Tensor:
-        """Moves ``[n, D]`` row blocks (any dtype, CPU, contiguous) to each rank and returns the
-        received rows concatenated in source-rank order (this rank's block = ``self_rows``).
-        Rows wider than the window's row capacity go in column rounds."""
+        """Moves ``[n, D]`` row blocks (any dtype, contiguous, all on one device) to each rank and
+        returns the received rows concatenated in source-rank order (this rank's block =
+        ``self_rows``), on that device. Rows wider than the window's row capacity go in column
+        rounds. Each block is copied once into the pinned send slot and once out of the window."""
         me, w = self.rank, self.world_size
         d_cols, dtype = self_rows.shape[1], self_rows.dtype
         row_bytes = d_cols * self_rows.element_size()
         as_bytes = {d: t.contiguous().view(torch.uint8).view(t.shape[0], row_bytes) for d, t in rows_to.items()}
-        recv = {r: torch.empty(n_recv[r], row_bytes, dtype=torch.uint8) for r in range(w) if r != me}
+        recv = {r: torch.empty(n_recv[r], row_bytes, dtype=torch.uint8, device=self_rows.device)
+                for r in range(w) if r != me}
         for c0 in range(0, max(row_bytes, 1), self.row_cap):
             c1 = min(row_bytes, c0 + self.row_cap)
-            planes = {d: [t[:, c0:c1].contiguous()] for d, t in as_bytes.items()}
+            planes = {d: [t[:, c0:c1]] for d, t in as_bytes.items()}  # _round copies into the slot
             _, got = self._round(op, planes, [c1 - c0], n_recv, None, None)
             for r, views in got.items():
                 recv[r][:, c0:c1].copy_(views[0])
@@ -563,13 +567,17 @@ class ProxyTransport(Transport):
         if error is not None:
             self._round(_OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
         self._select_producer(dev)
-        # Host-staged: everything below runs on CPU tensors (no-ops for CPU inputs).
-        xh, idxh, wh = x.cpu(), topk_idx.cpu(), topk_weights.cpu()
+        # Host-staged wire. Routing metadata is small and built on the host; token rows stay on
+        # x's device until they are copied straight into (out of) the pinned window: a GPU input
+        # pays a device gather and one D2H copy per destination, never a pageable copy of all of x
+        # followed by a single-threaded CPU gather (8x slower at prefill on the H200 host).
+        idxh, wh = topk_idx.cpu(), topk_weights.cpu()
         k = idxh.shape[1]
         layout = compute_send_layout(idxh, cfg.num_experts, w)
         num_send = layout.num_tokens_per_rank_W.tolist()
         starts = [sum(num_send[:r]) for r in range(w)]
-        row_x = cfg.hidden * xh.element_size()
+        row_x = cfg.hidden * x.element_size()
+        send_idx = layout.send_token_idx_S.to(dev)
         widths = [row_x, 16 * k]
         send_w = torch.where(layout.send_topk_idx_SK >= 0, wh.index_select(0, layout.send_token_idx_S),
                              torch.zeros((), dtype=torch.float32))
@@ -582,10 +590,14 @@ class ProxyTransport(Transport):
             if d == me:
                 continue
             n = num_send[d]
-            idx = layout.send_token_idx_S[starts[d]:starts[d] + n]
-            # pack straight into the registered send slot (no intermediate copy)
+            idx = send_idx[starts[d]:starts[d] + n]
+            # pack straight into the registered send slot (one copy; D2H for a GPU input)
             xs = self._send_slot(d, 0, n, row_x)
-            torch.index_select(xh, 0, idx, out=xs.view(xh.dtype).view(n, cfg.hidden))
+            slot_rows = xs.view(x.dtype).view(n, cfg.hidden)
+            if dev.type == "cpu":
+                torch.index_select(x, 0, idx, out=slot_rows)
+            else:
+                slot_rows.copy_(x.index_select(0, idx))
             ms = meta[starts[d]:starts[d] + n].view(torch.uint8).view(n, 16 * k)
             planes[d] = [xs, ms]
         got, recv = self._round(_OP_DISPATCH, planes, widths, None, extra, None)
@@ -596,28 +608,29 @@ class ProxyTransport(Transport):
         for r in range(w):
             if r != me:
                 tokens_per_expert += got[r, _HDR_FIXED:]
-        self_idx = layout.send_token_idx_S[starts[me]:starts[me] + num_send[me]]
-        xb, mb = [], []
+        n_recv = sum(num_recv)
+        # Copy out of the window (reused next round) into x's device; the blocking H2D copies
+        # from pinned memory return only once the window has been read.
+        recv_x = torch.empty(n_recv, cfg.hidden, dtype=x.dtype, device=dev)
+        mb, row = [], 0
         for r in range(w):
+            n = num_recv[r]
             if r == me:
-                xb.append(xh.index_select(0, self_idx))
-                mb.append(meta[starts[me]:starts[me] + num_send[me]])
+                torch.index_select(x, 0, send_idx[starts[me]:starts[me] + n], out=recv_x[row:row + n])
+                mb.append(meta[starts[me]:starts[me] + n])
             else:
-                n = num_recv[r]
-                xb.append(recv_blocks_x[r].view(xh.dtype).view(n, cfg.hidden))
+                recv_x[row:row + n].copy_(recv_blocks_x[r].view(x.dtype).view(n, cfg.hidden))
                 mb.append(recv_blocks_m[r].view(torch.int64).view(n, 2 * k))
-        recv_x = torch.cat(xb, 0)      # copies out of the window (it is reused next round)
+            row += n
         recv_meta = torch.cat(mb, 0)
         recv_topk_idx = recv_meta[:, :k].contiguous()
         recv_topk_weights = int64_to_float_bits(recv_meta[:, k:]).contiguous()
-        n_recv = sum(num_recv)
         if dev.type != "cpu":
-            recv_x = recv_x.to(dev, non_blocking=False)
             recv_topk_idx = recv_topk_idx.to(dev)
             recv_topk_weights = recv_topk_weights.to(dev)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
-            send_token_idx=layout.send_token_idx_S.to(dev), num_send_per_rank=tuple(num_send),
+            send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
             state={"send_token_idx_cpu": layout.send_token_idx_S})
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
@@ -633,7 +646,10 @@ class ProxyTransport(Transport):
             self._use_triton = False
         self._triton_device = dev
 
-    def _send_idx(self, handle) -> torch.Tensor:
+    def _send_idx(self, handle, device: torch.device) -> torch.Tensor:
+        """``[S]`` int64 source token of each sent row, on ``device`` (the handle keeps both)."""
+        if device.type != "cpu":
+            return handle.send_token_idx.to(device)
         st = handle.state if isinstance(handle.state, dict) else {}
         return st.get("send_token_idx_cpu", handle.send_token_idx.cpu())
 
@@ -644,15 +660,13 @@ class ProxyTransport(Transport):
                         f"got {tuple(x.shape)}")
         w, me = self.world_size, self.rank
         self._select_producer(x.device)
-        xh = x.cpu().contiguous()
-        idx = self._send_idx(handle)
+        idx = self._send_idx(handle, x.device)
         num_send = handle.num_send_per_rank
         starts = [sum(num_send[:r]) for r in range(w)]
-        rows_to = {d: xh.index_select(0, idx[starts[d]:starts[d] + num_send[d]])
+        rows_to = {d: x.index_select(0, idx[starts[d]:starts[d] + num_send[d]])
                    for d in range(w) if d != me}
-        self_rows = xh.index_select(0, idx[starts[me]:starts[me] + num_send[me]])
-        out = self._exchange_rows(_OP_CACHED, rows_to, self_rows, list(handle.num_recv_per_rank))
-        return out.to(x.device) if x.device.type != "cpu" else out
+        self_rows = x.index_select(0, idx[starts[me]:starts[me] + num_send[me]])
+        return self._exchange_rows(_OP_CACHED, rows_to, self_rows, list(handle.num_recv_per_rank))
 
     def combine(self, y, handle):
         if y.dim() != 2 or y.shape[0] != handle.num_recv_tokens:
@@ -661,12 +675,11 @@ class ProxyTransport(Transport):
                         f"(rows received by the matching dispatch), got {tuple(y.shape)}")
         w, me = self.world_size, self.rank
         self._select_producer(y.device)
-        yh = y.cpu().contiguous()
+        yc = y.contiguous()  # stays on its device; rows go D2H straight into the send slots
         num_recv = handle.num_recv_per_rank
         starts = [sum(num_recv[:r]) for r in range(w)]
-        rows_to = {d: yh[starts[d]:starts[d] + num_recv[d]] for d in range(w) if d != me}
-        self_rows = yh[starts[me]:starts[me] + num_recv[me]]
+        rows_to = {d: yc[starts[d]:starts[d] + num_recv[d]] for d in range(w) if d != me}
+        self_rows = yc[starts[me]:starts[me] + num_recv[me]]
         back = self._exchange_rows(_OP_COMBINE, rows_to, self_rows, list(handle.num_send_per_rank))
-        out = reduce_rows_by_rank(back, self._send_idx(handle), handle.num_send_per_rank,
-                                  handle.num_tokens).to(y.dtype)
-        return out.to(y.device) if y.device.type != "cpu" else out
+        return reduce_rows_by_rank(back, self._send_idx(handle, y.device), handle.num_send_per_rank,
+                                   handle.num_tokens).to(y.dtype)

@@ -20,13 +20,19 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log" | cut -c1-300
 }
-step proxy_gpu 80 python3 -m pytest -q -x tests/kernels/test_proxy.py -k gpu
-step moe_layer_gpu 100 python3 -m pytest -q -x tests/dispatcher/test_moe_layer_gpu.py
-step loss_match_bf16 150 python3 scripts/loss_match.py --config-name gpu_bf16 out_dir=$OUT/lm
-step bench 180 python3 scripts/bench.py --config-name gpu "arms.transports=[torch,gda,proxy]" \
+# SUITE_STEPS picks steps (default: all, in this order); SUITE_SCALE multiplies every timeout.
+want() { case " ${SUITE_STEPS:-proxy_gpu proxy_bench loss_match_bf16 moe_layer_gpu bench} " in *" $1 "*) return 0;; esac; return 1; }
+scale=${SUITE_SCALE:-1}
+want proxy_gpu && step proxy_gpu $((80 * scale)) python3 -m pytest -q -x tests/kernels/test_proxy.py -k gpu
+want proxy_bench && step proxy_bench $((150 * scale)) python3 scripts/bench_proxy.py --out $OUT/proxy \
+  --providers shm,tcp --gpu-roundtrip --device cuda --iters 20
+want loss_match_bf16 && step loss_match_bf16 $((330 * scale)) python3 scripts/loss_match.py --config-name gpu_bf16 out_dir=$OUT/lm
+want moe_layer_gpu && step moe_layer_gpu $((100 * scale)) python3 -m pytest -q -x tests/dispatcher/test_moe_layer_gpu.py
+want bench && step bench $((180 * scale)) python3 scripts/bench.py --config-name gpu "arms.transports=[torch,gda,proxy]" \
   "arms.proxy_channels=[2]" starts=6 iters=10 \
   warmup=3 layer.enabled=false start_timeout_s=120 out_dir=$OUT/bench
 echo quit | nvidia-cuda-mps-control
-tar czf "$OUT/suite.tgz" -C "$OUT" lm bench 2>/dev/null
-grep -h "loss-match:" "$OUT/loss_match_bf16.log" | tail -1
+tar czf "$OUT/suite.tgz" -C "$OUT" $(cd "$OUT" && ls -d lm bench proxy 2>/dev/null)
+grep -h "loss-match:" "$OUT/loss_match_bf16.log" 2>/dev/null | tail -1
+grep -h "gpu_roundtrip\|\"rate\"" "$OUT/proxy_bench.log" 2>/dev/null | cut -c1-600 | head -6
 cat "$OUT/bench/bench_table.md" 2>/dev/null | head -40
