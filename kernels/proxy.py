@@ -29,7 +29,10 @@ Rows to or from this rank itself never touch the wire (copied locally).
 GPU inputs are host-staged: rows are gathered on the GPU and copied once into the pinned send
 slots, moved by the proxy, and copied once from the pinned window back to the GPU, where the
 combine's reduction also runs (the descriptors of a GPU-input round are produced by a Triton
-kernel into the pinned ring). Routing metadata (a few bytes per token) is built on the host. Every call blocks the
+kernel into the pinned ring). Routing metadata (a few bytes per token) is built on the host.
+With ``hmem="cuda"`` the whole window is CUDA memory registered with ``FI_HMEM_CUDA``: rows are
+gathered straight into it and the provider moves them GPU to GPU (GPUDirect RDMA on efa); only
+rings, counters and the small headers' host copies stay on the host. Every call blocks the
 CPU until its outputs are ready (synchronizes the current CUDA stream for GPU inputs); not
 CUDA-graph capturable.
 
@@ -43,6 +46,9 @@ Options (``create_transport("proxy", ..., **options)``; env var in parentheses):
     max_topk: top-k the windows are sized for (default 8). max_row_bytes: override row_cap.
     ring_slots (1024), max_inflight (64 writes per channel), spin_us (EFA_EP_PROXY_SPIN_US, 200),
     cpu_base (EFA_EP_PROXY_CPU_BASE, -1 = no pinning): channel c pinned to CPU cpu_base + c.
+    hmem (EFA_EP_PROXY_HMEM): ``off`` (host window, default) or ``cuda`` (device window with
+        FI_HMEM; raises at construction, naming the verb, if this libfabric cannot register CUDA
+        memory: Debian's 1.17 build cannot, the AWS EFA installer's can).
 """
 from __future__ import annotations
 
@@ -211,6 +217,14 @@ class ProxyTransport(Transport):
         self.max_inflight = _opt(o, "max_inflight", "", 64, int)
         self.spin_us = _opt(o, "spin_us", "EFA_EP_PROXY_SPIN_US", 200, int)
         self.cpu_base = _opt(o, "cpu_base", "EFA_EP_PROXY_CPU_BASE", -1, int)
+        # where the window lives: "off" = host memory (pinned with CUDA present: GPU inputs are
+        # host-staged); "cuda" = device memory of the current CUDA device registered with
+        # FI_HMEM (the provider reads and writes it directly; needs a CUDA-enabled libfabric)
+        self.hmem = _opt(o, "hmem", "EFA_EP_PROXY_HMEM", "off", str)
+        if self.hmem not in ("off", "cuda"):
+            raise TransportError(f"hmem={self.hmem!r}: expected 'off' (host window) or 'cuda'")
+        if self.hmem == "cuda" and not torch.cuda.is_available():
+            raise TransportError("hmem='cuda' needs a CUDA device (torch.cuda.is_available() is False)")
         # descriptor producer: "torch" (host code), "triton" (kernel into the pinned ring), "auto"
         # (triton for CUDA inputs when triton is importable, else torch)
         self.producer = _opt(o, "producer", "EFA_EP_PROXY_PRODUCER", "auto", str)
@@ -246,8 +260,13 @@ class ProxyTransport(Transport):
                 f"max_tokens_per_rank={cfg.max_tokens_per_rank} or hidden={cfg.hidden}")
 
         pin = torch.cuda.is_available()
-        # Host memory the NIC writes into and the GPU may read: pinned so a kernel can reach it.
-        self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, pin_memory=pin)
+        if self.hmem == "cuda":
+            self.hmem_device = torch.cuda.current_device()
+            self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, device=f"cuda:{self.hmem_device}")
+        else:
+            # Host memory the NIC writes into and the GPU may read: pinned so a kernel can reach it.
+            self.hmem_device = -1
+            self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, pin_memory=pin)
         self.rings = torch.zeros(self.num_channels, self.ring_slots, 2, dtype=torch.int64, pin_memory=pin)
         self.ring_ctrl = torch.zeros(self.num_channels, native.CTRL_STRIDE, dtype=torch.int64, pin_memory=pin)
         self.counters = torch.zeros(w * _NUM_COUNTER_SLOTS, dtype=torch.int64, pin_memory=pin)
@@ -260,12 +279,12 @@ class ProxyTransport(Transport):
     # Setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:
         settings = (self.provider, self.num_channels, self.chunk_bytes, self.row_cap,
-                    self.window_bytes, self.inject)
+                    self.window_bytes, self.inject, self.hmem)
         self.engine = native.Engine(
             self.provider, self.rank, self.world_size, self.num_channels, self.window.data_ptr(),
             self.window_bytes, self.rings.data_ptr(), self.ring_slots, self.ring_ctrl.data_ptr(),
             self.counters.data_ptr(), _NUM_COUNTER_SLOTS, self.max_inflight, self.spin_us,
-            self.inject, 1234 + self.rank, self.cpu_base, self.timeout_ms)
+            self.inject, 1234 + self.rank, self.cpu_base, self.timeout_ms, self.hmem_device)
         mine = [self.engine.local_info(c) for c in range(self.num_channels)]
         # Endpoint names, window keys and base addresses travel over the torch group (gloo) once.
         gathered = [None] * self.world_size
@@ -275,7 +294,7 @@ class ProxyTransport(Transport):
             self.close(barrier=False)
             raise TransportError(
                 f"rank {self.rank}: proxy settings (provider, num_channels, chunk_bytes, row_cap, "
-                f"window_bytes, inject) differ across ranks: {[g[0] for g in gathered]} "
+                f"window_bytes, inject, hmem) differ across ranks: {[g[0] for g in gathered]} "
                 f"(check EFA_EP_PROXY_* env vars on ranks {bad})")
         for c in range(self.num_channels):
             names = b"".join(g[1][c][0] for g in gathered)
@@ -295,6 +314,7 @@ class ProxyTransport(Transport):
         self._seq += 1
         if not peers:
             return
+        self._window_ready()  # torch.zeros of a device window is asynchronous
         p = torch.tensor(peers, dtype=torch.int64)
         for c in range(self.num_channels):
             self._push_channel(c, describe_messages(
@@ -335,6 +355,13 @@ class ProxyTransport(Transport):
     # Wire primitives ------------------------------------------------------------------------
     def _window_view(self, off: int, nbytes: int) -> torch.Tensor:
         return self.window[off:off + nbytes]
+
+    def _window_ready(self) -> None:
+        """A device window is written by kernels on the current stream: they must have finished
+        before a descriptor hands the bytes to the provider, and our copies out of the receive
+        side must have finished before a header lets peers overwrite it. No-op for host windows."""
+        if self.window.is_cuda:
+            torch.cuda.current_stream(self.window.device).synchronize()
 
     def _push(self, descs: torch.Tensor) -> None:
         """Writes descriptors ``[D, 2]`` int64 into the rings (descriptor j -> channel (j + r) % K,
@@ -456,6 +483,7 @@ class ProxyTransport(Transport):
                 hdr[d, 2] = pl[0].shape[0] if pl else 0
             if extra_WL is not None:
                 hdr[:, _HDR_FIXED:_HDR_FIXED + extra_WL.shape[1]] = extra_WL
+        self._window_ready()
         if peers:
             p = torch.tensor(peers, dtype=torch.int64)
             self._push(describe_messages(
@@ -464,7 +492,7 @@ class ProxyTransport(Transport):
                 torch.full_like(p, self.hdr_fields * 8), msg_hdr, self.chunk_bytes))
         self._wait(msg_hdr, peers, [1] * len(peers))
         got = self._window_view(hdr_in, w * self.hdr_bytes).view(torch.int64).view(w, -1)
-        got = got[:, :self.hdr_fields].clone()
+        got = got[:, :self.hdr_fields].to("cpu", copy=True)
         if error:
             raise DispatchInputError(error)
         what = _OP_NAMES[op]
@@ -504,6 +532,7 @@ class ProxyTransport(Transport):
                 dests.append(d); loffs.append(base + off); roffs.append(rbase + off); sizes.append(nb)
                 off += _align(nb)
         if dests:
+            self._window_ready()
             if self._use_triton:
                 self._push_triton(dests, loffs, roffs, sizes, msg_data)
             else:
@@ -594,7 +623,7 @@ class ProxyTransport(Transport):
             # pack straight into the registered send slot (one copy; D2H for a GPU input)
             xs = self._send_slot(d, 0, n, row_x)
             slot_rows = xs.view(x.dtype).view(n, cfg.hidden)
-            if dev.type == "cpu":
+            if slot_rows.device == x.device:
                 torch.index_select(x, 0, idx, out=slot_rows)
             else:
                 slot_rows.copy_(x.index_select(0, idx))
@@ -620,7 +649,7 @@ class ProxyTransport(Transport):
                 mb.append(meta[starts[me]:starts[me] + n])
             else:
                 recv_x[row:row + n].copy_(recv_blocks_x[r].view(x.dtype).view(n, cfg.hidden))
-                mb.append(recv_blocks_m[r].view(torch.int64).view(n, 2 * k))
+                mb.append(recv_blocks_m[r].view(torch.int64).view(n, 2 * k).cpu())
             row += n
         recv_meta = torch.cat(mb, 0)
         recv_topk_idx = recv_meta[:, :k].contiguous()

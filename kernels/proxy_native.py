@@ -26,7 +26,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "native", "efa_proxy.c")
 HEADER = os.path.join(_HERE, "native", "efa_proxy.h")
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -77,13 +77,17 @@ def libfabric_header() -> Optional[str]:
 
 
 def _compile_cmd(cc: str, out: str) -> list:
+    """$EFA_EP_FI_INCLUDE / $EFA_EP_FI_LIB select a libfabric install (default: the EFA
+    installer's /opt/amazon/efa if present, else the system's)."""
     cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", SOURCE, "-o", out]
     inc = os.environ.get("EFA_EP_FI_INCLUDE") or (
         "/opt/amazon/efa/include" if os.path.isdir("/opt/amazon/efa/include") else None)
     if inc:
         cmd += ["-I", inc]
-    if os.path.isdir("/opt/amazon/efa/lib"):
-        cmd += ["-L/opt/amazon/efa/lib", "-Wl,-rpath,/opt/amazon/efa/lib"]
+    lib = os.environ.get("EFA_EP_FI_LIB") or (
+        "/opt/amazon/efa/lib" if os.path.isdir("/opt/amazon/efa/lib") else None)
+    if lib:  # a libfabric outside the default search path: link it and find it at run time
+        cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
     return cmd + ["-lfabric", "-lpthread"]
 
 
@@ -137,7 +141,8 @@ _pu64 = ctypes.POINTER(ctypes.c_uint64)
 _SIGS = {
     "efa_abi_version": ([], _i32),
     "efa_probe": ([_cp, _cp, ctypes.c_size_t], _i32),
-    "efa_engine_create": ([_cp, _i32, _i32, _i32, _vp, _u64, _vp, _u32, _vp, _vp, _u32, _i32, _i32,
+    "efa_probe_hmem": ([_cp, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_create": ([_cp, _i32, _i32, _i32, _vp, _u64, _i32, _vp, _u32, _vp, _vp, _u32, _i32, _i32,
                            _i32, _u64, _i32, _i32, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_local_info": ([_u64, _i32, _vp, _pu64, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_set_peers": ([_u64, _i32, _vp, _vp, _vp, _vp, _i32, _cp, ctypes.c_size_t], _i32),
@@ -187,14 +192,16 @@ def _err():
     return ctypes.create_string_buffer(_ERRLEN)
 
 
-def probe(provider: str) -> Optional[str]:
-    """None if ``provider`` offers RDM + FI_RMA + FI_REMOTE_CQ_DATA here, else the reason."""
+def probe(provider: str, hmem: bool = False) -> Optional[str]:
+    """None if ``provider`` offers RDM + FI_RMA + FI_REMOTE_CQ_DATA here (and, with ``hmem``,
+    FI_HMEM device-memory registration), else the reason."""
     try:
         lib = load()
     except RuntimeError as e:
         return str(e)
     err = _err()
-    rc = lib.efa_probe(provider.encode(), err, _ERRLEN)
+    fn = lib.efa_probe_hmem if hmem else lib.efa_probe
+    rc = fn(provider.encode(), err, _ERRLEN)
     return None if rc == 0 else err.value.decode(errors="replace")
 
 
@@ -205,14 +212,14 @@ class Engine:
     def __init__(self, provider: str, rank: int, world: int, num_channels: int, window_ptr: int,
                  window_bytes: int, rings_ptr: int, ring_slots: int, ctrl_ptr: int,
                  counters_ptr: int, num_slots: int, max_inflight: int, spin_us: int, inject: int,
-                 seed: int, cpu_base: int, timeout_ms: int):
+                 seed: int, cpu_base: int, timeout_ms: int, hmem_cuda_device: int = -1):
         self._lib = load()
         self.num_channels = num_channels
         self.world = world
         h = ctypes.c_uint64(0)
         err = _err()
         _check(self._lib.efa_engine_create(
-            provider.encode(), rank, world, num_channels, window_ptr, window_bytes, rings_ptr,
+            provider.encode(), rank, world, num_channels, window_ptr, window_bytes, hmem_cuda_device, rings_ptr,
             ring_slots, ctrl_ptr, counters_ptr, num_slots, max_inflight, spin_us, inject, seed,
             cpu_base, timeout_ms, ctypes.byref(h), err, _ERRLEN), err)
         self.handle = h.value

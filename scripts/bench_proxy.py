@@ -146,7 +146,7 @@ def bench_gpu_roundtrip(provider: str, iters: int):
     return out
 
 
-def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu"):
+def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off"):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from tests.routes import make_route
@@ -157,7 +157,7 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
     for name, tokens in profiles:
         ref = create_transport("torch", None, experts, hidden, tokens, torch.bfloat16)
         px = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
-                              provider=provider, num_channels=num_channels)
+                              provider=provider, num_channels=num_channels, hmem=hmem)
         idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         if device != "cpu":
@@ -186,19 +186,19 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
     return res
 
 
-def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu"):
+def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu", hmem: str = "off"):
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
     if provider == "tcp":
         env["FI_PROVIDER"] = "tcp"
-    per_rank = run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7, device), timeout_s=1200,
+    per_rank = run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7, device, hmem), timeout_s=1200,
                          pg_timeout_s=600, env=env)
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
                "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
-               "num_channels": num_channels, "route": "random", "device": device,
+               "num_channels": num_channels, "route": "random", "device": device, "hmem": hmem,
                "bit_identical_to_torch": all(r[i]["ok"] for r in per_rank)}
         for arm in ("proxy", "torch"):
             slowest = [max(r[i]["times"][arm][j] for r in per_rank) for j in range(iters)]
@@ -225,7 +225,7 @@ def _plot(records, path):
     axes[0].set_xlabel("channels K"); axes[0].set_ylabel("M descriptors/s"); axes[0].set_xscale("log", base=2)
     axes[0].legend(fontsize=7); axes[0].set_title("proxy issue rate (1 process, writes to self)")
     a2a = [r for r in records if r["kind"] == "a2a"]
-    labels = [f"{r['provider']}\n{r['profile']}" for r in a2a]
+    labels = [f"{r['provider']}{' hmem' if r.get('hmem', 'off') != 'off' else ''}\n{r['profile']}" for r in a2a]
     xs = range(len(a2a))
     axes[1].bar([x - 0.2 for x in xs], [r["proxy_ms"]["median"] for r in a2a], 0.4, label="proxy")
     axes[1].bar([x + 0.2 for x in xs], [r["torch_ms"]["median"] for r in a2a], 0.4, label="torch (gloo)")
@@ -250,6 +250,7 @@ def main(argv=None):
     ap.add_argument("--num-channels", type=int, default=2, help="K for the dispatch+combine cells")
     ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
+    ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a")
     args = ap.parse_args(argv)
     os.environ.setdefault("FI_TCP_IFACE", "lo")
@@ -268,7 +269,7 @@ def main(argv=None):
             print(json.dumps(records[-8:]), flush=True)
         if "a2a" not in skip:
             records += bench_a2a(prov, [("decode", args.decode_tokens), ("prefill", args.prefill_tokens)],
-                                 args.iters, args.num_channels, args.device)
+                                 args.iters, args.num_channels, args.device, args.hmem)
             print(json.dumps([{k: v for k, v in r.items() if k != "proxy_stats_rank0"} for r in records[-2:]]),
                   flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

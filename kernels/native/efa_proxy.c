@@ -124,6 +124,7 @@ typedef struct engine {
     uint32_t ring_slots, num_slots;
     _Atomic uint64_t *counters;
     int max_inflight, spin_us, inject, cpu_base;
+    int hmem_cuda_device; /* >= 0: the window is CUDA memory on this device (FI_HMEM_CUDA) */
     _Atomic int stop;
     _Atomic int failed;
     pthread_mutex_t fail_mu;
@@ -211,7 +212,7 @@ static engine *from_handle(uint64_t h) { return (engine *)(uintptr_t)h; }
 /* ---------------------------------------------------------------------------------------- */
 int efa_abi_version(void) { return EFA_PROXY_ABI_VERSION; }
 
-static struct fi_info *make_hints(const char *provider) {
+static struct fi_info *make_hints(const char *provider, int hmem) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints) return NULL;
     hints->ep_attr->type = FI_EP_RDM;
@@ -223,6 +224,11 @@ static struct fi_info *make_hints(const char *provider) {
     /* modes we honour: local descs, VA-based remote addresses, provider keys, endpoint binding */
     hints->domain_attr->mr_mode =
         FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    if (hmem) {
+        /* device memory in the window: the provider must accept FI_HMEM registrations */
+        hints->caps |= FI_HMEM;
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
+    }
     hints->domain_attr->threading = FI_THREAD_DOMAIN; /* one thread drives each domain */
     hints->domain_attr->av_type = FI_AV_TABLE;
     hints->fabric_attr->prov_name = strdup(provider);
@@ -231,7 +237,7 @@ static struct fi_info *make_hints(const char *provider) {
 
 /* fi_getinfo for provider; "tcp" also tries the RDM layering "tcp;ofi_rxm" (1.17 has no native
  * tcp RDM endpoint). Returns 0 and *out, or a libfabric error with err filled. */
-static int get_info(const char *provider, struct fi_info **out, char *err, size_t errlen) {
+static int get_info(const char *provider, int hmem, struct fi_info **out, char *err, size_t errlen) {
     const char *names[2] = {provider, NULL};
     char layered[80];
     if (!strchr(provider, ';')) {
@@ -240,12 +246,13 @@ static int get_info(const char *provider, struct fi_info **out, char *err, size_
     }
     int rc = -FI_ENODATA;
     for (int i = 0; i < 2 && names[i]; i++) {
-        struct fi_info *hints = make_hints(names[i]);
+        struct fi_info *hints = make_hints(names[i], hmem);
         if (!hints) {
             set_err(err, errlen, "fi_allocinfo failed (out of memory)");
             return -FI_ENOMEM;
         }
-        rc = fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, hints, out);
+        /* FI_HMEM exists from API 1.10 on; host windows keep the 1.9 semantics */
+        rc = fi_getinfo(hmem ? FI_VERSION(1, 10) : FI_VERSION(1, 9), NULL, NULL, 0, hints, out);
         fi_freeinfo(hints);
         if (rc == 0) {
             if ((*out)->domain_attr->cq_data_size < 4) {
@@ -260,17 +267,31 @@ static int get_info(const char *provider, struct fi_info **out, char *err, size_
             return 0;
         }
     }
-    set_err(err, errlen,
-            "fi_getinfo(prov_name=%s, FI_EP_RDM, caps=FI_RMA, FI_AV_TABLE) failed: %s (%d); "
-            "the provider is missing or lacks RMA / remote CQ data (fi_info -p %s shows what it "
-            "offers; for tcp set FI_TCP_IFACE to a configured interface, e.g. lo)",
-            provider, fi_strerror(-rc), rc, provider);
+    if (hmem)
+        set_err(err, errlen,
+                "fi_getinfo(prov_name=%s, FI_EP_RDM, caps=FI_RMA|FI_HMEM, mr_mode FI_MR_HMEM) failed: "
+                "%s (%d); this libfabric's %s provider cannot register device memory (fi_info -p %s "
+                "-c FI_HMEM shows it); use hmem='off' (host-staged) or a libfabric built with CUDA "
+                "(the AWS EFA installer's)", provider, fi_strerror(-rc), rc, provider, provider);
+    else
+        set_err(err, errlen,
+                "fi_getinfo(prov_name=%s, FI_EP_RDM, caps=FI_RMA, FI_AV_TABLE) failed: %s (%d); "
+                "the provider is missing or lacks RMA / remote CQ data (fi_info -p %s shows what it "
+                "offers; for tcp set FI_TCP_IFACE to a configured interface, e.g. lo)",
+                provider, fi_strerror(-rc), rc, provider);
     return rc;
 }
 
 int efa_probe(const char *provider, char *err, size_t errlen) {
     struct fi_info *info = NULL;
-    int rc = get_info(provider, &info, err, errlen);
+    int rc = get_info(provider, 0, &info, err, errlen);
+    if (info) fi_freeinfo(info);
+    return rc;
+}
+
+int efa_probe_hmem(const char *provider, char *err, size_t errlen) {
+    struct fi_info *info = NULL;
+    int rc = get_info(provider, 1, &info, err, errlen);
     if (info) fi_freeinfo(info);
     return rc;
 }
@@ -289,7 +310,7 @@ int efa_probe(const char *provider, char *err, size_t errlen) {
 static int channel_open(channel *c) {
     engine *e = c->eng;
     char msg[512] = {0};
-    int rc = get_info(e->provider, &c->info, msg, sizeof msg);
+    int rc = get_info(e->provider, e->hmem_cuda_device >= 0, &c->info, msg, sizeof msg);
     if (rc) {
         engine_fail(e, "rank %d channel %d: %s", e->rank, c->idx, msg);
         return rc;
@@ -317,10 +338,25 @@ static int channel_open(channel *c) {
 
     uint64_t mr_mode = (uint64_t)info->domain_attr->mr_mode;
     uint64_t requested_key = (uint64_t)(0x5eed0000u + (unsigned)c->idx);
-    CHECK_FI(fi_mr_reg(c->domain, e->window, (size_t)e->window_bytes,
-                       FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ, 0, requested_key, 0,
-                       &c->mr, NULL),
-             "fi_mr_reg(window)");
+    uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ;
+    if (e->hmem_cuda_device >= 0) {
+        /* the window is CUDA memory: the provider (NIC DMA on efa, cudaMemcpy on tcp/shm) reads
+         * and writes it directly, no host staging */
+        struct iovec iov = {.iov_base = e->window, .iov_len = (size_t)e->window_bytes};
+        struct fi_mr_attr attr;
+        memset(&attr, 0, sizeof attr);
+        attr.mr_iov = &iov;
+        attr.iov_count = 1;
+        attr.access = access;
+        attr.requested_key = requested_key;
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = e->hmem_cuda_device;
+        CHECK_FI(fi_mr_regattr(c->domain, &attr, 0, &c->mr), "fi_mr_regattr(window, FI_HMEM_CUDA)");
+    } else {
+        CHECK_FI(fi_mr_reg(c->domain, e->window, (size_t)e->window_bytes, access, 0, requested_key,
+                           0, &c->mr, NULL),
+                 "fi_mr_reg(window)");
+    }
     if (mr_mode & FI_MR_ENDPOINT) {
         CHECK_FI(fi_mr_bind(c->mr, &c->ep->fid, 0), "fi_mr_bind");
         CHECK_FI(fi_mr_enable(c->mr), "fi_mr_enable");
@@ -648,10 +684,10 @@ static int wait_phase(engine *e, channel *c, int want, int timeout_ms, char *err
 }
 
 int efa_engine_create(const char *provider, int rank, int world, int num_channels, void *window,
-                      uint64_t window_bytes, uint64_t *rings, uint32_t ring_slots,
-                      uint64_t *ring_ctrl, uint64_t *counters, uint32_t num_slots, int max_inflight,
-                      int spin_us, int inject, uint64_t seed, int cpu_base, int timeout_ms,
-                      uint64_t *out_handle, char *err, size_t errlen) {
+                      uint64_t window_bytes, int hmem_cuda_device, uint64_t *rings,
+                      uint32_t ring_slots, uint64_t *ring_ctrl, uint64_t *counters,
+                      uint32_t num_slots, int max_inflight, int spin_us, int inject, uint64_t seed,
+                      int cpu_base, int timeout_ms, uint64_t *out_handle, char *err, size_t errlen) {
     *out_handle = 0;
     if (world < 1 || world > EFA_MAX_RANKS || rank < 0 || rank >= world) {
         set_err(err, errlen, "rank=%d world=%d: need 0 <= rank < world <= %d", rank, world, EFA_MAX_RANKS);
@@ -686,6 +722,7 @@ int efa_engine_create(const char *provider, int rank, int world, int num_channel
     e->spin_us = spin_us < 0 ? 0 : spin_us;
     e->inject = inject;
     e->cpu_base = cpu_base;
+    e->hmem_cuda_device = hmem_cuda_device < 0 ? -1 : hmem_cuda_device;
     pthread_mutex_init(&e->fail_mu, NULL);
     e->ch = calloc((size_t)num_channels, sizeof(channel));
     if (!e->ch) {

@@ -18,7 +18,9 @@
  * reach it; all must outlive the engine):
  *   window   : window_bytes, 16-byte aligned; registered in every channel's domain. Descriptor
  *              offsets are relative to its base, locally and remotely (every rank lays its
- *              window out the same way).
+ *              window out the same way). Host memory, or CUDA device memory when
+ *              hmem_cuda_device >= 0 (registered with FI_HMEM_CUDA; the provider must offer
+ *              FI_HMEM, see efa_probe_hmem). Rings, control words and counters stay in host memory.
  *   rings    : K * ring_slots * 2 uint64 (descriptor words, see EFA_DESC_* below).
  *   ring_ctrl: K * EFA_CTRL_STRIDE uint64; [ch*STRIDE + EFA_CTRL_TAIL] is written by the producer
  *              (release), [ch*STRIDE + EFA_CTRL_HEAD] by the channel thread (release). Separate
@@ -46,7 +48,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 1
+#define EFA_PROXY_ABI_VERSION 2
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -62,12 +64,15 @@ int efa_abi_version(void);
 
 /* Checks that `provider` offers RDM endpoints with FI_RMA and FI_REMOTE_CQ_DATA. */
 int efa_probe(const char *provider, char *err, size_t errlen);
+/* Same, plus FI_HMEM with FI_MR_HMEM (device-memory windows). Whether CUDA memory really
+ * registers is only known at efa_engine_create (fi_mr_regattr names the failure). */
+int efa_probe_hmem(const char *provider, char *err, size_t errlen);
 
 /* Creates the engine and starts its K channel threads; each thread pins itself (cpu_base >= 0:
  * channel c on CPU cpu_base + c), opens its endpoint and registers the window, then reports.
  * Returns once every thread reported ready (or the first init error, with the thread's verb). */
 int efa_engine_create(const char *provider, int rank, int world, int num_channels,
-                      void *window, uint64_t window_bytes,
+                      void *window, uint64_t window_bytes, int hmem_cuda_device,
                       uint64_t *rings, uint32_t ring_slots, uint64_t *ring_ctrl,
                       uint64_t *counters, uint32_t num_slots,
                       int max_inflight, int spin_us, int inject, uint64_t seed, int cpu_base,

@@ -262,3 +262,53 @@ def test_describe_messages_encoding():
 def test_gpu_host_staged_two_ranks_bit_identical():
     _run_compare(2, CASES_2[:2] + CASES_2[4:], [{"provider": "tcp", "num_channels": 2, "timeout_s": 30}],
                  env={"EFA_EP_TEST_DEVICE": "cuda"})
+
+
+def _hmem_option_errors(rank, world):
+    from efa_ep.kernels import TransportError, create_transport
+
+    out = []
+    for opts in ({"hmem": "cuda"}, {"hmem": "gpu"}):
+        try:
+            create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp", **opts).close()
+            out.append("no error")
+        except TransportError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_hmem_option_refused_without_cuda_or_unknown():
+    (cuda_msg, bad_msg), = run_ranks(_hmem_option_errors, 1, (), timeout_s=60, env=LOOPBACK)
+    assert "hmem='cuda' needs a CUDA device" in cuda_msg
+    assert "hmem='gpu'" in bad_msg and "'off'" in bad_msg
+
+
+def test_hmem_probe_names_the_missing_capability():
+    from efa_ep.kernels import proxy_native
+
+    why = proxy_native.probe("no_such_provider", hmem=True)
+    assert why is not None and "FI_HMEM" in why and "no_such_provider" in why and "hmem='off'" in why
+
+
+HMEM_PROVIDER = os.environ.get("EFA_EP_TEST_HMEM_PROVIDER", "tcp")
+
+
+def _hmem_unavailable():
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from efa_ep.kernels import proxy_native
+
+    why = proxy_native.probe(HMEM_PROVIDER, hmem=True)
+    return None if why is None else f"libfabric here cannot do FI_HMEM over {HMEM_PROVIDER}: {why}"
+
+
+@pytest.mark.skipif(_hmem_unavailable() is not None, reason=str(_hmem_unavailable()))
+def test_gpu_hmem_window_two_ranks_bit_identical():
+    """Device window registered with FI_HMEM_CUDA (no host staging): bit-identical to torch."""
+    _run_compare(2, CASES_2[:2] + CASES_2[4:],
+                 [{"provider": HMEM_PROVIDER, "num_channels": 2, "timeout_s": 30, "hmem": "cuda"},
+                  {"provider": HMEM_PROVIDER, "num_channels": 2, "timeout_s": 30, "hmem": "cuda",
+                   "producer": "torch", "chunk_bytes": 512}],
+                 env={"EFA_EP_TEST_DEVICE": "cuda"},
+                 base_env=LOOPBACK if HMEM_PROVIDER == "tcp" else SHM_ENV)
