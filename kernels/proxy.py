@@ -280,11 +280,17 @@ class ProxyTransport(Transport):
     def _setup(self) -> None:
         settings = (self.provider, self.num_channels, self.chunk_bytes, self.row_cap,
                     self.window_bytes, self.inject, self.hmem)
-        self.engine = native.Engine(
-            self.provider, self.rank, self.world_size, self.num_channels, self.window.data_ptr(),
-            self.window_bytes, self.rings.data_ptr(), self.ring_slots, self.ring_ctrl.data_ptr(),
-            self.counters.data_ptr(), _NUM_COUNTER_SLOTS, self.max_inflight, self.spin_us,
-            self.inject, 1234 + self.rank, self.cpu_base, self.timeout_ms, self.hmem_device)
+        try:
+            self.engine = native.Engine(
+                self.provider, self.rank, self.world_size, self.num_channels, self.window.data_ptr(),
+                self.window_bytes, self.rings.data_ptr(), self.ring_slots, self.ring_ctrl.data_ptr(),
+                self.counters.data_ptr(), _NUM_COUNTER_SLOTS, self.max_inflight, self.spin_us,
+                self.inject, 1234 + self.rank, self.cpu_base, self.timeout_ms, self.hmem_device)
+        except native.NativeError as ex:
+            where = (f"a CUDA window on cuda:{self.hmem_device} (hmem='cuda'; hmem='off' stages "
+                     f"through host memory instead)" if self.hmem == "cuda" else "a host window")
+            raise TransportError(f"rank {self.rank}: the proxy engine over libfabric provider "
+                                 f"{self.provider!r} with {where} failed to start: {ex}") from ex
         mine = [self.engine.local_info(c) for c in range(self.num_channels)]
         # Endpoint names, window keys and base addresses travel over the torch group (gloo) once.
         gathered = [None] * self.world_size

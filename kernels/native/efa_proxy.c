@@ -270,9 +270,10 @@ static int get_info(const char *provider, int hmem, struct fi_info **out, char *
     if (hmem)
         set_err(err, errlen,
                 "fi_getinfo(prov_name=%s, FI_EP_RDM, caps=FI_RMA|FI_HMEM, mr_mode FI_MR_HMEM) failed: "
-                "%s (%d); this libfabric's %s provider cannot register device memory (fi_info -p %s "
-                "-c FI_HMEM shows it); use hmem='off' (host-staged) or a libfabric built with CUDA "
-                "(the AWS EFA installer's)", provider, fi_strerror(-rc), rc, provider, provider);
+                "%s (%d); this libfabric's %s provider does not offer device-memory registration "
+                "(fi_info -p %s -c FI_HMEM shows it; tcp never does, efa and shm do when libfabric "
+                "is built with CUDA, as the AWS EFA installer's is); use hmem='off' (host-staged)",
+                provider, fi_strerror(-rc), rc, provider, provider);
     else
         set_err(err, errlen,
                 "fi_getinfo(prov_name=%s, FI_EP_RDM, caps=FI_RMA, FI_AV_TABLE) failed: %s (%d); "

@@ -264,13 +264,25 @@ def test_gpu_host_staged_two_ranks_bit_identical():
                  env={"EFA_EP_TEST_DEVICE": "cuda"})
 
 
+def _hmem_create_error(rank, world, provider):
+    """The error hmem='cuda' gives over ``provider`` here ('no error' if it works)."""
+    from efa_ep.kernels import create_transport
+
+    try:
+        create_transport("proxy", None, 4, 8, 16, torch.float32, provider=provider, hmem="cuda").close()
+        return "no error"
+    except Exception as e:  # the type is part of what is checked
+        return f"{type(e).__name__}: {e}"
+
+
 def _hmem_option_errors(rank, world):
     from efa_ep.kernels import TransportError, create_transport
 
     out = []
-    for opts in ({"hmem": "cuda"}, {"hmem": "gpu"}):
+    for opts in ({"hmem": "cuda"}, {"hmem": "gpu"}, {"provider": "no_such_provider"}):
+        opts = {"provider": "tcp", **opts}
         try:
-            create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp", **opts).close()
+            create_transport("proxy", None, 4, 8, 16, torch.float32, **opts).close()
             out.append("no error")
         except TransportError as e:
             out.append(str(e))
@@ -279,9 +291,11 @@ def _hmem_option_errors(rank, world):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_hmem_option_refused_without_cuda_or_unknown():
-    (cuda_msg, bad_msg), = run_ranks(_hmem_option_errors, 1, (), timeout_s=60, env=LOOPBACK)
+    (cuda_msg, bad_msg, prov_msg), = run_ranks(_hmem_option_errors, 1, (), timeout_s=60, env=LOOPBACK)
     assert "hmem='cuda' needs a CUDA device" in cuda_msg
     assert "hmem='gpu'" in bad_msg and "'off'" in bad_msg
+    # an engine that cannot start names the rank, the provider and the libfabric verb
+    assert "rank 0" in prov_msg and "no_such_provider" in prov_msg and "fi_getinfo" in prov_msg, prov_msg
 
 
 def test_hmem_probe_names_the_missing_capability():
@@ -291,7 +305,9 @@ def test_hmem_probe_names_the_missing_capability():
     assert why is not None and "FI_HMEM" in why and "no_such_provider" in why and "hmem='off'" in why
 
 
-HMEM_PROVIDER = os.environ.get("EFA_EP_TEST_HMEM_PROVIDER", "tcp")
+# shm is the libfabric provider that takes CUDA memory on a host without EFA (tcp never
+# advertises FI_HMEM, up to libfabric 2.6); on AWS set EFA_EP_TEST_HMEM_PROVIDER=efa.
+HMEM_PROVIDER = os.environ.get("EFA_EP_TEST_HMEM_PROVIDER", "shm")
 
 
 def _hmem_unavailable():
