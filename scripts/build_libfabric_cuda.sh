@@ -43,7 +43,10 @@ BUILD="${LF_BUILD_DIR:-/tmp/lfbuild}"
 JOBS="${LF_JOBS:-$(nproc 2>/dev/null || echo 4)}"
 CUDA_MODE="${LIBFABRIC_CUDA:-auto}"
 
-[ -x "$SRC/configure" ] || die "$SRC/configure missing: the libfabric source kit (.libfabric_src/) was not carried along"
+[ -x "$SRC/configure" ] || die "$SRC/configure missing. Make the kit on a machine with internet and autotools:
+  git clone --depth 1 --branch v1.22.0 https://github.com/ofiwg/libfabric .libfabric_src
+  (cd .libfabric_src && ./autogen.sh && rm -rf .git fabtests autom4te.cache)
+then carry .libfabric_src (it is git-ignored) to the GPU machine"
 command -v gcc >/dev/null || die "gcc not found"
 command -v make >/dev/null || die "make not found"
 case "$PREFIX" in /*) ;; *) PREFIX="$(pwd)/$PREFIX" ;; esac
