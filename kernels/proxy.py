@@ -46,7 +46,8 @@ Options (``create_transport("proxy", ..., **options)``; env var in parentheses):
     max_topk: top-k the windows are sized for (default 8). max_row_bytes: override row_cap.
     ring_slots (1024), max_inflight (64 writes per channel), spin_us (EFA_EP_PROXY_SPIN_US, 200),
     cpu_base (EFA_EP_PROXY_CPU_BASE, -1 = no pinning): channel c pinned to CPU cpu_base + c.
-    hmem (EFA_EP_PROXY_HMEM): ``off`` (host window, default) or ``cuda`` (device window with
+    hmem (EFA_EP_PROXY_HMEM): ``auto`` (default: ``cuda`` over efa when libfabric offers FI_HMEM
+        and CUDA is present, else ``off``), ``off`` (host window) or ``cuda`` (device window with
         FI_HMEM; raises at construction, naming the verb, if this libfabric cannot register CUDA
         memory: Debian's 1.17 build cannot, the AWS EFA installer's can).
 """
@@ -220,9 +221,15 @@ class ProxyTransport(Transport):
         # where the window lives: "off" = host memory (pinned with CUDA present: GPU inputs are
         # host-staged); "cuda" = device memory of the current CUDA device registered with
         # FI_HMEM (the provider reads and writes it directly; needs a CUDA-enabled libfabric)
-        self.hmem = _opt(o, "hmem", "EFA_EP_PROXY_HMEM", "off", str)
-        if self.hmem not in ("off", "cuda"):
-            raise TransportError(f"hmem={self.hmem!r}: expected 'off' (host window) or 'cuda'")
+        # "auto" = "cuda" over efa when this libfabric offers FI_HMEM and a GPU is present (the NIC
+        # then reads and writes GPU memory directly), else "off": on shm a device window is slower
+        # than host staging (RESULTS.md), and tcp never offers FI_HMEM.
+        self.hmem = _opt(o, "hmem", "EFA_EP_PROXY_HMEM", "auto", str)
+        if self.hmem not in ("auto", "off", "cuda"):
+            raise TransportError(f"hmem={self.hmem!r}: expected 'auto', 'off' (host window) or 'cuda'")
+        if self.hmem == "auto":
+            self.hmem = "cuda" if (self.provider == "efa" and torch.cuda.is_available()
+                                   and native.probe(self.provider, hmem=True) is None) else "off"
         if self.hmem == "cuda" and not torch.cuda.is_available():
             raise TransportError("hmem='cuda' needs a CUDA device (torch.cuda.is_available() is False)")
         # descriptor producer: "torch" (host code), "triton" (kernel into the pinned ring), "auto"

@@ -278,7 +278,9 @@ def _hmem_create_error(rank, world, provider):
 def _hmem_option_errors(rank, world):
     from efa_ep.kernels import TransportError, create_transport
 
-    out = []
+    t = create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp")
+    out = [t.hmem]  # auto resolves to a host window: tcp has no FI_HMEM (and no GPU here)
+    t.close()
     for opts in ({"hmem": "cuda"}, {"hmem": "gpu"}, {"provider": "no_such_provider"}):
         opts = {"provider": "tcp", **opts}
         try:
@@ -291,7 +293,8 @@ def _hmem_option_errors(rank, world):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_hmem_option_refused_without_cuda_or_unknown():
-    (cuda_msg, bad_msg, prov_msg), = run_ranks(_hmem_option_errors, 1, (), timeout_s=60, env=LOOPBACK)
+    (auto_mode, cuda_msg, bad_msg, prov_msg), = run_ranks(_hmem_option_errors, 1, (), timeout_s=60, env=LOOPBACK)
+    assert auto_mode == "off"
     assert "hmem='cuda' needs a CUDA device" in cuda_msg
     assert "hmem='gpu'" in bad_msg and "'off'" in bad_msg
     # an engine that cannot start names the rank, the provider and the libfabric verb
