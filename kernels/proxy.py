@@ -54,6 +54,7 @@ Options (``create_transport("proxy", ..., **options)``; env var in parentheses):
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -72,6 +73,10 @@ _OP_NAMES = {_OP_DISPATCH: "dispatch", _OP_COMBINE: "combine", _OP_CACHED: "disp
 _HDR_FIXED = 4            # status, op, rows, row_bytes
 _NUM_COUNTER_SLOTS = 64   # counter slots per source; a peer is never more than 2 messages ahead
 _ALIGN = 16
+
+
+# Providers on which hmem='auto' tries a device window first (GPUDirect RDMA into GPU memory).
+_HMEM_AUTO_PROVIDERS = ("efa",)
 
 
 def _align(n: int, a: int = _ALIGN) -> int:
@@ -227,8 +232,9 @@ class ProxyTransport(Transport):
         self.hmem = _opt(o, "hmem", "EFA_EP_PROXY_HMEM", "auto", str)
         if self.hmem not in ("auto", "off", "cuda"):
             raise TransportError(f"hmem={self.hmem!r}: expected 'auto', 'off' (host window) or 'cuda'")
-        if self.hmem == "auto":
-            self.hmem = "cuda" if (self.provider == "efa" and torch.cuda.is_available()
+        self._hmem_auto = self.hmem == "auto"
+        if self._hmem_auto:
+            self.hmem = "cuda" if (self.provider in _HMEM_AUTO_PROVIDERS and torch.cuda.is_available()
                                    and native.probe(self.provider, hmem=True) is None) else "off"
         if self.hmem == "cuda" and not torch.cuda.is_available():
             raise TransportError("hmem='cuda' needs a CUDA device (torch.cuda.is_available() is False)")
@@ -267,13 +273,7 @@ class ProxyTransport(Transport):
                 f"max_tokens_per_rank={cfg.max_tokens_per_rank} or hidden={cfg.hidden}")
 
         pin = torch.cuda.is_available()
-        if self.hmem == "cuda":
-            self.hmem_device = torch.cuda.current_device()
-            self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, device=f"cuda:{self.hmem_device}")
-        else:
-            # Host memory the NIC writes into and the GPU may read: pinned so a kernel can reach it.
-            self.hmem_device = -1
-            self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._alloc_window()
         self.rings = torch.zeros(self.num_channels, self.ring_slots, 2, dtype=torch.int64, pin_memory=pin)
         self.ring_ctrl = torch.zeros(self.num_channels, native.CTRL_STRIDE, dtype=torch.int64, pin_memory=pin)
         self.counters = torch.zeros(w * _NUM_COUNTER_SLOTS, dtype=torch.int64, pin_memory=pin)
@@ -284,9 +284,17 @@ class ProxyTransport(Transport):
         self._setup()
 
     # Setup ----------------------------------------------------------------------------------
-    def _setup(self) -> None:
-        settings = (self.provider, self.num_channels, self.chunk_bytes, self.row_cap,
-                    self.window_bytes, self.inject, self.hmem)
+    def _alloc_window(self) -> None:
+        if self.hmem == "cuda":
+            self.hmem_device = torch.cuda.current_device()
+            self.window = torch.zeros(self.window_bytes, dtype=torch.uint8, device=f"cuda:{self.hmem_device}")
+        else:
+            # Host memory the NIC writes into and the GPU may read: pinned so a kernel can reach it.
+            self.hmem_device = -1
+            self.window = torch.zeros(self.window_bytes, dtype=torch.uint8,
+                                      pin_memory=torch.cuda.is_available())
+
+    def _start_engine(self) -> None:
         try:
             self.engine = native.Engine(
                 self.provider, self.rank, self.world_size, self.num_channels, self.window.data_ptr(),
@@ -298,6 +306,21 @@ class ProxyTransport(Transport):
                      f"through host memory instead)" if self.hmem == "cuda" else "a host window")
             raise TransportError(f"rank {self.rank}: the proxy engine over libfabric provider "
                                  f"{self.provider!r} with {where} failed to start: {ex}") from ex
+
+    def _setup(self) -> None:
+        try:
+            self._start_engine()
+        except TransportError as ex:
+            if not (self._hmem_auto and self.hmem == "cuda"):
+                raise
+            # hmem='auto' chose the device window; this libfabric offered FI_HMEM but could not
+            # register it: say so and use the host window (every rank compares settings below)
+            warnings.warn(f"{ex}; hmem='auto' continues with a host window (host-staged)")
+            self.hmem = "off"
+            self._alloc_window()
+            self._start_engine()
+        settings = (self.provider, self.num_channels, self.chunk_bytes, self.row_cap,
+                    self.window_bytes, self.inject, self.hmem)
         mine = [self.engine.local_info(c) for c in range(self.num_channels)]
         # Endpoint names, window keys and base addresses travel over the torch group (gloo) once.
         gathered = [None] * self.world_size

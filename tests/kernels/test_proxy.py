@@ -319,10 +319,27 @@ def _hmem_unavailable():
     from efa_ep.kernels import proxy_native
 
     why = proxy_native.probe(HMEM_PROVIDER, hmem=True)
-    return None if why is None else f"libfabric here cannot do FI_HMEM over {HMEM_PROVIDER}: {why}"
+    if why is not None:
+        return f"libfabric here cannot do FI_HMEM over {HMEM_PROVIDER}: {why}"
+    # providers may offer FI_HMEM without CUDA support compiled in (Debian's shm): register one
+    window = torch.zeros(1 << 12, dtype=torch.uint8, device="cuda")
+    rings = torch.zeros(1, 16, 2, dtype=torch.int64)
+    ctrl = torch.zeros(1, proxy_native.CTRL_STRIDE, dtype=torch.int64)
+    counters = torch.zeros(4, dtype=torch.int64)
+    try:
+        eng = proxy_native.Engine(HMEM_PROVIDER, 0, 1, 1, window.data_ptr(), window.numel(), rings.data_ptr(),
+                                  16, ctrl.data_ptr(), counters.data_ptr(), 4, 4, 0, 0, 1, -1, 20000,
+                                  torch.cuda.current_device())
+    except proxy_native.NativeError as e:
+        return f"libfabric here cannot register CUDA memory over {HMEM_PROVIDER}: {e}"
+    eng.destroy()
+    return None
 
 
-@pytest.mark.skipif(_hmem_unavailable() is not None, reason=str(_hmem_unavailable()))
+_HMEM_WHY = _hmem_unavailable()
+
+
+@pytest.mark.skipif(_HMEM_WHY is not None, reason=str(_HMEM_WHY))
 def test_gpu_hmem_window_two_ranks_bit_identical():
     """Device window registered with FI_HMEM_CUDA (no host staging): bit-identical to torch."""
     _run_compare(2, CASES_2[:2] + CASES_2[4:],
@@ -331,3 +348,35 @@ def test_gpu_hmem_window_two_ranks_bit_identical():
                    "producer": "torch", "chunk_bytes": 512}],
                  env={"EFA_EP_TEST_DEVICE": "cuda"},
                  base_env=LOOPBACK if HMEM_PROVIDER == "tcp" else SHM_ENV)
+
+
+def _hmem_auto_falls_back(rank, world):
+    import warnings
+
+    from efa_ep.kernels import create_transport
+
+    proxy_mod._HMEM_AUTO_PROVIDERS = ("shm",)  # make 'auto' try the device window over shm
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = create_transport("proxy", None, 8, 32, 16, torch.float32, provider="shm")
+    mode = t.hmem
+    x = torch.randn(16, 32, device="cuda")
+    idx = torch.randint(0, 8, (16, 2), device="cuda")
+    out = t.dispatch(x, idx, torch.ones(16, 2, device="cuda"))
+    y = t.combine(out[0], out[4])
+    t.close()
+    return mode, [str(w.message) for w in caught], y.shape[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_hmem_auto_uses_host_window_when_registration_fails():
+    """hmem='auto' picked a device window but this libfabric cannot register it (Debian's build
+    has no CUDA): the transport warns, names the failed call and runs host-staged. With a
+    CUDA-enabled libfabric the device window starts and no warning is given."""
+    out = run_ranks(_hmem_auto_falls_back, 2, (), timeout_s=120, env=SHM_ENV)
+    for mode, msgs, rows in out:
+        assert rows == 16
+        if mode == "off":
+            assert any("fi_mr_regattr" in m and "host window" in m for m in msgs), msgs
+        else:
+            assert mode == "cuda" and not msgs, (mode, msgs)
