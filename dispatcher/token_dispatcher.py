@@ -128,6 +128,7 @@ class _Dispatch(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = ctx.transport.combine_topk_weights(grad_recv_w.contiguous(), ctx.handle)
+        ctx.transport.after_backward()  # deferred device-side errors surface before any step
         return (grad_x,      # x
                 grad_w,      # topk_weights
                 None,        # topk_idx (integer)

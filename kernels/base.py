@@ -364,6 +364,12 @@ class Transport(abc.ABC):
                              torch.zeros((), dtype=torch.float32, device=grad_recv_topk_weights.device))
         return self.combine(masked.contiguous(), handle)
 
+    def after_backward(self) -> None:
+        """Called by the dispatcher once its backward ops of a layer have been issued (the last
+        collective of that layer's backward). Transports that defer device-side errors raise
+        them here, so a step never applies gradients computed from rows that did not arrive.
+        Default: nothing (errors were raised by the calls themselves)."""
+
     def close(self) -> None:
         """Releases windows, threads and endpoints. Idempotent."""
 

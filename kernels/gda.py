@@ -179,7 +179,10 @@ class GdaTransport(Transport):
         timeout_s: deadline of every device-side wait (default 60).
         num_programs: grid of the store/gather kernels (default 2 x SMs / ranks sharing the GPU).
         check_every_call: 1 = sync after combine/dispatch_cached to raise deadline errors at
-            once (default 0: raised at the next dispatch or by :meth:`check_errors`).
+            once (default 0: raised at the next dispatch, by :meth:`check_errors`, or by
+            :meth:`after_backward`).
+        check_backward: 1 (default) = :meth:`after_backward` syncs once per layer backward and
+            raises deferred deadline errors before the gradients are used; 0 = defer.
 
     Synchronization: all kernels run on the current stream. ``dispatch`` blocks the CPU once
     (device-to-host copy of the counts), so it is not CUDA-graph capturable; ``combine`` and
@@ -207,6 +210,9 @@ class GdaTransport(Transport):
         self.max_topk = int(opts.get("max_topk", 16))
         self.timeout_s = float(opts.get("timeout_s", 60.0))
         self.check_every_call = bool(int(opts.get("check_every_call", 0)))
+        # after_backward(): one host sync per layer backward that raises deferred deadline
+        # errors before the optimizer can use the gradients (0 = defer to the next dispatch)
+        self.check_backward = bool(int(opts.get("check_backward", 1)))
         self.device = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
         me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
@@ -280,6 +286,14 @@ class GdaTransport(Transport):
     def check_errors(self, op: str = "call") -> None:
         """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired."""
         self._raise_missing(int(self._err.item()), op, self._epoch)
+
+    def after_backward(self) -> None:
+        """See ``Transport.after_backward``: with ``check_backward`` (default 1) one host sync,
+        raising :class:`PeerTimeoutError` if any wait of the layer (forward combine included)
+        expired. Without it a deadline expiry in a layer's backward would leave wrong rows in
+        the gradients and be raised only by the next dispatch, after the optimizer step."""
+        if self.check_backward:
+            self.check_errors("backward")
 
     def _hdr_view(self, hdr_off: int) -> torch.Tensor:
         n = self.world_size * self.layout.hdr_len

@@ -137,3 +137,40 @@ def test_megatron_dropless_roundtrip():
     counts = run_ranks(_roundtrip_worker, 2, timeout_s=120)
     # Every (token, expert) pair of both ranks lands on exactly one expert.
     assert sum(sum(c) for c in counts) == 2 * SEQ * BATCH * TOPK
+
+
+def _after_backward_worker(rank, world):
+    """The layer's backward ends with transport.after_backward(); an error it raises (gda: a
+    device-side deadline that expired) stops loss.backward() before any optimizer step."""
+    import os
+
+    os.environ["EFA_EP_TRANSPORT"] = "torch"
+    import efa_ep  # noqa: F401
+    from efa_ep.kernels import TransportError
+    from efa_ep.tiny_moe import init_megatron
+
+    init_megatron(world)
+    torch.manual_seed(0)
+    layer = _layer("efa", world)
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    out, _ = layer(x)
+    transport = layer.token_dispatcher.transport
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise TransportError(f"rank {rank}: simulated expired wait")
+
+    transport.after_backward = failing
+    try:
+        out.sum().backward()
+        outcome = "no error"
+    except TransportError as e:
+        outcome = str(e)
+    del transport.after_backward  # the shared transport is reused by later tests in this process
+    return len(calls), outcome, x.grad is None
+
+
+def test_backward_raises_deferred_transport_errors():
+    for calls, outcome, no_grad in run_ranks(_after_backward_worker, 2, timeout_s=120):
+        assert calls == 1 and "simulated expired wait" in outcome and no_grad
