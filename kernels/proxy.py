@@ -223,12 +223,9 @@ class ProxyTransport(Transport):
         self.max_inflight = _opt(o, "max_inflight", "", 64, int)
         self.spin_us = _opt(o, "spin_us", "EFA_EP_PROXY_SPIN_US", 200, int)
         self.cpu_base = _opt(o, "cpu_base", "EFA_EP_PROXY_CPU_BASE", -1, int)
-        # where the window lives: "off" = host memory (pinned with CUDA present: GPU inputs are
-        # host-staged); "cuda" = device memory of the current CUDA device registered with
-        # FI_HMEM (the provider reads and writes it directly; needs a CUDA-enabled libfabric)
-        # "auto" = "cuda" over efa when this libfabric offers FI_HMEM and a GPU is present (the NIC
-        # then reads and writes GPU memory directly), else "off": on shm a device window is slower
-        # than host staging (RESULTS.md), and tcp never offers FI_HMEM.
+        # Where the window lives (module docstring). "auto" picks the device window only over
+        # efa, where the NIC reads and writes GPU memory directly; on shm a device window is
+        # slower than host staging (RESULTS.md) and tcp never offers FI_HMEM.
         self.hmem = _opt(o, "hmem", "EFA_EP_PROXY_HMEM", "auto", str)
         if self.hmem not in ("auto", "off", "cuda"):
             raise TransportError(f"hmem={self.hmem!r}: expected 'auto', 'off' (host window) or 'cuda'")

@@ -20,7 +20,7 @@ def _worker(rank, world, dtype, deterministic, names):
 
     import efa_ep  # noqa: F401
     from efa_ep.tiny_moe import init_megatron
-    from tests.dispatcher.test_moe_layer_gpu import BATCH, HIDDEN, SEQ
+    from tests.dispatcher.test_moe_layer_gpu import BATCH, HIDDEN, SEQ, _layer
 
     if deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -28,33 +28,12 @@ def _worker(rank, world, dtype, deterministic, names):
     torch.cuda.set_device(0)
     init_megatron(world)
     torch.manual_seed(0)
-    def make(transport, **options):
-        # as tests/dispatcher/test_moe_layer_gpu.py::_layer, plus per-layer transport options
-        # (settings precedence: config attributes are read when the dispatcher is built)
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-        from megatron.core.transformer.spec_utils import get_submodules
-
-        from efa_ep.tiny_moe import TinyMoEConfig, transformer_config
-        from tests.dispatcher.test_moe_layer_gpu import EXPERTS, TOPK
-
-        cfg = TinyMoEConfig(num_layers=1, hidden_size=HIDDEN, num_moe_experts=EXPERTS,
-                            moe_router_topk=TOPK, ffn_hidden_size=512, moe_ffn_hidden_size=512,
-                            dtype=dtype)
-        config = transformer_config(cfg, "efa", world)
-        config.efa_ep_transport = transport
-        if options:
-            config.efa_ep_transport_options = options
-        layer = MoELayer(config, get_submodules(get_gpt_layer_local_submodules(num_experts=EXPERTS).mlp))
-        layer.set_layer_number(0)
-        return layer.cuda()
-
-    every = {"torch_a": lambda: make("torch"), "torch_b": lambda: make("torch"),
-             "proxy": lambda: make("proxy", provider="tcp", num_channels=2),
-             "gda": lambda: make("gda"),
-             "gda_sync_each_call": lambda: make("gda", check_every_call=1),
-             "gda_4_programs": lambda: make("gda", num_programs=4)}
-    layers = {k: every[k]() for k in ["torch_a"] + [n for n in names if n != "torch_a"]}
+    every = {"torch_a": ("torch", {}), "torch_b": ("torch", {}),
+             "proxy": ("proxy", {"provider": "tcp", "num_channels": 2}), "gda": ("gda", {}),
+             "gda_sync_each_call": ("gda", {"check_every_call": 1}),
+             "gda_4_programs": ("gda", {"num_programs": 4})}
+    layers = {k: _layer(every[k][0], world, dtype, **every[k][1])
+              for k in ["torch_a"] + [n for n in names if n != "torch_a"]}
     dist.broadcast(layers["torch_a"].router.weight.data, src=0)
     for k in layers:
         if k != "torch_a":

@@ -10,11 +10,8 @@
 set -u
 OUT=${OUT:-/tmp/hmem_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2; local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n ${TAILN:-6} "$OUT/$name.log" | cut -c1-400
-}
+source scripts/gpu_common.sh
+TAILN=${TAILN:-6}
 # 1. with Debian's libfabric: hmem='cuda' must be refused with a message naming the verb
 step refusal 60 env EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so python3 -c "
 from efa_ep.distributed import run_ranks
@@ -30,8 +27,7 @@ unset EFA_EP_PROXY_SO
 step build_proxy 60 python3 -c "
 from efa_ep.kernels import proxy_native as n
 print(n.build()); print('shm hmem probe:', n.probe('shm', True)); print('tcp hmem probe:', n.probe('tcp', True))"
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d && echo "MPS on"
+mps_start
 # 3. correctness: host-staged and FI_HMEM GPU tests, bit-identical to torch
 step gpu_tests 180 env EFA_EP_TEST_HMEM_PROVIDER=shm python3 -m pytest -q -rs tests/kernels/test_proxy.py -k gpu
 # 4. dispatch+combine, same machine: FI_HMEM window vs host-staged window
@@ -39,7 +35,7 @@ step bench_hmem 150 python3 scripts/bench_proxy.py --out $OUT/hmem --providers s
   --device cuda --hmem cuda --iters 20
 step bench_staged 150 python3 scripts/bench_proxy.py --out $OUT/staged --providers shm --skip roundtrip,rate \
   --device cuda --hmem off --iters 20
-echo quit | nvidia-cuda-mps-control
+mps_stop
 for d in hmem staged; do python3 -c "
 import json,sys
 for r in json.load(open('$OUT/$d/bench_proxy.json'))['records']:

@@ -11,15 +11,10 @@ OUT=${OUT:-/tmp/gpu_suite_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo \
        TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d && echo "MPS on"
+source scripts/gpu_common.sh
+mps_start
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import efa_ep.kernels as k; print('transports:', k.transport_status())"
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2; local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log" | cut -c1-300
-}
 # SUITE_STEPS picks steps (default: all, in this order); SUITE_SCALE multiplies every timeout.
 want() { case " ${SUITE_STEPS:-proxy_gpu proxy_bench loss_match_bf16 moe_layer_gpu bench} " in *" $1 "*) return 0;; esac; return 1; }
 scale=${SUITE_SCALE:-1}
@@ -31,7 +26,7 @@ want moe_layer_gpu && step moe_layer_gpu $((100 * scale)) python3 -m pytest -q -
 want bench && step bench $((180 * scale)) python3 scripts/bench.py --config-name gpu "arms.transports=[torch,gda,proxy]" \
   "arms.proxy_channels=[2]" starts=6 iters=10 \
   warmup=3 layer.enabled=false start_timeout_s=120 out_dir=$OUT/bench
-echo quit | nvidia-cuda-mps-control
+mps_stop
 tar czf "$OUT/suite.tgz" -C "$OUT" $(cd "$OUT" && ls -d lm bench proxy 2>/dev/null)
 grep -h "loss-match:" "$OUT/loss_match_bf16.log" 2>/dev/null | tail -1
 grep -h "gpu_roundtrip\|\"rate\"" "$OUT/proxy_bench.log" 2>/dev/null | cut -c1-600 | head -6

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HIDDEN, EXPERTS, TOPK, SEQ, BATCH = 256, 16, 2, 64, 4
 
 
-def _layer(transport, ep, dtype):
+def _layer(transport, ep, dtype, **options):
+    """A Megatron MoELayer on CUDA whose efa dispatcher uses ``transport`` with ``options``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import get_submodules
@@ -24,6 +25,8 @@ def _layer(transport, ep, dtype):
                         dtype=dtype)
     config = transformer_config(cfg, "efa", ep)
     config.efa_ep_transport = transport  # per-layer transport choice (settings precedence)
+    if options:
+        config.efa_ep_transport_options = options
     layer = MoELayer(config, get_submodules(get_gpt_layer_local_submodules(num_experts=EXPERTS).mlp))
     layer.set_layer_number(0)
     return layer.cuda()

@@ -264,30 +264,30 @@ def test_gpu_host_staged_two_ranks_bit_identical():
                  env={"EFA_EP_TEST_DEVICE": "cuda"})
 
 
-def _hmem_create_error(rank, world, provider):
-    """The error hmem='cuda' gives over ``provider`` here ('no error' if it works)."""
-    from efa_ep.kernels import create_transport
+def _creation_error(**opts) -> str:
+    """'no error' if a proxy transport with ``opts`` starts (and closes), else its TransportError."""
+    from efa_ep.kernels import TransportError, create_transport
 
     try:
-        create_transport("proxy", None, 4, 8, 16, torch.float32, provider=provider, hmem="cuda").close()
+        create_transport("proxy", None, 4, 8, 16, torch.float32, **opts).close()
         return "no error"
-    except Exception as e:  # the type is part of what is checked
-        return f"{type(e).__name__}: {e}"
+    except TransportError as e:
+        return f"TransportError: {e}"
+
+
+def _hmem_create_error(rank, world, provider):
+    """The error hmem='cuda' gives over ``provider`` here (scripts/gpu_hmem_check.sh)."""
+    return _creation_error(provider=provider, hmem="cuda")
 
 
 def _hmem_option_errors(rank, world):
-    from efa_ep.kernels import TransportError, create_transport
+    from efa_ep.kernels import create_transport
 
     t = create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp")
     out = [t.hmem]  # auto resolves to a host window: tcp has no FI_HMEM (and no GPU here)
     t.close()
     for opts in ({"hmem": "cuda"}, {"hmem": "gpu"}, {"provider": "no_such_provider"}):
-        opts = {"provider": "tcp", **opts}
-        try:
-            create_transport("proxy", None, 4, 8, 16, torch.float32, **opts).close()
-            out.append("no error")
-        except TransportError as e:
-            out.append(str(e))
+        out.append(_creation_error(**{"provider": "tcp", **opts}))
     return out
 
 

@@ -1,0 +1,15 @@
+# Sourced by the one-call GPU scripts (gpu_suite.sh, gpu_hmem_check.sh); needs $OUT set.
+# step NAME SECONDS CMD...: runs CMD under a timeout into $OUT/NAME.log and prints its rc, wall
+# time and last $TAILN lines, so one overrun cannot take the other steps down.
+step() {
+  local name=$1 secs=$2; shift 2; local t0=$SECONDS
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n "${TAILN:-4}" "$OUT/$name.log" | cut -c1-400
+}
+# Several ranks on one GPU need MPS (without it they time-slice); stop it when done.
+mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS on"
+}
+mps_stop() { echo quit | nvidia-cuda-mps-control; }
