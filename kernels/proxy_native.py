@@ -26,15 +26,19 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "native", "efa_proxy.c")
 HEADER = os.path.join(_HERE, "native", "efa_proxy.h")
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
-MSG_BITS = 20
+MSG_BITS = 20           # descriptor field and source-rank shift in the immediate
+IMM_MSG_MASK = 0xFFFF   # message ids in the immediate (the rest: 4 bits of generation)
+IMM_GEN_MASK = 0xF
 MAX_RANKS = 4096
 NUM_STATS = 8
 STAT_NAMES = ("popped", "posted", "tx_done", "arrived", "eagain", "noop", "max_inflight", "sleeps")
 INJECT_TARGET, INJECT_SENDER = 1, 2
+# test-only faults on one data write (EFA_TAMPER_* in efa_proxy.h)
+TAMPER_KINDS = {"offset": 1, "msg": 2, "replay": 3, "gen": 4}
 _ERRLEN = 1024
 
 _lock = threading.Lock()
@@ -144,6 +148,12 @@ _SIGS = {
     "efa_probe_hmem": ([_cp, _cp, ctypes.c_size_t], _i32),
     "efa_engine_create": ([_cp, _i32, _i32, _i32, _vp, _u64, _i32, _vp, _u32, _vp, _vp, _u32, _i32, _i32,
                            _i32, _u64, _i32, _i32, _pu64, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_create_ex": ([_cp, _i32, _i32, _i32, _vp, _u64, _i32, _vp, _u32, _vp, _vp, _u32, _i32, _i32,
+                              _i32, _u64, _i32, _i32, _u64, _u64, _u64, _cp, _u32, _pu64, _cp,
+                              ctypes.c_size_t], _i32),
+    "efa_engine_region_info": ([_u64, _i32, _i32, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_expect": ([_u64, _u32], _i32),
+    "efa_engine_tamper": ([_u64, _i32], _i32),
     "efa_engine_local_info": ([_u64, _i32, _vp, _pu64, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_set_peers": ([_u64, _i32, _vp, _vp, _vp, _vp, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_ring_wait_space": ([_u64, _i32, _u32, _i32, _cp, ctypes.c_size_t], _i32),
@@ -212,17 +222,43 @@ class Engine:
     def __init__(self, provider: str, rank: int, world: int, num_channels: int, window_ptr: int,
                  window_bytes: int, rings_ptr: int, ring_slots: int, ctrl_ptr: int,
                  counters_ptr: int, num_slots: int, max_inflight: int, spin_us: int, inject: int,
-                 seed: int, cpu_base: int, timeout_ms: int, hmem_cuda_device: int = -1):
+                 seed: int, cpu_base: int, timeout_ms: int, hmem_cuda_device: int = -1,
+                 recv_off: int = 0, recv_stride: int = 0, key_seed: Optional[int] = None,
+                 node: str = "", gen: int = 0):
+        """``recv_stride > 0``: hardened layout (efa_engine_create_ex): source r writes only into
+        ``[recv_off + r * recv_stride, + recv_stride)``, keys from ``key_seed`` (random when
+        None), endpoint bound to ``node`` (tcp), ``gen`` in every immediate. ``recv_stride=0``:
+        one region, the whole window (standalone benchmark engines)."""
         self._lib = load()
         self.num_channels = num_channels
         self.world = world
         h = ctypes.c_uint64(0)
         err = _err()
-        _check(self._lib.efa_engine_create(
+        if key_seed is None:
+            key_seed = int.from_bytes(os.urandom(8), "little")
+        _check(self._lib.efa_engine_create_ex(
             provider.encode(), rank, world, num_channels, window_ptr, window_bytes, hmem_cuda_device, rings_ptr,
             ring_slots, ctrl_ptr, counters_ptr, num_slots, max_inflight, spin_us, inject, seed,
-            cpu_base, timeout_ms, ctypes.byref(h), err, _ERRLEN), err)
+            cpu_base, timeout_ms, recv_off, recv_stride, key_seed, node.encode(), gen,
+            ctypes.byref(h), err, _ERRLEN), err)
         self.handle = h.value
+
+    def region_info(self, ch: int, src: int) -> Tuple[int, int]:
+        """(key, base) of source ``src``'s receive region in this window on channel ch: what
+        only ``src`` needs to write to us."""
+        key, base = ctypes.c_uint64(), ctypes.c_uint64()
+        err = _err()
+        _check(self._lib.efa_engine_region_info(self.handle, ch, src, ctypes.byref(key),
+                                                ctypes.byref(base), err, _ERRLEN), err)
+        return key.value, base.value
+
+    def expect(self, seq: int) -> None:
+        """The consumer entered round ``seq``: other message ids now fail the engine."""
+        self._lib.efa_engine_expect(self.handle, seq & 0xFFFFFFFF)
+
+    def tamper(self, kind: str) -> None:
+        """Test-only: alters the next data write (TAMPER_KINDS)."""
+        self._lib.efa_engine_tamper(self.handle, TAMPER_KINDS[kind] if kind else 0)
 
     def local_info(self, ch: int) -> Tuple[bytes, int, int]:
         """(endpoint name padded to ADDR_MAX bytes, name length, key, base) of channel ch."""

@@ -82,11 +82,12 @@ typedef struct {
     struct fid_av *av;
     struct fid_cq *cq;
     struct fid_ep *ep;
-    struct fid_mr *mr;
+    struct fid_mr *mr;       /* whole window, local access only: source of our writes */
+    struct fid_mr **mr_recv; /* num_regions receive regions, remote write only */
     void *mr_desc;
     uint8_t name[EFA_ADDR_MAX];
     size_t name_len;
-    uint64_t key, base;
+    uint64_t *region_key, *region_base; /* per receive region: key and base peers add offsets to */
 
     /* peers (arrays of world); written by the creator before PH_PEERS_REQ */
     const uint8_t *req_names;
@@ -125,6 +126,18 @@ typedef struct engine {
     _Atomic uint64_t *counters;
     int max_inflight, spin_us, inject, cpu_base;
     int hmem_cuda_device; /* >= 0: the window is CUDA memory on this device (FI_HMEM_CUDA) */
+    /* Receive regions: source r writes only into [recv_off + r*recv_stride, + recv_stride), a
+     * separate registration with its own key; recv_stride 0 = one region, the whole window
+     * (standalone benchmark engines). */
+    uint64_t recv_off, recv_stride;
+    int num_regions;
+    uint64_t key_seed;
+    char node[128];       /* tcp: bind to this address (fi_getinfo FI_SOURCE), "" = provider's choice */
+    uint32_t gen;         /* generation carried in every immediate (EFA_IMM_GEN_BITS) */
+    _Atomic int check_msgs;     /* set by the first efa_engine_expect: stray message ids are errors */
+    _Atomic uint32_t expect_seq; /* the consumer's current round */
+    _Atomic int tamper;          /* test-only, see EFA_TAMPER_* */
+    _Atomic int tamper_done;
     _Atomic int stop;
     _Atomic int failed;
     pthread_mutex_t fail_mu;
@@ -212,7 +225,7 @@ static engine *from_handle(uint64_t h) { return (engine *)(uintptr_t)h; }
 /* ---------------------------------------------------------------------------------------- */
 int efa_abi_version(void) { return EFA_PROXY_ABI_VERSION; }
 
-static struct fi_info *make_hints(const char *provider, int hmem) {
+static struct fi_info *make_hints(const char *provider, int hmem, int prov_key) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints) return NULL;
     hints->ep_attr->type = FI_EP_RDM;
@@ -221,9 +234,10 @@ static struct fi_info *make_hints(const char *provider, int hmem) {
     hints->caps = FI_RMA;
     /* our op contexts start with a struct fi_context2, so either context mode is satisfied */
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    /* modes we honour: local descs, VA-based remote addresses, provider keys, endpoint binding */
-    hints->domain_attr->mr_mode =
-        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    /* modes we honour: local descs, VA-based remote addresses, endpoint binding; provider keys
+     * only where the provider insists (efa), else our random keys (get_info tries both) */
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_ENDPOINT;
+    if (prov_key) hints->domain_attr->mr_mode |= FI_MR_PROV_KEY;
     if (hmem) {
         /* device memory in the window: the provider must accept FI_HMEM registrations */
         hints->caps |= FI_HMEM;
@@ -237,7 +251,8 @@ static struct fi_info *make_hints(const char *provider, int hmem) {
 
 /* fi_getinfo for provider; "tcp" also tries the RDM layering "tcp;ofi_rxm" (1.17 has no native
  * tcp RDM endpoint). Returns 0 and *out, or a libfabric error with err filled. */
-static int get_info(const char *provider, int hmem, struct fi_info **out, char *err, size_t errlen) {
+static int get_info(const char *provider, int hmem, const char *node, struct fi_info **out,
+                    char *err, size_t errlen) {
     const char *names[2] = {provider, NULL};
     char layered[80];
     if (!strchr(provider, ';')) {
@@ -245,14 +260,18 @@ static int get_info(const char *provider, int hmem, struct fi_info **out, char *
         names[1] = layered;
     }
     int rc = -FI_ENODATA;
-    for (int i = 0; i < 2 && names[i]; i++) {
-        struct fi_info *hints = make_hints(names[i], hmem);
+    /* node: bind the endpoint to that local address (FI_SOURCE), so tcp listens on the process
+     * group's interface only */
+    const char *n = (node && node[0]) ? node : NULL;
+    for (int i = 0; i < 4 && names[i / 2]; i++) {
+        struct fi_info *hints = make_hints(names[i / 2], hmem, i % 2);
         if (!hints) {
             set_err(err, errlen, "fi_allocinfo failed (out of memory)");
             return -FI_ENOMEM;
         }
         /* FI_HMEM exists from API 1.10 on; host windows keep the 1.9 semantics */
-        rc = fi_getinfo(hmem ? FI_VERSION(1, 10) : FI_VERSION(1, 9), NULL, NULL, 0, hints, out);
+        rc = fi_getinfo(hmem ? FI_VERSION(1, 10) : FI_VERSION(1, 9), n, NULL, n ? FI_SOURCE : 0,
+                        hints, out);
         fi_freeinfo(hints);
         if (rc == 0) {
             if ((*out)->domain_attr->cq_data_size < 4) {
@@ -266,6 +285,13 @@ static int get_info(const char *provider, int hmem, struct fi_info **out, char *
             }
             return 0;
         }
+    }
+    if (n && !hmem) {
+        set_err(err, errlen,
+                "fi_getinfo(prov_name=%s, FI_EP_RDM, caps=FI_RMA, bound to local address %s) failed: "
+                "%s (%d); no interface of this provider holds that address (set FI_TCP_IFACE to the "
+                "interface the process group uses)", provider, n, fi_strerror(-rc), rc);
+        return rc;
     }
     if (hmem)
         set_err(err, errlen,
@@ -285,14 +311,14 @@ static int get_info(const char *provider, int hmem, struct fi_info **out, char *
 
 int efa_probe(const char *provider, char *err, size_t errlen) {
     struct fi_info *info = NULL;
-    int rc = get_info(provider, 0, &info, err, errlen);
+    int rc = get_info(provider, 0, NULL, &info, err, errlen);
     if (info) fi_freeinfo(info);
     return rc;
 }
 
 int efa_probe_hmem(const char *provider, char *err, size_t errlen) {
     struct fi_info *info = NULL;
-    int rc = get_info(provider, 1, &info, err, errlen);
+    int rc = get_info(provider, 1, NULL, &info, err, errlen);
     if (info) fi_freeinfo(info);
     return rc;
 }
@@ -308,10 +334,54 @@ int efa_probe_hmem(const char *provider, char *err, size_t errlen) {
         }                                                                                        \
     } while (0)
 
+static uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t region_start(const engine *e, int r) {
+    return e->recv_stride ? e->recv_off + (uint64_t)r * e->recv_stride : 0;
+}
+
+static uint64_t region_bytes(const engine *e) {
+    return e->recv_stride ? e->recv_stride : e->window_bytes;
+}
+
+/* Registers window[off, off + len) with `access`; binds it to the endpoint where required. */
+static int register_range(channel *c, uint64_t off, uint64_t len, uint64_t access, uint64_t key,
+                          struct fid_mr **out) {
+    engine *e = c->eng;
+    int rc;
+    if (e->hmem_cuda_device >= 0) {
+        /* the window is CUDA memory: the provider (NIC DMA on efa, cudaMemcpy on tcp/shm) reads
+         * and writes it directly, no host staging */
+        struct iovec iov = {.iov_base = e->window + off, .iov_len = (size_t)len};
+        struct fi_mr_attr attr;
+        memset(&attr, 0, sizeof attr);
+        attr.mr_iov = &iov;
+        attr.iov_count = 1;
+        attr.access = access;
+        attr.requested_key = key;
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = e->hmem_cuda_device;
+        rc = fi_mr_regattr(c->domain, &attr, 0, out);
+    } else {
+        rc = fi_mr_reg(c->domain, e->window + off, (size_t)len, access, 0, key, 0, out, NULL);
+    }
+    if (rc) return rc;
+    if (c->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
+        rc = fi_mr_bind(*out, &c->ep->fid, 0);
+        if (!rc) rc = fi_mr_enable(*out);
+    }
+    return rc;
+}
+
 static int channel_open(channel *c) {
     engine *e = c->eng;
     char msg[512] = {0};
-    int rc = get_info(e->provider, e->hmem_cuda_device >= 0, &c->info, msg, sizeof msg);
+    int rc = get_info(e->provider, e->hmem_cuda_device >= 0, e->node, &c->info, msg, sizeof msg);
     if (rc) {
         engine_fail(e, "rank %d channel %d: %s", e->rank, c->idx, msg);
         return rc;
@@ -338,38 +408,36 @@ static int channel_open(channel *c) {
     CHECK_FI(fi_enable(c->ep), "fi_enable");
 
     uint64_t mr_mode = (uint64_t)info->domain_attr->mr_mode;
-    uint64_t requested_key = (uint64_t)(0x5eed0000u + (unsigned)c->idx);
-    uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ;
-    if (e->hmem_cuda_device >= 0) {
-        /* the window is CUDA memory: the provider (NIC DMA on efa, cudaMemcpy on tcp/shm) reads
-         * and writes it directly, no host staging */
-        struct iovec iov = {.iov_base = e->window, .iov_len = (size_t)e->window_bytes};
-        struct fi_mr_attr attr;
-        memset(&attr, 0, sizeof attr);
-        attr.mr_iov = &iov;
-        attr.iov_count = 1;
-        attr.access = access;
-        attr.requested_key = requested_key;
-        attr.iface = FI_HMEM_CUDA;
-        attr.device.cuda = e->hmem_cuda_device;
-        CHECK_FI(fi_mr_regattr(c->domain, &attr, 0, &c->mr), "fi_mr_regattr(window, FI_HMEM_CUDA)");
-    } else {
-        CHECK_FI(fi_mr_reg(c->domain, e->window, (size_t)e->window_bytes, access, 0, requested_key,
-                           0, &c->mr, NULL),
-                 "fi_mr_reg(window)");
-    }
-    if (mr_mode & FI_MR_ENDPOINT) {
-        CHECK_FI(fi_mr_bind(c->mr, &c->ep->fid, 0), "fi_mr_bind");
-        CHECK_FI(fi_mr_enable(c->mr), "fi_mr_enable");
-    }
+    /* Two kinds of registration, no remote read anywhere: the whole window with local access
+     * only (the source of our writes), and one receive region per source with remote write only,
+     * each under its own random key that only that source learns; a peer's write outside its own
+     * region is refused by the target's provider. */
+    CHECK_FI(register_range(c, 0, e->window_bytes, FI_WRITE, 0, &c->mr), "fi_mr_reg(window, local)");
     c->mr_desc = fi_mr_desc(c->mr);
-    c->key = fi_mr_key(c->mr);
-    if (c->key == FI_KEY_NOTAVAIL) {
-        engine_fail(e, "rank %d channel %d: fi_mr_key returned FI_KEY_NOTAVAIL (raw keys are not "
-                       "supported by this proxy)", e->rank, c->idx);
-        return -FI_ENOSYS;
+    c->mr_recv = calloc((size_t)e->num_regions, sizeof(struct fid_mr *));
+    c->region_key = calloc((size_t)e->num_regions, sizeof(uint64_t));
+    c->region_base = calloc((size_t)e->num_regions, sizeof(uint64_t));
+    if (!c->mr_recv || !c->region_key || !c->region_base) {
+        engine_fail(e, "rank %d channel %d: out of memory for registrations", e->rank, c->idx);
+        return -FI_ENOMEM;
     }
-    c->base = (mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)e->window : 0;
+    for (int r = 0; r < e->num_regions; r++) {
+        uint64_t off = region_start(e, r), len = region_bytes(e);
+        /* keys differ per (channel, region) because the domain is per channel */
+        uint64_t key = splitmix64(e->key_seed ^ (((uint64_t)c->idx << 32) | (uint64_t)r));
+        size_t ks = info->domain_attr->mr_key_size;
+        if (ks && ks < 8) key &= (1ull << (8 * ks)) - 1;
+        int access = FI_REMOTE_WRITE;
+        if (!e->recv_stride) access |= FI_WRITE; /* one region: also our local source */
+        CHECK_FI(register_range(c, off, len, access, key, &c->mr_recv[r]), "fi_mr_reg(receive region)");
+        c->region_key[r] = fi_mr_key(c->mr_recv[r]);
+        if (c->region_key[r] == FI_KEY_NOTAVAIL) {
+            engine_fail(e, "rank %d channel %d: fi_mr_key returned FI_KEY_NOTAVAIL (raw keys are not "
+                           "supported by this proxy)", e->rank, c->idx);
+            return -FI_ENOSYS;
+        }
+        c->region_base[r] = (mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)(e->window + off) : 0;
+    }
 
     c->name_len = sizeof c->name;
     CHECK_FI(fi_getname(&c->ep->fid, c->name, &c->name_len), "fi_getname");
@@ -400,6 +468,13 @@ static int channel_insert_peers(channel *c) {
 }
 
 static void channel_close(channel *c) {
+    engine *e = c->eng;
+    if (c->mr_recv)
+        for (int r = 0; r < e->num_regions; r++)
+            if (c->mr_recv[r]) {
+                fi_close(&c->mr_recv[r]->fid);
+                c->mr_recv[r] = NULL;
+            }
     if (c->mr) fi_close(&c->mr->fid);
     if (c->ep) fi_close(&c->ep->fid);
     if (c->cq) fi_close(&c->cq->fid);
@@ -412,12 +487,39 @@ static void channel_close(channel *c) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Immediate data: source rank (12 bits) | generation (4 bits) | message id (16 bits). */
+static inline uint32_t make_imm(int src, uint32_t gen, uint32_t msg) {
+    return ((uint32_t)src << EFA_MSG_BITS) | ((gen & EFA_IMM_GEN_MASK) << EFA_IMM_MSG_BITS) |
+           (msg & EFA_IMM_MSG_MASK);
+}
+
+/* A peer's immediate is untrusted: its source must be in the group, its generation this
+ * engine's, and (once the consumer published its round) its message one the consumer can be
+ * waiting for: header or data of round s, or the header of round s + 1 (a peer that finished
+ * round s early). Anything else is a stray or replayed write: reported, never counted. */
 static inline void publish_arrival(engine *e, channel *c, uint32_t imm) {
-    uint32_t src = imm >> EFA_MSG_BITS, msg = imm & ((1u << EFA_MSG_BITS) - 1);
+    uint32_t src = imm >> EFA_MSG_BITS;
+    uint32_t gen = (imm >> EFA_IMM_MSG_BITS) & EFA_IMM_GEN_MASK, msg = imm & EFA_IMM_MSG_MASK;
     if ((int)src >= e->world) {
         engine_fail(e, "rank %d channel %d: remote completion with immediate 0x%08x names source "
                        "rank %u outside the group of %d", e->rank, c->idx, imm, src, e->world);
         return;
+    }
+    if (gen != (e->gen & EFA_IMM_GEN_MASK)) {
+        engine_fail(e, "rank %d channel %d: write from rank %u (message %u) carries generation %u, "
+                       "this transport's is %u: a stray write from another transport instance, "
+                       "rejected", e->rank, c->idx, src, msg, gen, e->gen & EFA_IMM_GEN_MASK);
+        return;
+    }
+    if (atomic_load_explicit(&e->check_msgs, memory_order_acquire)) {
+        uint32_t s = atomic_load_explicit(&e->expect_seq, memory_order_acquire);
+        uint32_t lo = (2u * s) & EFA_IMM_MSG_MASK, rel = (msg - lo) & EFA_IMM_MSG_MASK;
+        if (rel > 2) {
+            engine_fail(e, "rank %d channel %d: stray or replayed write from rank %u: message %u, "
+                           "expected %u..%u (round %u); rejected, not counted",
+                        e->rank, c->idx, src, msg, lo, (lo + 2) & EFA_IMM_MSG_MASK, s);
+            return;
+        }
     }
     atomic_fetch_add_explicit(&e->counters[(size_t)src * e->num_slots + msg % e->num_slots], 1,
                               memory_order_release);
@@ -522,23 +624,40 @@ static int post_one(engine *e, channel *c, const desc_t *d) {
     if (len == 0) {
         /* no-op marker: completes through the counters without touching the wire */
         atomic_fetch_add_explicit(&c->stats[ST_NOOP], 1, memory_order_relaxed);
-        publish_arrival(e, c, ((uint32_t)e->rank << EFA_MSG_BITS) | msg);
+        publish_arrival(e, c, make_imm(e->rank, e->gen, msg));
         return 1;
     }
-    if (dest >= e->world || loff + len > e->window_bytes || roff + len > e->window_bytes) {
+    /* our own writes stay inside our region of the destination's window (its provider enforces
+     * the same through the region's key; this names the bug on the sending side) */
+    uint64_t rs = region_start(e, e->recv_stride ? e->rank : 0), rb = region_bytes(e);
+    if (dest >= e->world || loff + len > e->window_bytes || roff < rs || roff + len > rs + rb) {
         engine_fail(e, "rank %d channel %d: bad descriptor for message %u: dest rank %d (world %d), "
-                       "local offset %llu, remote offset %llu, length %u, window %llu bytes",
+                       "local offset %llu, remote offset %llu, length %u: outside the window (%llu "
+                       "bytes) or this rank's slot [%llu, %llu) of the destination's window",
                     e->rank, c->idx, msg, dest, e->world, (unsigned long long)loff,
-                    (unsigned long long)roff, len, (unsigned long long)e->window_bytes);
+                    (unsigned long long)roff, len, (unsigned long long)e->window_bytes,
+                    (unsigned long long)rs, (unsigned long long)(rs + rb));
         return -1;
     }
     if (c->free_ctx < 0) return 0; /* max_inflight writes outstanding: progress first */
     op_ctx *x = &c->ctx[c->free_ctx];
-    uint32_t imm = ((uint32_t)e->rank << EFA_MSG_BITS) | msg;
+    uint64_t raddr = c->peer_base[dest] + (roff - rs);
+    uint32_t gen = e->gen, imsg = msg;
+    int tamper = atomic_load_explicit(&e->tamper, memory_order_relaxed);
+    if (tamper && (msg & 1) && dest != e->rank &&
+        !atomic_exchange_explicit(&e->tamper_done, 1, memory_order_relaxed)) {
+        /* test-only faults on the first data write after arming (see EFA_TAMPER_*) */
+        if (tamper == EFA_TAMPER_OFFSET) raddr += rb;     /* into the next source's region */
+        if (tamper == EFA_TAMPER_MSG) imsg = msg + 16;    /* an id nobody waits for */
+        if (tamper == EFA_TAMPER_REPLAY) imsg = msg - 2;  /* the previous round's data id */
+        if (tamper == EFA_TAMPER_GEN) gen = e->gen + 1;   /* another transport's generation */
+    }
+    uint32_t imm = make_imm(e->rank, gen, imsg);
     ssize_t rc = fi_writedata(c->ep, e->window + loff, len, c->mr_desc, imm, c->peer_addr[dest],
-                              c->peer_base[dest] + roff, c->peer_key[dest], &x->fctx);
+                              raddr, c->peer_key[dest], &x->fctx);
     if (rc == -FI_EAGAIN) {
         atomic_fetch_add_explicit(&c->stats[ST_EAGAIN], 1, memory_order_relaxed);
+        if (tamper) atomic_store_explicit(&e->tamper_done, 0, memory_order_relaxed);
         return 0;
     }
     if (rc) {
@@ -689,6 +808,20 @@ int efa_engine_create(const char *provider, int rank, int world, int num_channel
                       uint32_t ring_slots, uint64_t *ring_ctrl, uint64_t *counters,
                       uint32_t num_slots, int max_inflight, int spin_us, int inject, uint64_t seed,
                       int cpu_base, int timeout_ms, uint64_t *out_handle, char *err, size_t errlen) {
+    /* one region (the whole window), keys from the seed, provider's address, generation 0 */
+    return efa_engine_create_ex(provider, rank, world, num_channels, window, window_bytes,
+                                hmem_cuda_device, rings, ring_slots, ring_ctrl, counters, num_slots,
+                                max_inflight, spin_us, inject, seed, cpu_base, timeout_ms, 0, 0,
+                                splitmix64(seed), NULL, 0, out_handle, err, errlen);
+}
+
+int efa_engine_create_ex(const char *provider, int rank, int world, int num_channels, void *window,
+                         uint64_t window_bytes, int hmem_cuda_device, uint64_t *rings,
+                         uint32_t ring_slots, uint64_t *ring_ctrl, uint64_t *counters,
+                         uint32_t num_slots, int max_inflight, int spin_us, int inject, uint64_t seed,
+                         int cpu_base, int timeout_ms, uint64_t recv_off, uint64_t recv_stride,
+                         uint64_t key_seed, const char *node, uint32_t gen, uint64_t *out_handle,
+                         char *err, size_t errlen) {
     *out_handle = 0;
     if (world < 1 || world > EFA_MAX_RANKS || rank < 0 || rank >= world) {
         set_err(err, errlen, "rank=%d world=%d: need 0 <= rank < world <= %d", rank, world, EFA_MAX_RANKS);
@@ -703,6 +836,12 @@ int efa_engine_create(const char *provider, int rank, int world, int num_channel
         set_err(err, errlen, "window %p must be 16-byte aligned and <= 64 GiB (%llu bytes); rings, "
                              "ring_ctrl and counters must be given", window,
                 (unsigned long long)window_bytes);
+        return -EINVAL;
+    }
+    if (recv_stride && ((recv_off | recv_stride) & 15 || recv_off + (uint64_t)world * recv_stride > window_bytes)) {
+        set_err(err, errlen, "receive regions [%llu + r * %llu) for %d ranks must be 16-byte aligned "
+                             "and inside the window of %llu bytes", (unsigned long long)recv_off,
+                (unsigned long long)recv_stride, world, (unsigned long long)window_bytes);
         return -EINVAL;
     }
     engine *e = calloc(1, sizeof(engine));
@@ -724,6 +863,12 @@ int efa_engine_create(const char *provider, int rank, int world, int num_channel
     e->inject = inject;
     e->cpu_base = cpu_base;
     e->hmem_cuda_device = hmem_cuda_device < 0 ? -1 : hmem_cuda_device;
+    e->recv_off = recv_stride ? recv_off : 0;
+    e->recv_stride = recv_stride;
+    e->num_regions = recv_stride ? world : 1;
+    e->key_seed = key_seed;
+    snprintf(e->node, sizeof e->node, "%s", node ? node : "");
+    e->gen = gen & EFA_IMM_GEN_MASK;
     pthread_mutex_init(&e->fail_mu, NULL);
     e->ch = calloc((size_t)num_channels, sizeof(channel));
     if (!e->ch) {
@@ -776,8 +921,38 @@ int efa_engine_local_info(uint64_t handle, int ch, uint8_t *name, uint64_t *name
     memset(name, 0, EFA_ADDR_MAX);
     memcpy(name, c->name, c->name_len);
     *name_len = c->name_len;
-    *key = c->key;
-    *base = c->base;
+    int r = e->recv_stride ? e->rank : 0;
+    *key = c->region_key[r];
+    *base = c->region_base[r];
+    return 0;
+}
+
+int efa_engine_region_info(uint64_t handle, int ch, int src, uint64_t *key, uint64_t *base,
+                           char *err, size_t errlen) {
+    engine *e = from_handle(handle);
+    if (ch < 0 || ch >= e->num_channels || src < 0 || src >= e->world) {
+        set_err(err, errlen, "channel %d / source %d out of range (num_channels=%d, world=%d)", ch,
+                src, e->num_channels, e->world);
+        return -EINVAL;
+    }
+    channel *c = &e->ch[ch];
+    int r = e->recv_stride ? src : 0;
+    *key = c->region_key[r];
+    *base = c->region_base[r];
+    return 0;
+}
+
+int efa_engine_expect(uint64_t handle, uint32_t seq) {
+    engine *e = from_handle(handle);
+    atomic_store_explicit(&e->expect_seq, seq, memory_order_release);
+    atomic_store_explicit(&e->check_msgs, 1, memory_order_release);
+    return 0;
+}
+
+int efa_engine_tamper(uint64_t handle, int kind) {
+    engine *e = from_handle(handle);
+    atomic_store_explicit(&e->tamper_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&e->tamper, kind, memory_order_release);
     return 0;
 }
 
@@ -1037,6 +1212,9 @@ int efa_engine_destroy(uint64_t handle) {
         channel *c = &e->ch[i];
         free(c->ctx);
         free(c->held);
+        free(c->mr_recv);
+        free(c->region_key);
+        free(c->region_base);
         free(c->peer_addr);
         free(c->peer_key);
         free(c->peer_base);

@@ -9,7 +9,8 @@
  * the destination rank's window, and releases the slots by advancing the head.
  *
  * The target side never infers completion from order (EFA's SRD delivers in no order): every
- * write carries imm = (source rank << 20) | message id, and the target channel thread adds one to
+ * write carries imm = (source rank << 20) | (generation << 16) | message id, and the target
+ * channel thread (after checking source, generation and message id) adds one to
  * counters[source * num_slots + message id % num_slots] (host memory the receiver polls) for each
  * remote completion it reads from its CQ. A receiver knows how many chunks a message has, so it
  * waits for that count, never for "the last one".
@@ -48,13 +49,23 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 2
+#define EFA_PROXY_ABI_VERSION 3
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
 #define EFA_CTRL_HEAD 8       /* consumer index (next slot to read), monotonically increasing */
 #define EFA_MSG_BITS 20
 #define EFA_MAX_RANKS 4096    /* 12 bits of source rank in the immediate data */
+/* imm = source rank << EFA_MSG_BITS | generation << EFA_IMM_MSG_BITS | message id (16 bits) */
+#define EFA_IMM_MSG_BITS 16
+#define EFA_IMM_MSG_MASK 0xFFFFu
+#define EFA_IMM_GEN_MASK 0xFu
+
+/* Tamper kinds (test-only): the first data write after efa_engine_tamper is altered. */
+#define EFA_TAMPER_OFFSET 1   /* written past this rank's region (into the next source's) */
+#define EFA_TAMPER_MSG 2      /* message id nobody waits for */
+#define EFA_TAMPER_REPLAY 3   /* the previous round's data message id */
+#define EFA_TAMPER_GEN 4      /* another generation */
 
 /* Inject flags (test-only fault injection). */
 #define EFA_INJECT_TARGET 1   /* target side: hold completions, delay, publish shuffled in batches */
@@ -78,8 +89,35 @@ int efa_engine_create(const char *provider, int rank, int world, int num_channel
                       int max_inflight, int spin_us, int inject, uint64_t seed, int cpu_base,
                       int timeout_ms, uint64_t *out_handle, char *err, size_t errlen);
 
-/* Channel ch's endpoint name (up to EFA_ADDR_MAX bytes), the window's remote key and the remote
- * base address peers must add to offsets (the window's VA with FI_MR_VIRT_ADDR, else 0). */
+/* Like efa_engine_create, hardened for the transport: source r may write only into its receive
+ * region [recv_off + r * recv_stride, + recv_stride) of this window (one registration per region,
+ * remote write only, key derived from key_seed: random per transport); the whole window is
+ * registered for local access only (no remote read anywhere). node (tcp): the local address the
+ * endpoint binds to (NULL/"" = provider's choice). gen (4 bits) rides in every immediate; an
+ * arrival with another generation fails the engine. recv_stride 0 = one region, the whole window. */
+int efa_engine_create_ex(const char *provider, int rank, int world, int num_channels,
+                         void *window, uint64_t window_bytes, int hmem_cuda_device,
+                         uint64_t *rings, uint32_t ring_slots, uint64_t *ring_ctrl,
+                         uint64_t *counters, uint32_t num_slots,
+                         int max_inflight, int spin_us, int inject, uint64_t seed, int cpu_base,
+                         int timeout_ms, uint64_t recv_off, uint64_t recv_stride, uint64_t key_seed,
+                         const char *node, uint32_t gen, uint64_t *out_handle, char *err,
+                         size_t errlen);
+
+/* Key and base of source src's receive region in this window, channel ch (what src needs). */
+int efa_engine_region_info(uint64_t handle, int ch, int src, uint64_t *key, uint64_t *base,
+                           char *err, size_t errlen);
+
+/* The consumer is in round seq (message ids 2*seq, 2*seq+1): from now on an arrival whose
+ * message id is not 2*seq, 2*seq+1 or 2*seq+2 (mod 2^16) fails the engine (stray/replayed). */
+int efa_engine_expect(uint64_t handle, uint32_t seq);
+
+/* Test-only: arms one EFA_TAMPER_* fault (0 disarms). */
+int efa_engine_tamper(uint64_t handle, int kind);
+
+/* Channel ch's endpoint name (up to EFA_ADDR_MAX bytes), the remote key and base of this rank's
+ * own receive region (the whole window for a one-region engine); base is the region's VA with
+ * FI_MR_VIRT_ADDR, else 0; a writer adds (offset - region start) to it. */
 int efa_engine_local_info(uint64_t handle, int ch, uint8_t *name, uint64_t *name_len,
                           uint64_t *key, uint64_t *base, char *err, size_t errlen);
 
