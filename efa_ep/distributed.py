@@ -3,6 +3,10 @@
 Used by the tests, the loss-match command, the benchmark and the built-in GRPO trainer, so one
 command can start its own ranks. Every wait is bounded: a rank that dies or never reports is
 named in the error, and the others are killed.
+
+Nothing listens beyond loopback: the rendezvous store is served by the launcher on a socket it
+binds to 127.0.0.1 itself (torch's ``TCPStore`` server would listen on every interface), and
+gloo is pointed at the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 """
 from __future__ import annotations
 
@@ -21,10 +25,43 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died, or missed the deadline."""
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def loopback_store(timeout_s: float):
+    """A ``TCPStore`` server listening on 127.0.0.1 only, on a free port.
+
+    torch's ``TCPStore(host, port, is_master=True)`` binds the wildcard address whatever
+    ``host`` says; handing it a socket we bound ourselves (``master_listen_fd``) confines it to
+    loopback, and holding the socket from bind to serve closes the race of ``free_port``.
+
+    Returns:
+        (store, port). Keep ``store`` alive while ranks use it.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # The store takes ownership of the descriptor (it closes it); detach so Python does not.
+    store = dist.TCPStore(LOOPBACK, port, None, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    return store, port
+
+
+def _loopback_ifname() -> Optional[str]:
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return None
+    return "lo" if "lo" in names else None
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -43,15 +80,21 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, args, result_q, parent_pid):
     _exit_with_parent(parent_pid)
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    lo = _loopback_ifname()
+    if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo  # gloo's pairs listen where the ranks talk
     import torch.distributed as dist
 
     try:
         if backend:
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                timeout=datetime.timedelta(seconds=pg_timeout_s))
+            # A client of the launcher's loopback store (init_method=tcp:// would make rank 0
+            # serve a store on every interface).
+            timeout = datetime.timedelta(seconds=pg_timeout_s)
+            store = dist.TCPStore(LOOPBACK, port, None, False, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
         out = fn(rank, world_size, *args)
         result_q.put((rank, True, out))
     except BaseException as e:  # report every failure to the parent, with the traceback
@@ -83,7 +126,11 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
     """
     ctx = mp.get_context("spawn")
     result_q = ctx.Queue()
-    port = free_port()
+    store = None
+    if backend:
+        store, port = loopback_store(max(timeout_s, pg_timeout_s))
+    else:
+        port = free_port()
     procs = [ctx.Process(target=_child, daemon=False,
                          args=(fn, r, world_size, port, backend, pg_timeout_s, dict(env or {}),
                                tuple(args), result_q, os.getpid()))
@@ -122,6 +169,7 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        del store  # the ranks are gone: stop serving
     missing = [r for r in range(world_size) if r not in results]
     for r in missing:
         results[r] = (False, f"rank {r} did not report within {timeout_s:.0f}s (killed)")

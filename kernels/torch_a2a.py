@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import os
 import socket
+import time
 from typing import Optional
 
 import torch
@@ -144,7 +145,18 @@ class TorchTransport(Transport):
         except TransportError:
             raise
         except RuntimeError as e:  # gloo/NCCL errors (DistBackendError & co.) are RuntimeErrors
+            text = str(e)
             dead, unknown = self._dead_peers()
+            closed = any(w in text.lower() for w in ("closed", "reset", "broken pipe"))
+            for _ in range(10):  # a peer that closed its sockets may still be exiting
+                if dead or not closed:
+                    break
+                time.sleep(0.05)
+                dead, unknown = self._dead_peers()
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                kind = "missed the deadline (the process group's timeout)"
+            else:
+                kind = "failed"
             if dead:
                 who = f"peer rank(s) {dead} exited (pids {[self._peers[r][1] for r in dead]})"
             else:
@@ -152,7 +164,7 @@ class TorchTransport(Transport):
             if unknown:
                 who += f"; rank(s) {unknown} are on other hosts (not checked)"
             raise PeerFailure(
-                f"rank {self.rank}: torch {op} #{seq} failed in {stage} over "
+                f"rank {self.rank}: torch {op} #{seq} {kind} in {stage} over "
                 f"{self._describe_ranks()}: {who}; backend error: {type(e).__name__}: "
                 f"{str(e).strip()[:500]}") from e
 
