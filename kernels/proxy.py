@@ -78,7 +78,7 @@ _ERR_BYTES = 512          # an input error's message travels to every peer (trun
 _FOOTER_BYTES = 16        # [rows, round tag] after a data message's planes
 _MSG_MASK = native.IMM_MSG_MASK  # message ids as carried in the immediate data
 # Test-only header/data tampering (EFA_EP_PROXY_TAMPER); native kinds are in native.TAMPER_KINDS.
-_PY_TAMPER = ("rows", "capacity", "chunks", "expert_counts", "tag", "ids")
+_PY_TAMPER = ("rows", "rows_consistent", "capacity", "chunks", "expert_counts", "tag", "ids")
 _NUM_COUNTER_SLOTS = 64   # counter slots per source; a peer is never more than 2 messages ahead
 _ALIGN = 16
 
@@ -719,7 +719,7 @@ class ProxyTransport(Transport):
                 hdr[d, _H_CHUNKS] = self._data_chunks(n, widths)
             if extra_WL is not None:
                 hdr[:, _HDR_FIXED:_HDR_FIXED + extra_WL.shape[1]] = extra_WL
-            self._tamper_header(op, hdr, planes)
+            self._tamper_header(op, hdr, planes, widths)
         self._window_ready()
         if peers:
             p = torch.tensor(peers, dtype=torch.int64)
@@ -827,7 +827,7 @@ class ProxyTransport(Transport):
             out[r] = views_r
         return got, out
 
-    def _tamper_header(self, op: int, hdr: torch.Tensor, planes) -> None:
+    def _tamper_header(self, op: int, hdr: torch.Tensor, planes, widths) -> None:
         """Test-only (EFA_EP_PROXY_TAMPER): corrupts this rank's first dispatch header to a peer
         it sends rows to, once."""
         kind = self._tamper
@@ -838,6 +838,9 @@ class ProxyTransport(Transport):
             return
         if kind == "rows":
             hdr[d, _H_ROWS] += 3
+        elif kind == "rows_consistent":  # chunk count matching the lie: only the footer tells
+            hdr[d, _H_ROWS] += 3
+            hdr[d, _H_CHUNKS] = self._data_chunks(int(hdr[d, _H_ROWS]), widths)
         elif kind == "capacity":
             hdr[d, _H_ROWS] = self.cfg.max_tokens_per_rank + 1
         elif kind == "chunks":
