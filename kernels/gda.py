@@ -34,12 +34,36 @@ One dispatch (collective, current stream; kernels in order):
     5. ``gather_rows``: the receive permutation, window -> compact ``recv_x [N, H]`` in
        (source, token) order, with ids and weights.
 Combine: ``combine_store`` returns row i to its source's window at ``me * T_MAX + j`` and signals;
-``combine_reduce`` waits (bounded) and sums the partials in ascending rank order in float32 from
-+0.0, rounding once: bit-equal to ``torch``. No host sync; a deadline expiry is recorded in the
-error word and raised at the next dispatch (or by :meth:`GdaTransport.check_errors`, or at once
-with option ``check_every_call=1``). ``dispatch_cached`` replays the layout with new rows, no host
-sync. Deadline errors name the missing source ranks; after one the transport refuses further
-calls (the group's epochs no longer agree): rebuild it.
+a one-program wait kernel waits (bounded) for every source; ``combine_reduce`` then sums the
+partials in ascending rank order in float32 from +0.0, rounding once: bit-equal to ``torch``.
+No host sync; a deadline expiry is recorded in the error word and raised at the next dispatch
+(or by :meth:`GdaTransport.check_errors` / ``after_backward``, or at once with option
+``check_every_call=1``). ``dispatch_cached`` replays the layout with new rows, no host sync.
+
+Never stuck, never silently wrong:
+    * The stall this design prevents (seen with 4 ranks as MPS clients of one H200, every run):
+      MPS funnels all ranks into one CUDA context, and a host call that needs that context idle
+      (Triton's ``cuModuleLoadData`` on a kernel's first use, CUDA lazy loading of a library's
+      kernel, some allocations) waits for every running kernel, a peer's spinning wait
+      included. Rank A's combine wait spun for rank B's store while B's host sat in such a call
+      before it could enqueue that store: both stood still until A's deadline, and the reduce
+      then summed without B's rows. Pre-loading kernels is not enough (any library may load or
+      allocate between two ops). Hence the **launch gate**: a rank launches a waiting kernel
+      only after every source has *issued* (enqueued) the op's stores, told through a host
+      shared-memory board (:class:`LaunchGate`, on by default when ranks share a GPU). A wait
+      then depends only on kernels already in streams, which complete whatever the hosts do; a
+      peer that never issues is found on the host, within ``timeout_s``, and named.
+    * Waits run in one-program kernels, so a spinning wait holds one program slot, never the SMs
+      a peer's store on the same GPU needs (full-width spinning grids starved them).
+    * An expired wait records the op (number and kind: dispatch, combine, cached dispatch,
+      weight combine) and the missing sources in the error word; every later gather/reduce of
+      the transport writes NaN rows, so no output looks valid; the host raises
+      :class:`PeerTimeoutError` naming the op, its kind, the waiting rank and the missing ranks
+      at the next dispatch, ``check_errors`` or ``after_backward``. After any deadline or peer
+      failure the transport refuses further calls on every rank that sees it (the group's
+      epochs no longer agree): rebuild it. Bad inputs to combine / cached dispatch make every
+      rank raise naming the offending rank (through the gate; without it the peers' waits
+      expire as above).
 
 Fixed-capacity decode mode (designed, not implemented yet; CUDA-graph capturable):
     ``dispatch_fixed(x, idx, w) -> (recv_x [W * T_MAX, H] view of the window, recv_idx, recv_w,
@@ -58,9 +82,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import mmap
 import os
+import secrets
 import socket
+import time
 from typing import Optional
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -76,7 +105,100 @@ _MAX_WORLD = 63   # the error word is a 64-bit mask of missing sources
 
 
 class PeerTimeoutError(TransportError):
-    """A device-side wait passed its deadline: the named source rank(s) never signalled."""
+    """A wait (device-side, or the host launch gate) passed its deadline: the named source
+    rank(s) never signalled / never issued their stores."""
+
+
+class PeerFailedError(TransportError):
+    """An EP peer gave up (deadline, closed transport) before issuing this op's stores."""
+
+
+class LaunchGate:
+    """Host-side board of the ranks of one gda group on one host: which op each rank has issued
+    its stores for, and which rank failed. Shared memory (a ``/dev/shm`` file, mapped by every
+    rank, unlinked once all have mapped it), int64 slots ``[issued W | failed W]``.
+
+    Why: ranks that share a GPU (MPS) share one CUDA context, and a host call that needs the
+    context idle (a module load, lazy loading of any library's kernel, some allocations) waits
+    for every kernel in it, including a peer's spinning wait. If that wait needs a store that
+    the blocked rank has not issued yet, both stall until the wait's deadline. A rank therefore
+    launches a kernel that waits on sources only once every source has *issued* (enqueued) its
+    stores for that op: the wait then depends only on kernels already in streams, which finish
+    whatever the hosts do. The gate is a host wait for the peers' hosts, not a device sync.
+
+    ``failed[r]`` = ``epoch * 8 + kind`` of the op at which rank r gave up (-1: closed), so a
+    waiting peer raises at once naming it instead of waiting out its own deadline.
+    """
+
+    def __init__(self, group, rank: int, world: int):
+        token = [None]
+        if rank == 0:
+            token[0] = f"/dev/shm/efa_ep_gda_{os.getpid()}_{secrets.token_hex(8)}"
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        path = token[0]
+        size = 16 * world
+        if rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)
+        dist.barrier(group=group)
+        if rank != 0:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as e:
+                raise TransportError(
+                    f"rank {rank}: gda launch gate: cannot open {path} made by rank 0 ({e}); "
+                    f"ranks sharing a GPU must share /dev/shm (same host and IPC namespace)")
+        self._mm = mmap.mmap(fd, size)
+        os.close(fd)
+        dist.barrier(group=group)
+        if rank == 0:
+            os.unlink(path)  # nothing left behind, even after a crash
+        arr = np.frombuffer(self._mm, dtype=np.int64)
+        self.issued, self.failed = arr[:world], arr[world:]
+        self.rank, self.world = rank, world
+
+    def publish(self, epoch: int) -> None:
+        """This rank has enqueued its stores of op ``epoch`` (an aligned 8-byte store)."""
+        self.issued[self.rank] = epoch
+
+    def fail(self, record: int) -> None:
+        self.failed[self.rank] = record
+
+    def wait(self, epoch: int, timeout_s: float, op: str) -> None:
+        """Returns once every rank has issued op ``epoch``; raises naming the ranks otherwise."""
+        issued, failed = self.issued, self.failed
+        if issued.min() >= epoch:
+            return
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while True:
+            if issued.min() >= epoch:
+                return
+            if failed.any():
+                gone = [int(r) for r in np.flatnonzero(failed)
+                        if r != self.rank and issued[r] < epoch]
+                if gone:
+                    raise PeerFailedError(
+                        f"rank {self.rank}: gda {op} (op {epoch}): EP peer rank(s) {gone} "
+                        f"failed or closed their transport before this op (see their error)")
+            spins += 1
+            if spins > 2000:
+                time.sleep(2e-5 if spins < 100000 else 1e-3)
+            if time.monotonic() > deadline:
+                missing = [int(r) for r in np.flatnonzero(issued < epoch)]
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: gda {op} (op {epoch}) gave up after {timeout_s:g}s "
+                    f"waiting for source rank(s) {missing}: they never issued their stores "
+                    f"(crashed, hung, or skipped this collective call)")
+
+    def close(self) -> None:
+        if getattr(self, "_mm", None) is not None:
+            self.issued = self.failed = None
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            self._mm = None
 
 
 def availability() -> Optional[str]:
@@ -183,6 +305,10 @@ class GdaTransport(Transport):
             :meth:`after_backward`).
         check_backward: 1 (default) = :meth:`after_backward` syncs once per layer backward and
             raises deferred deadline errors before the gradients are used; 0 = defer.
+        launch_gate: ``auto`` (default: on when ranks share a GPU), ``on`` or ``off``. With it a
+            rank launches a waiting kernel only after every source has issued its stores for
+            the op (host shared memory, see :class:`LaunchGate`); needed for ranks sharing one
+            CUDA context (MPS), where a spinning wait can block a peer's module load.
 
     Synchronization: all kernels run on the current stream. ``dispatch`` blocks the CPU once
     (device-to-host copy of the counts), so it is not CUDA-graph capturable; ``combine`` and
@@ -213,6 +339,10 @@ class GdaTransport(Transport):
         # after_backward(): one host sync per layer backward that raises deferred deadline
         # errors before the optimizer can use the gradients (0 = defer to the next dispatch)
         self.check_backward = bool(int(opts.get("check_backward", 1)))
+        gate = str(opts.get("launch_gate", "auto")).lower()
+        if gate not in ("auto", "0", "1", "on", "off"):
+            raise TransportError(f"rank {self.rank}: gda option launch_gate must be auto, on or "
+                                 f"off, got {gate!r}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
         me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
@@ -224,6 +354,9 @@ class GdaTransport(Transport):
                 f"rank {self.rank}: gda needs every EP rank on one host (symmetric memory over "
                 f"NVLink); the group spans hosts {hosts}; use transport 'proxy' across hosts")
         self.ranks_per_device = peers.count(me)
+        # auto: on when ranks share a GPU (one CUDA context under MPS; see LaunchGate)
+        self.launch_gate = (gate in ("1", "on")) or (gate == "auto" and self.ranks_per_device > 1)
+        self._gate = LaunchGate(group, self.rank, self.world_size) if self.launch_gate else None
         if self.ranks_per_device > 1:
             # Several ranks on one GPU (tests, benchmarks): rendezvous refuses overlapping devices
             # unless told otherwise (this also disables multicast, which gda does not use).
@@ -231,12 +364,6 @@ class GdaTransport(Transport):
         sms = props.multi_processor_count
         default_programs = max(4, 2 * sms // self.ranks_per_device)
         self.num_programs = int(opts.get("num_programs", default_programs))
-        # Kernels that spin (gather with wait, combine reduce) get at most SMs / ranks-per-GPU
-        # programs. Measured on the H200 with 4-8 ranks under MPS: 2 x SMs / ranks spinning
-        # programs starved the peers' store kernels until the deadline fired (wrong rows and a
-        # PeerTimeoutError, never a hang). The robust fix (not done yet): wait in a 1-program
-        # kernel, then run the reduce/gather without spinning at full width.
-        self.num_wait_programs = max(1, min(self.num_programs, sms // self.ranks_per_device))
         elem = torch.empty((), dtype=cfg.dtype).element_size()
         self.layout = WindowLayout(world=self.world_size, t_max=cfg.max_tokens_per_rank,
                                    row_bytes=_round_up(cfg.hidden * elem, 16), k_cap=self.max_topk,
@@ -252,7 +379,8 @@ class GdaTransport(Transport):
         self._win_ptr = self._buf_ptrs[self.rank:self.rank + 1]
         self._my_sig = self._hdl.get_signal_pad(self.rank, (self.world_size,), dtype=torch.int32)
         self._my_sig.zero_()
-        self._err = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # error word: [missing-source bits, epoch * 8 + kind of the first expired wait]
+        self._err = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._done = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._epoch = 0
         self._broken: Optional[str] = None
@@ -273,19 +401,42 @@ class GdaTransport(Transport):
             raise TransportError(f"rank {self.rank}: gda epoch counter exhausted; recreate")
         return self._epoch
 
-    def _raise_missing(self, bits: int, op: str, epoch: int) -> None:
+    def _break(self, msg: str, epoch: int, kind: str) -> None:
+        """Marks the transport unusable here and, through the launch gate, for waiting peers."""
+        self._broken = self._broken or msg
+        if self._gate is not None:
+            self._gate.fail(self._k.wait_record(max(epoch, 1), kind))
+
+    def _issued(self, epoch: int, kind: str) -> None:
+        """Called right after this rank enqueued its stores of op ``epoch``; with the launch
+        gate, publishes that and waits until every source did the same (see LaunchGate)."""
+        if self._gate is None:
+            return
+        self._gate.publish(epoch)
+        try:
+            self._gate.wait(epoch, self.timeout_s, kind)
+        except TransportError as e:
+            self._break(str(e), epoch, kind)
+            raise
+
+    def _raise_missing(self, bits: int, record: int) -> None:
+        """Raises :class:`PeerTimeoutError` for the error word ``(bits, record)`` (no-op if 0)."""
         if not bits:
             return
+        epoch, kind = divmod(int(record), 8)
+        what = self._k.OP_KINDS.get(kind, "op")
         missing = [s for s in range(self.world_size) if (bits >> s) & 1]
-        msg = (f"rank {self.rank}: gda {op} (op {epoch}) gave up after {self.timeout_s:g}s "
+        msg = (f"rank {self.rank}: gda {what} (op {epoch}) gave up after {self.timeout_s:g}s "
                f"waiting for source rank(s) {missing}: they never signalled (crashed, hung, or "
-               f"skipped this collective call)")
-        self._broken = msg
+               f"skipped this collective call); outputs of that op and later ones are NaN")
+        self._break(msg, epoch, what)
         raise PeerTimeoutError(msg)
 
     def check_errors(self, op: str = "call") -> None:
-        """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired."""
-        self._raise_missing(int(self._err.item()), op, self._epoch)
+        """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired, naming
+        the first op whose wait expired (its number and kind) and the missing source ranks."""
+        bits, record = self._err.tolist()
+        self._raise_missing(bits, record)
 
     def after_backward(self) -> None:
         """See ``Transport.after_backward``: with ``check_backward`` (default 1) one host sync,
@@ -359,11 +510,13 @@ class GdaTransport(Transport):
                          self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
                          epoch=epoch, with_meta=True, num_programs=self.num_programs)
+        self._issued(epoch, "dispatch")
         info, recv_offsets = K.recv_header(
             self._my_sig, self._hdr_view(offs["hdr_off"]), self._err, num_per_rank,
-            num_local=cfg.num_local_experts, epoch=epoch, **self._wait_args())
+            num_local=cfg.num_local_experts, epoch=epoch, kind="dispatch", **self._wait_args())
         info = info.cpu()  # the one host sync per dispatch
-        self._raise_missing(int(info[0]), "dispatch", epoch)
+        if int(info[0]):
+            self.check_errors()
         hdr_len = self.layout.hdr_len
         hdr = info[1:1 + world * hdr_len].view(world, hdr_len)
         num_send = info[1 + world * hdr_len:].tolist()
@@ -406,12 +559,15 @@ class GdaTransport(Transport):
     def dispatch_cached(self, x, handle):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
         row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
-        st = self._state(handle)
-        if x.dim() != 2 or x.shape[0] != handle.num_tokens:
-            raise DispatchInputError(
-                f"rank {self.rank}: cached dispatch input must be [{handle.num_tokens}, D], "
-                f"got {tuple(x.shape)}")
-        self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
+        try:
+            st = self._state(handle)
+            if x.dim() != 2 or x.shape[0] != handle.num_tokens:
+                raise DispatchInputError(
+                    f"rank {self.rank}: cached dispatch input must be [{handle.num_tokens}, D], "
+                    f"got {tuple(x.shape)}")
+            self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
+        except DispatchInputError as e:
+            self._refuse(str(e), "cached dispatch")
         K = self._k
         epoch = self._begin_op("dispatch_cached")
         offs = self.layout.offsets(epoch % 2)
@@ -420,11 +576,13 @@ class GdaTransport(Transport):
                          self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
                          epoch=epoch, with_meta=False, num_programs=self.num_programs)
+        self._issued(epoch, "cached dispatch")
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
         K.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
                       data_off=offs["data_off"], idx_off=0, w_off=0,
                       t_max=self.cfg.max_tokens_per_rank, epoch=epoch, wait=True,
-                      num_programs=self.num_wait_programs, **self._wait_args())
+                      kind="cached dispatch", num_programs=self.num_programs,
+                      **self._wait_args())
         if self.check_every_call:
             self.check_errors("dispatch_cached")
         return out
@@ -433,24 +591,50 @@ class GdaTransport(Transport):
         """``y`` ``[N, D]`` (rows received by ``handle``'s dispatch) -> ``[T, D]`` in y's dtype:
         per token the float32 sum over destination ranks ascending, bit-equal to ``torch``.
         No host sync (deadline errors are deferred, see the class)."""
-        self._check_combine_input(y, handle)
-        st = self._state(handle)
-        self._check_row_fits(y.shape[1], y.dtype, "combine")
+        return self._combine(y, handle, "combine")
+
+    def combine_topk_weights(self, grad_recv_topk_weights, handle):
+        """See ``Transport.combine_topk_weights``; ``[N, K]`` float32 -> ``[T, K]`` float32."""
+        g = grad_recv_topk_weights
+        if (g.dim() != 2 or g.shape[0] != handle.num_recv_tokens
+                or g.shape[1] != handle.recv_topk_idx.shape[1]):
+            self._refuse(f"rank {self.rank}: combine_topk_weights input must be "
+                         f"[{handle.num_recv_tokens}, {handle.recv_topk_idx.shape[1]}] float32, "
+                         f"got {tuple(g.shape)}", "weight combine")
+        masked = torch.where(handle.recv_topk_idx >= 0, g.float(),
+                             torch.zeros((), dtype=torch.float32, device=g.device))
+        return self._combine(masked.contiguous(), handle, "weight combine")
+
+    def _refuse(self, msg: str, kind: str) -> None:
+        """A bad input to an op without a status exchange: with the launch gate the peers learn
+        it at once (they raise naming this rank); the op's epochs no longer agree, so the
+        transport is unusable on every rank. Without the gate the peers' waits expire."""
+        self._break(msg, self._epoch + 1, kind)
+        raise DispatchInputError(msg)
+
+    def _combine(self, y, handle, kind: str):
+        try:
+            self._check_combine_input(y, handle)
+            st = self._state(handle)
+            self._check_row_fits(y.shape[1], y.dtype, kind)
+        except DispatchInputError as e:
+            self._refuse(str(e), kind)
         K = self._k
-        epoch = self._begin_op("combine")
+        epoch = self._begin_op(kind)
         offs = self.layout.offsets(epoch % 2)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         K.combine_store(y, st.recv_offsets, self._buf_ptrs, self._sig_ptrs, self._done[1:2],
                         data_off=offs["data_off"], me=self.rank,
                         t_max=self.cfg.max_tokens_per_rank, epoch=epoch,
                         num_programs=self.num_programs)
+        self._issued(epoch, kind)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         K.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,
                          data_off=offs["data_off"], t_max=self.cfg.max_tokens_per_rank,
-                         epoch=epoch, wait=True, num_programs=self.num_wait_programs,
+                         epoch=epoch, wait=True, kind=kind, num_programs=self.num_programs,
                          **self._wait_args())
         if self.check_every_call:
-            self.check_errors("combine")
+            self.check_errors(kind)
         return out
 
     def close(self) -> None:
@@ -459,3 +643,7 @@ class GdaTransport(Transport):
             if hasattr(self, name):
                 delattr(self, name)
         self._broken = self._broken or "closed"
+        if getattr(self, "_gate", None) is not None:
+            self._gate.fail(-1)
+            self._gate.close()
+            self._gate = None

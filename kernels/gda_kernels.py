@@ -32,9 +32,13 @@ Flag protocol (the only cross-rank synchronisation; DESIGN in ``gda.py``):
 3. A receiver polls its own signal pad with ``atom.add(0).acquire.sys`` until
    ``signal[s] >= e`` for every source ``s``; the acquire pairs with the sender's release, so
    the rows are visible. ``>=`` (not ``==``): a fast sender may already have published e + 1.
-4. Every wait is bounded: ``%globaltimer`` against ``timeout_ns`` (and a spin bound). On expiry
-   the kernel ORs the bit of every missing source into the error word and carries on; the host
-   reads the error word and raises, naming the missing ranks.
+4. Every wait is bounded: ``%globaltimer`` against ``timeout_ns`` (and a spin bound). Waits run
+   in one-program kernels (the dispatch header read, or :func:`wait_for_sources` before a
+   combine reduce / cached gather), never inside a full-width grid. On expiry the kernel ORs the
+   bit of every missing source into the error word ``err[0]`` and records ``epoch * 8 + kind``
+   of the first expired op in ``err[1]``; every later gather/reduce of the window reads
+   ``err[0]`` and writes NaN rows instead of partial sums; the host raises from the error word,
+   naming the op, its kind and the missing ranks.
 5. Reuse without resets: op e writes parity e % 2, last written by op e - 2. A sender reaches
    op e only after its wait in op e - 1 saw every peer's op e - 1 signal, which each peer
    raised after (stream order) it consumed op e - 2's rows. So no flag is ever reset, and a
@@ -47,8 +51,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "layout", "dispatch_store", "recv_header", "gather_rows", "combine_store", "combine_reduce",
-    "next_pow2",
+    "layout", "dispatch_store", "recv_header", "wait_for_sources", "gather_rows", "combine_store",
+    "combine_reduce", "next_pow2", "OP_KINDS", "wait_record",
 ]
 
 
@@ -70,10 +74,12 @@ def _now_ns(USE_GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
-def _wait_for_sources(sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W: tl.constexpr,
+def _wait_for_sources(sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W: tl.constexpr,
                       W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """Spins until ``sig_ptr[s] >= epoch`` for all s < W (acquire, system scope), or the
-    deadline. On expiry ORs ``1 << s`` of each missing source into ``err_ptr[0]`` (int64)."""
+    deadline. On expiry ORs ``1 << s`` of each missing source into ``err_ptr[0]`` (int64) and,
+    if no wait expired before, stores ``record`` (= epoch * 8 + op kind) into ``err_ptr[1]``:
+    the host names the op whose wait expired, not the op it happens to be in when it reads."""
     offs = tl.arange(0, W_PAD)
     live = offs < W
     v = tl.atomic_add(sig_ptr + offs, 0, mask=live, sem="acquire", scope="sys")
@@ -92,7 +98,22 @@ def _wait_for_sources(sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W: tl.cons
     if num_missing > 0:
         bits = tl.sum(tl.where(missing, tl.full([W_PAD], 1, tl.int64) << offs.to(tl.int64), 0),
                       axis=0)
-        tl.atomic_or(err_ptr, bits, sem="relaxed")
+        tl.atomic_cas(err_ptr + 1, tl.full([], 0, tl.int64), record.to(tl.int64), sem="relaxed")
+        tl.atomic_or(err_ptr, bits, sem="release", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins"])
+def _wait_kernel(
+    my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
+    err_ptr: tl.pointer_type(tl.int64),             # [2] error word: missing bits, first record
+    epoch, record, timeout_ns, max_spins,
+    W: tl.constexpr, W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+):
+    """One program: the wait of a combine or cached dispatch, split from the kernel that reads
+    the rows so that a spinning wait holds one program slot, never the SMs a peer's store (on
+    the same GPU) needs, and the copy/reduce after it runs at full width without spinning."""
+    _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
+                      USE_GLOBALTIMER)
 
 
 @triton.jit
@@ -290,21 +311,22 @@ def _dispatch_store_kernel(
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
 
-@triton.jit(do_not_specialize=["epoch", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins"])
 def _recv_header_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
-    err_ptr: tl.pointer_type(tl.int64),             # [1] sticky error word (missing-source bits)
+    err_ptr: tl.pointer_type(tl.int64),             # [2] sticky error word (see _wait_for_sources)
     num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
     info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W] for the host
     offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
-    num_local, epoch, timeout_ns, max_spins,
+    num_local, epoch, record, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
     """One program: wait for every source, then copy the headers (and the error word, and this
     rank's send counts) into ``info`` for one device-to-host copy; offsets = exclusive prefix
     sum of the rows each source sent here."""
-    _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD, USE_GLOBALTIMER)
+    _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
+                      USE_GLOBALTIMER)
     hdr_len = 2 + num_local
     s = tl.arange(0, W_PAD)
     c = tl.arange(0, HDR_PAD)
@@ -320,30 +342,36 @@ def _recv_header_kernel(
     tl.store(info_ptr, tl.atomic_add(err_ptr, 0, sem="relaxed"))
 
 
-@triton.jit(do_not_specialize=["num_rows", "epoch", "timeout_ns", "max_spins"])
+@triton.jit
+def _poisoned(v, bad):
+    """``v`` unchanged, or NaN everywhere when ``bad`` (a float ``v``; integer rows pass)."""
+    if v.dtype.is_floating():
+        v = tl.where(bad, tl.full(v.shape, float("nan"), v.dtype), v)
+    return v
+
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _gather_rows_kernel(
     win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
     offsets_ptr: tl.pointer_type(tl.int64),         # [W + 1]
     out_x_ptr,                                      # out [N, D] received rows (compact)
     out_idx_ptr: tl.pointer_type(tl.int64),         # out [N, K] (WITH_META)
     out_w_ptr: tl.pointer_type(tl.float32),         # out [N, K] (WITH_META)
-    my_sig_ptr: tl.pointer_type(tl.int32), err_ptr: tl.pointer_type(tl.int64),
+    err_ptr: tl.pointer_type(tl.int64),             # [2] error word (read: poison on expiry)
     data_off, idx_off, w_off,
-    num_rows, D, num_topk, T_MAX, epoch, timeout_ns, max_spins,
+    num_rows, D, num_topk, T_MAX,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    WITH_META: tl.constexpr, WAIT: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    WITH_META: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Receive permutation: output row i (source s, j-th row from s) = window row
     s * T_MAX + j. Example: W=2, T_MAX=4, offsets [0, 1, 3] -> out rows 0, 1, 2 = window rows
-    0, 4, 5. With WAIT, every program first waits for all sources (dispatch_cached)."""
+    0, 4, 5. Runs after the op's wait (stream order); if any wait of this transport expired
+    (error word set), float rows are written as NaN so no consumer mistakes them for data."""
     elt = out_x_ptr.dtype.element_ty
-    if WAIT:
-        _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD,
-                          USE_GLOBALTIMER)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
+    bad = tl.load(err_ptr) != 0
     win = tl.load(win_ptr)
     src_x = (win + data_off).to(tl.pointer_type(elt))
     for i in range(pid, num_rows, nprog):
@@ -356,7 +384,7 @@ def _gather_rows_kernel(
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + offs
             cm = cols < D
-            v = tl.load(src_row + cols, mask=cm)
+            v = _poisoned(tl.load(src_row + cols, mask=cm), bad)
             tl.store(out_x_ptr + i64 * D + cols, v, mask=cm)
         if WITH_META:
             k = tl.arange(0, K_PAD)
@@ -401,26 +429,25 @@ def _combine_store_kernel(
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "epoch", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_reduce_kernel(
     win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
     slot_ptr: tl.pointer_type(tl.int64),            # [T, W] of the matching dispatch
     out_ptr,                                        # out [T, D] in the rows' dtype
-    my_sig_ptr: tl.pointer_type(tl.int32), err_ptr: tl.pointer_type(tl.int64),
-    data_off, num_tokens, D, T_MAX, epoch, timeout_ns, max_spins,
-    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, WAIT: tl.constexpr,
-    USE_GLOBALTIMER: tl.constexpr, ALIGNED: tl.constexpr,
+    err_ptr: tl.pointer_type(tl.int64),             # [2] error word (read: poison on expiry)
+    data_off, num_tokens, D, T_MAX,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over ranks r ascending with slot[t, r] >= 0,
     in float32, rounded once to the output dtype: bit-equal to ``reduce_rows_by_rank``.
-    A skipped rank adds nothing (adding +0.0 would also be exact: the sum is never -0.0)."""
+    A skipped rank adds nothing (adding +0.0 would also be exact: the sum is never -0.0).
+    Runs after the op's wait (stream order); if any wait of this transport expired, every row
+    is NaN: a sum missing a source's partials must never look valid."""
     elt = out_ptr.dtype.element_ty
-    if WAIT:
-        _wait_for_sources(my_sig_ptr, epoch, err_ptr, timeout_ns, max_spins, W, W_PAD,
-                          USE_GLOBALTIMER)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
+    bad = tl.load(err_ptr) != 0
     win = tl.load(win_ptr)
     src = (win + data_off).to(tl.pointer_type(elt))
     for t in range(pid, num_tokens, nprog):
@@ -437,6 +464,7 @@ def _combine_reduce_kernel(
                         src_row = tl.multiple_of(src_row, 16)
                     part = tl.load(src_row + cols, mask=cm)
                     acc += part.to(tl.float32)
+            acc = tl.where(bad, float("nan"), acc)
             tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
 
 
@@ -536,33 +564,69 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
         ALIGNED=_aligned16(d, elem, x.stride(0), data_off), num_warps=_warps(bd, elem))
 
 
+# Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).
+OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine"}
+KIND_OF = {v: k for k, v in OP_KINDS.items()}
+
+
+def wait_record(epoch: int, kind: str) -> int:
+    return epoch * 8 + KIND_OF[kind]
+
+
+def _check_err(err: torch.Tensor) -> None:
+    _check("err", err, torch.int64, 1)
+    if err.numel() < 2:
+        raise ValueError(f"err must hold 2 int64 (missing bits, first expired op), got {err.numel()}")
+
+
 def recv_header(my_sig, hdr, err, num_per_rank, *, num_local, epoch, timeout_ns, max_spins,
-                use_globaltimer):
+                use_globaltimer, kind="dispatch"):
     """Waits for every source and returns (info [1 + W*(2+L) + W] int64, offsets [W+1] int64)
     on the device. info = [error bits, headers (status, rows, rows per local expert) per
-    source, rows this rank sent per destination]."""
+    source, rows this rank sent per destination]. ``err``: ``[2]`` int64 error word."""
     _check("my_sig", my_sig, torch.int32, 1)
     _check("hdr", hdr, torch.int64, 2)
-    _check("err", err, torch.int64, 1)
+    _check_err(err)
     world = my_sig.numel()
     info = torch.empty(1 + world * (2 + num_local) + world, dtype=torch.int64, device=hdr.device)
     offsets = torch.empty(world + 1, dtype=torch.int64, device=hdr.device)
     _recv_header_kernel[(1,)](my_sig, hdr, err, num_per_rank, info, offsets, num_local, epoch,
-                              timeout_ns, max_spins, W=world, W_PAD=max(2, next_pow2(world)),
+                              wait_record(epoch, kind), timeout_ns, max_spins, W=world,
+                              W_PAD=max(2, next_pow2(world)),
                               HDR_PAD=max(2, next_pow2(2 + num_local)),
                               USE_GLOBALTIMER=use_globaltimer, num_warps=4)
     return info, offsets
 
 
+def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_globaltimer):
+    """One-program kernel: waits until every source signalled ``epoch`` (or the deadline, which
+    sets the error word ``err`` ``[2]`` int64). Stream-ordered before the op's copy/reduce."""
+    _check("my_sig", my_sig, torch.int32, 1)
+    _check_err(err)
+    world = my_sig.numel()
+    _wait_kernel[(1,)](my_sig, err, epoch, wait_record(epoch, kind), timeout_ns, max_spins,
+                       W=world, W_PAD=max(2, next_pow2(world)), USE_GLOBALTIMER=use_globaltimer,
+                       num_warps=1)
+
+
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
-                w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs):
+                w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs,
+                kind="cached dispatch"):
     """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
-    ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order."""
+    ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order. With
+    ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`). Float rows are
+    NaN if any wait of this window expired."""
     _check("win_ptr", win_ptr, torch.int64, 1)
     _check("offsets", offsets, torch.int64, 1)
     _check("out_x", out_x, out_x.dtype, 2)
+    _check_err(err)
+    if wait:
+        wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
+                         max_spins=max_spins, use_globaltimer=use_globaltimer)
     world = offsets.numel() - 1
     n, d = out_x.shape
+    if n == 0:
+        return
     with_meta = out_idx is not None
     if with_meta:
         _check("out_idx", out_idx, torch.int64, 2)
@@ -574,11 +638,10 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
     bd = _block_d(d, elem)
     grid = (max(1, min(n, num_programs)),)
     _gather_rows_kernel[grid](
-        win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, data_off, idx_off, w_off,
-        n, d, k, t_max, epoch, timeout_ns, max_spins, W=world, W_PAD=max(2, next_pow2(world)),
-        K_PAD=max(2, next_pow2(k)), BLOCK_D=bd, WITH_META=with_meta, WAIT=wait,
-        USE_GLOBALTIMER=use_globaltimer, ALIGNED=_aligned16(d, elem, d, data_off),
-        num_warps=_warps(bd, elem))
+        win_ptr, offsets, out_x, out_idx, out_w, err, data_off, idx_off, w_off,
+        n, d, k, t_max, W=world, W_PAD=max(2, next_pow2(world)),
+        K_PAD=max(2, next_pow2(k)), BLOCK_D=bd, WITH_META=with_meta,
+        ALIGNED=_aligned16(d, elem, d, data_off), num_warps=_warps(bd, elem))
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
@@ -600,19 +663,25 @@ def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, 
 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
-                   max_spins, use_globaltimer, num_programs):
+                   max_spins, use_globaltimer, num_programs, kind="combine"):
     """``out`` ``[T, D]`` = float32 sum of this rank's returned partials in ascending rank order
-    (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype."""
+    (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype. With ``wait``, a
+    one-program wait kernel runs first; rows are NaN if any wait of this window expired."""
     _check("win_ptr", win_ptr, torch.int64, 1)
     _check("slot", slot, torch.int64, 2)
     _check("out", out, out.dtype, 2)
+    _check_err(err)
+    if wait:
+        wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
+                         max_spins=max_spins, use_globaltimer=use_globaltimer)
     t, d = out.shape
+    if t == 0:
+        return
     world = slot.shape[1]
     elem = out.element_size()
     bd = _block_d(d, elem)
     grid = (max(1, min(t, num_programs)),)
     _combine_reduce_kernel[grid](
-        win_ptr, slot, out, my_sig, err, data_off, t, d, t_max, epoch, timeout_ns, max_spins,
-        W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd, WAIT=wait,
-        USE_GLOBALTIMER=use_globaltimer, ALIGNED=_aligned16(d, elem, d, data_off),
-        num_warps=_warps(bd, elem))
+        win_ptr, slot, out, err, data_off, t, d, t_max,
+        W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd,
+        ALIGNED=_aligned16(d, elem, d, data_off), num_warps=_warps(bd, elem))

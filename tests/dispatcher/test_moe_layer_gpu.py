@@ -32,18 +32,23 @@ def _layer(transport, ep, dtype, **options):
     return layer.cuda()
 
 
-def _gpu_layer_worker(rank, world, dtype):
+def _gpu_layer_worker(rank, world, dtype, seed=0, init=True, options=None):
+    """One fresh pair of layers (torch, gda) with the same weights and inputs; asserts the
+    forward output and every gradient are bitwise equal. ``init``: set up Megatron's groups
+    (once per process); ``options``: gda transport options. Ranks use GPU
+    ``rank % device_count``."""
     import efa_ep  # noqa: F401
     from efa_ep.tiny_moe import init_megatron
 
-    torch.cuda.set_device(0)
-    init_megatron(world)
-    torch.manual_seed(0)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    if init:
+        init_megatron(world)
+    torch.manual_seed(seed)
     ref = _layer("torch", world, dtype)
-    gda = _layer("gda", world, dtype)
+    gda = _layer("gda", world, dtype, **(options or {}))
     dist.broadcast(ref.router.weight.data, src=0)
     gda.load_state_dict(ref.state_dict())
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + rank + 1000 * seed)
     act_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to("cuda", act_dtype)
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -62,7 +67,8 @@ def _gpu_layer_worker(rank, world, dtype):
     return float(results["gda"].float().abs().sum())
 
 
-@pytest.mark.parametrize("world,dtype", [(2, "fp32"), (4, "bf16")])
+@pytest.mark.parametrize("world,dtype", [(2, "fp32"), (2, "bf16"), (4, "fp32"), (4, "bf16"),
+                                         (8, "fp32"), (8, "bf16")])
 def test_gda_layer_bitwise_equals_torch_transport(world, dtype):
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
     sums = run_ranks(_gpu_layer_worker, world, (dtype,), timeout_s=240, env=env)

@@ -152,3 +152,58 @@ def test_gda_deadline_names_missing_rank():
         assert f"source rank(s) [{world - 1}]" in outs[r]["timeout"], outs[r]
         assert 1.5 < outs[r]["seconds"] < 30, outs[r]
         assert "unusable" in outs[r]["after"], outs[r]
+
+
+def _combine_peer_missing(rank, world, gate):
+    """Rank world-1 dispatches but never issues the combine. Returns what each other rank saw."""
+    import torch.distributed as dist
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.base import TransportError
+    from efa_ep.kernels.gda import PeerTimeoutError
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    tr = create_transport("gda", None, 16, 64, 16, torch.float32, timeout_s=2, launch_gate=gate)
+    x = torch.randn(6, 64, device=dev)
+    idx = torch.tensor([[0, 5], [1, 12], [7, -1], [3, 4], [15, 8], [9, 2]], device=dev)
+    w = torch.ones(6, 2, device=dev)
+    recv_x, _, _, _, handle = tr.dispatch(x, idx, w)
+    out = {}
+    if rank == world - 1:
+        time.sleep(7)  # no device call: the others' waits must expire / gate must fire
+    else:
+        t0 = time.time()
+        try:
+            y = tr.combine(recv_x, handle)
+            out["nan_rows"] = int(torch.isnan(y).all(dim=1).sum())  # syncs on the stream
+            out["rows"] = y.shape[0]
+            tr.check_errors()
+            raise AssertionError("expected PeerTimeoutError")
+        except PeerTimeoutError as e:
+            out["error"] = str(e)
+            out["seconds"] = time.time() - t0
+        try:
+            tr.dispatch(x, idx, w)
+        except TransportError as e:
+            out["after"] = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("gate", ["off", "on"])
+def test_gda_missing_peer_poisons_and_names_the_op(gate):
+    """EP 4 on one GPU: a peer that never issues its combine. Without the launch gate the
+    device waits expire: every row of the combine is NaN and the error names the op number, its
+    kind, the waiting rank and the missing rank. With the gate the host raises the same facts
+    before launching any wait. Both within the deadline, then the transport refuses calls."""
+    world = 4
+    outs = run_ranks(_combine_peer_missing, world, (gate,), timeout_s=120, pg_timeout_s=60,
+                     env=ENV)
+    for r in range(world - 1):
+        o = outs[r]
+        assert f"rank {r}: gda combine (op 2)" in o["error"], o
+        assert f"source rank(s) [{world - 1}]" in o["error"], o
+        assert 1.5 < o["seconds"] < 15, o
+        assert "unusable" in o["after"], o
+        if gate == "off":
+            assert o["nan_rows"] == o["rows"] > 0, o

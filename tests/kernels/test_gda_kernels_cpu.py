@@ -99,7 +99,7 @@ class _Peers:
         self.bufs = [torch.full((self.layout.total_bytes,), 0xAB, dtype=torch.uint8)
                      for _ in range(world)]
         self.sigs = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
-        self.errs = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        self.errs = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
         self.dones = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
         self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
         self.sig_ptrs = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64)
@@ -188,7 +188,7 @@ def _run_dispatch_combine(row_dtype_name):
             K.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
                              data_off=offs["data_off"], t_max=t_max, epoch=epoch, wait=True,
                              num_programs=progs, **WAIT)
-            assert int(peers.errs[s]) == 0
+            assert peers.errs[s].tolist() == [0, 0]
             iv = torch.int16 if dtype != torch.float32 else torch.int32
             assert torch.equal(out.view(iv), ref_out[s].view(iv)), (world, kind, s)
         # ---- dispatch_cached of float32 rows of another width (epoch 3, parity 1) ----
@@ -206,12 +206,14 @@ def _run_dispatch_combine(row_dtype_name):
                           t_max=t_max, epoch=epoch, wait=True, num_programs=progs, **WAIT)
             want = torch.stack([x2[s][t] for s, t in ref[me][4]]) if ref[me][4] else out
             assert torch.equal(out, want)
-            assert int(peers.errs[me]) == 0
+            assert peers.errs[me].tolist() == [0, 0]
         cases += 1
     print(f"dispatch/combine cases: {cases}")
 
 
 def _check_wait_timeout():
+    """An expired wait sets the missing-source bits and records the first expired op (epoch and
+    kind); every later reduce/gather of the window writes NaN rows, never a partial sum."""
     import torch
     from efa_ep.kernels import gda_kernels as K
 
@@ -223,17 +225,40 @@ def _check_wait_timeout():
                             torch.zeros(world, dtype=torch.int64), num_local=2, epoch=1,
                             timeout_ns=0, max_spins=5, use_globaltimer=False)
     assert int(info[0]) == 0b0010, int(info[0])
-    # Sticky: a later wait that misses rank 3 adds its bit.
-    out = torch.empty(0, 8, dtype=torch.bfloat16)
-    K.combine_reduce(peers.win_ptrs[0], torch.empty(0, world, dtype=torch.int64), out,
-                     peers.sigs[0], peers.errs[0], data_off=offs["data_off"], t_max=4, epoch=1,
-                     wait=True, timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
-    assert int(peers.errs[0]) == 0b0010
+    assert peers.errs[0].tolist() == [0b0010, K.wait_record(1, "dispatch")]
+    # Sticky: a later wait that misses rank 3 adds its bit, but the record keeps the first op.
     peers.sigs[0][:] = torch.tensor([2, 2, 2, 1], dtype=torch.int32)
-    K.combine_reduce(peers.win_ptrs[0], torch.empty(0, world, dtype=torch.int64), out,
-                     peers.sigs[0], peers.errs[0], data_off=offs["data_off"], t_max=4, epoch=2,
-                     wait=True, timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
-    assert int(peers.errs[0]) == 0b1010, int(peers.errs[0])
+    slot = torch.tensor([[0, -1, -1, -1], [-1, -1, 0, 0]], dtype=torch.int64)
+    out = torch.zeros(2, 8, dtype=torch.bfloat16)
+    K.combine_reduce(peers.win_ptrs[0], slot, out, peers.sigs[0], peers.errs[0],
+                     data_off=offs["data_off"], t_max=4, epoch=2, wait=True, kind="combine",
+                     timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
+    assert peers.errs[0].tolist() == [0b1010, K.wait_record(1, "dispatch")], peers.errs[0]
+    assert torch.isnan(out.float()).all(), out
+    # A fresh window whose combine wait expires: record names the combine, rows are NaN.
+    peers = _Peers(world, 4, 8, torch.float32, 2, 2)
+    peers.sigs[2][:] = torch.tensor([5, 5, 5, 4], dtype=torch.int32)
+    out = torch.zeros(2, 8)
+    K.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
+                     data_off=offs["data_off"], t_max=4, epoch=5, wait=True,
+                     kind="weight combine", timeout_ns=0, max_spins=5, use_globaltimer=False,
+                     num_programs=1)
+    assert peers.errs[2].tolist() == [0b1000, K.wait_record(5, "weight combine")]
+    assert torch.isnan(out).all()
+    rows = torch.zeros(3, 8)
+    K.gather_rows(peers.win_ptrs[2], torch.tensor([0, 3, 3, 3, 3]), rows, None, None,
+                  peers.sigs[2], peers.errs[2], data_off=offs["data_off"], idx_off=0, w_off=0,
+                  t_max=4, epoch=6, wait=False, timeout_ns=0, max_spins=5,
+                  use_globaltimer=False, num_programs=2)
+    assert torch.isnan(rows).all()
+    # No expiry: the same reduce is finite (all sources at epoch 5).
+    peers = _Peers(world, 4, 8, torch.float32, 2, 2)
+    peers.bufs[2].zero_()
+    peers.sigs[2][:] = 5
+    K.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
+                     data_off=offs["data_off"], t_max=4, epoch=5, wait=True, kind="combine",
+                     timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
+    assert peers.errs[2].tolist() == [0, 0] and torch.equal(out, torch.zeros(2, 8))
 
 
 def _main(check):

@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""Stress suite of the ``gda`` transport (GPU): randomized rounds bit-identical to the contract,
+and repeated Megatron layer runs bit-identical to the ``torch`` transport.
+
+Rounds: every round draws, from a seed shared by all ranks, every rank's token count T
+(0..4096), top-k K (1..8), route kind (random, skewed, one-rank, dropped with -1 slots) and rows,
+so each rank computes its expected outputs locally (a vectorized brute-force reference on the
+GPU, no communication) and checks, bit for bit: dispatch (rows, local ids, weights,
+tokens_per_expert, counts), combine (float32 sum in ascending rank order), cached dispatch of
+token rows and of float32 [T, K] rows, and the weight combine. Every ``--torch-every``-th round
+with T <= 512 is also run through the ``torch`` transport (CPU, gloo) and compared bit for bit.
+Layouts (E, H, dtype) cycle through E in {64, 256, 384} (E up to 384), H in {2048, 7168}, bf16
+and fp32.
+
+Layer runs: the Megatron MoE layer (tests/dispatcher/test_moe_layer_gpu.py) forward + backward
+over ``gda`` against ``torch``: output, x.grad and every parameter gradient bitwise equal;
+``--layer-launches`` fresh process groups x ``--layer-iters`` fresh layers and transports each.
+
+Ranks are processes on GPU ``rank % device_count`` (several per GPU need MPS; start it first).
+Writes one JSON record per world size to ``--out``.
+
+    python3 scripts/gda_stress.py --worlds 2,4,8 --rounds 1000 --out results/gda_stress.jsonl
+    python3 scripts/gda_stress.py --worlds 4,8 --rounds 0 --layer-launches 4 --layer-iters 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+T_MAX = 4096
+LAYOUTS = [(64, 2048, torch.bfloat16), (256, 7168, torch.bfloat16), (384, 2048, torch.float32),
+           (256, 2048, torch.bfloat16), (64, 7168, torch.float32), (384, 7168, torch.bfloat16)]
+KINDS = ("random", "skewed", "one_rank", "dropped")
+
+
+def _route(kind, t, e, k, world, gen, dev):
+    """[t, k] int64 ids (-1 = unused) and float32 weights (0 where -1), drawn on ``dev``."""
+    if t == 0:
+        return (torch.empty(0, k, dtype=torch.int64, device=dev),
+                torch.empty(0, k, dtype=torch.float32, device=dev))
+    if kind == "one_rank":
+        local = e // world
+        kk = min(k, local)
+        idx = torch.rand(t, local, generator=gen, device=dev).topk(kk, dim=1).indices
+        idx = torch.cat([idx, torch.full((t, k - kk), -1, device=dev)], dim=1)
+    else:
+        scores = torch.rand(t, e, generator=gen, device=dev)
+        if kind == "skewed":
+            scores[:, :4] += 3.0
+        idx = scores.topk(k, dim=1).indices
+        if kind == "dropped":
+            drop = torch.rand(t, k, generator=gen, device=dev) < 0.3
+            drop[::7] = True
+            idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    w = torch.rand(t, k, generator=gen, device=dev)
+    return idx.to(torch.int64), torch.where(idx >= 0, w, torch.zeros_like(w))
+
+
+def _round_inputs(seed, world, e, h, dtype, dev):
+    """Every rank's (x, idx, w) for one round; identical on every rank (shared seed)."""
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(1, 9, (1,), generator=g))
+    kind = KINDS[int(torch.randint(0, len(KINDS), (1,), generator=g))]
+    ts = []
+    decode = float(torch.rand(1, generator=g)) < 0.25  # a quarter of rounds decode-sized
+    for _ in range(world):
+        u = float(torch.rand(1, generator=g))
+        hi = 256 if decode else T_MAX
+        ts.append(0 if u < 0.05 else int(torch.randint(0, hi + 1, (1,), generator=g)))
+    gd = torch.Generator(device=dev).manual_seed(seed)
+    ins = []
+    for s in range(world):
+        idx, w = _route(kind, ts[s], e, k, world, gd, dev)
+        x = torch.randn(ts[s], h, generator=gd, device=dev).to(dtype)
+        ins.append((x, idx, w))
+    return ins, k, kind, ts
+
+
+def _expected_dispatch(ins, me, num_local):
+    xs, ids, ws = [], [], []
+    for x, idx, w in ins:
+        own = (idx >= 0) & (idx // num_local == me)
+        sel = own.any(1)
+        xs.append(x[sel])
+        ids.append(torch.where(own, idx - me * num_local, -1)[sel])
+        ws.append(torch.where(own, w, torch.zeros_like(w))[sel])
+    rx, ri, rw = torch.cat(xs), torch.cat(ids), torch.cat(ws)
+    tpe = torch.bincount(ri[ri >= 0], minlength=num_local).cpu()
+    return rx, ri, rw, tpe
+
+
+def _scale(d, dtype):
+    return torch.tensor(0.5 + 0.25 * d, dtype=dtype)
+
+
+def _bits(t):
+    t = t.detach().contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(a, b, what, where):
+    if a.shape != b.shape or not torch.equal(_bits(a), _bits(b)):
+        raise AssertionError(f"{what} differs from the reference at {where}: shapes "
+                             f"{tuple(a.shape)} vs {tuple(b.shape)}")
+
+
+def stress_worker(rank, world, rounds, seed, torch_every, max_seconds):
+    """One rank of the randomized rounds; returns counts and seconds. Stops early (on every
+    rank alike, agreed through a collective) once ``max_seconds`` have passed."""
+    import torch.distributed as dist
+
+    from efa_ep.kernels import create_transport
+
+    ndev = torch.cuda.device_count()
+    torch.cuda.set_device(rank % ndev)
+    dev = torch.device("cuda", rank % ndev)
+    per_layout = [rounds // len(LAYOUTS) + (1 if i < rounds % len(LAYOUTS) else 0)
+                  for i in range(len(LAYOUTS))]
+    stats = dict(rounds=0, rows_received=0, torch_checked=0, zero_token_ranks=0)
+    t_start = time.time()
+    for li, (e, h, dtype) in enumerate(LAYOUTS):
+        if per_layout[li] == 0:
+            continue
+        num_local = e // world
+        tr = create_transport("gda", None, e, h, T_MAX, dtype, timeout_s=60)
+        ref_tr = create_transport("torch", None, e, h, T_MAX, dtype) if torch_every else None
+        for r in range(per_layout[li]):
+            if r % 20 == 0:
+                late = torch.tensor([float(time.time() - t_start > max_seconds)])
+                dist.all_reduce(late, op=dist.ReduceOp.MAX)
+                if late.item():
+                    stats["stopped_early"] = True
+                    break
+            rs = seed * 1_000_003 + li * 10_007 + r
+            ins, k, kind, ts = _round_inputs(rs, world, e, h, dtype, dev)
+            where = dict(round=r, layout=(e, h, str(dtype)), k=k, kind=kind, ts=ts, rank=rank)
+            x, idx, w = ins[rank]
+            rx, ri, rw, tpe, handle = tr.dispatch(x, idx, w)
+            ex, ei, ew, etpe = _expected_dispatch(ins, rank, num_local)
+            _same(rx, ex, "recv_x", where)
+            _same(ri, ei, "recv_topk_idx", where)
+            _same(rw, ew, "recv_topk_weights", where)
+            _same(tpe, etpe, "tokens_per_expert", where)
+            # combine: destination d returns its rows scaled by c_d (in the rows' dtype)
+            y = rx * _scale(rank, dtype).to(dev)
+            out = tr.combine(y, handle)
+            acc = torch.zeros(x.shape[0], h, dtype=torch.float32, device=dev)
+            for d in range(world):
+                to_d = ((idx >= 0) & (idx // num_local == d)).any(1)
+                part = (x * _scale(d, dtype).to(dev)).float()
+                acc = acc + torch.where(to_d[:, None], part, torch.zeros_like(part))
+            _same(out, acc.to(dtype), "combine", where)
+            x3 = x * _scale(3, dtype).to(dev)
+            _same(tr.dispatch_cached(x3, handle), ex * _scale(3, dtype).to(dev),
+                  "dispatch_cached", where)
+            _same(tr.dispatch_cached(w, handle), torch.cat(
+                [wi[((ii >= 0) & (ii // num_local == rank)).any(1)] for _, ii, wi in ins]),
+                "dispatch_cached[T,K] float32", where)
+            gw = rw * float(rank + 2)
+            owner = torch.where(idx >= 0, idx // num_local, -1)
+            want_w = torch.where(idx >= 0, w * (owner + 2).float(), torch.zeros_like(w))
+            _same(tr.combine_topk_weights(gw, handle), want_w, "combine_topk_weights", where)
+            if ref_tr is not None and r % torch_every == 0 and max(ts) <= 512:
+                got = ref_tr.dispatch(x.cpu(), idx.cpu(), w.cpu())
+                _same(got[0], rx.cpu(), "torch transport recv_x vs gda", where)
+                _same(ref_tr.combine(y.cpu(), got[4]), out.cpu(), "torch transport combine vs gda",
+                      where)
+                stats["torch_checked"] += 1
+            stats["rounds"] += 1
+            stats["rows_received"] += rx.shape[0]
+            stats["zero_token_ranks"] += int(x.shape[0] == 0)
+        tr.check_errors()
+        tr.close()
+        if ref_tr is not None:
+            ref_tr.close()
+        del tr
+        torch.cuda.empty_cache()
+        dist.barrier()
+    stats["seconds"] = time.time() - t_start
+    return stats
+
+
+def layer_worker(rank, world, iters, dtype, options):
+    """``iters`` fresh Megatron layer pairs (torch vs gda) with fresh transports; returns the
+    number of iterations whose output, x.grad and every parameter gradient were bitwise equal
+    (a mismatch or an error raises)."""
+    import torch.distributed as dist
+
+    from efa_ep.dispatcher.token_dispatcher import clear_transport_cache
+    from tests.dispatcher.test_moe_layer_gpu import _gpu_layer_worker
+
+    done = 0
+    for i in range(iters):
+        _gpu_layer_worker(rank, world, dtype, seed=i, init=(i == 0), options=options)
+        clear_transport_cache()
+        dist.barrier()
+        done += 1
+    return done
+
+
+def main():
+    from efa_ep.distributed import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--rounds", type=int, default=1000, help="randomized rounds per world size")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--torch-every", type=int, default=10)
+    ap.add_argument("--max-seconds", type=float, default=1e9, help="per world size, then stop")
+    ap.add_argument("--layer-options", default="", help="gda options of the layer runs, k=v,...")
+    ap.add_argument("--layer-launches", type=int, default=0)
+    ap.add_argument("--layer-iters", type=int, default=5)
+    ap.add_argument("--layer-dtypes", default="fp32,bf16")
+    ap.add_argument("--out", default="results/gda_stress.jsonl")
+    args = ap.parse_args()
+    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(0),
+                gpus=torch.cuda.device_count(), torch=torch.__version__,
+                mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")))
+    opts = dict(kv.split("=", 1) for kv in args.layer_options.split(",") if kv)
+    ok = True
+    for world in [int(w) for w in args.worlds.split(",") if w]:
+        rec = dict(meta, world=world)
+        if args.rounds:
+            t0 = time.time()
+            try:
+                stats = run_ranks(stress_worker, world, (args.rounds, args.seed, args.torch_every,
+                                                      args.max_seconds),
+                                  timeout_s=1800, pg_timeout_s=600, env=env)
+                rec.update(rounds=stats[0]["rounds"], mismatches=0,
+                           stopped_early=bool(stats[0].get("stopped_early")),
+                           rows_received=sum(s["rows_received"] for s in stats),
+                           torch_checked=stats[0]["torch_checked"],
+                           zero_token_rank_rounds=sum(s["zero_token_ranks"] for s in stats),
+                           stress_seconds=round(time.time() - t0, 1))
+            except Exception as e:  # a mismatch or an error: record it, go on with the next size
+                ok = False
+                rec.update(stress_error=str(e)[-2000:])
+        for dtype in [d for d in args.layer_dtypes.split(",") if d and args.layer_launches]:
+            passed, failures, t0 = 0, [], time.time()
+            for launch in range(args.layer_launches):
+                try:
+                    passed += run_ranks(layer_worker, world, (args.layer_iters, dtype, opts),
+                                        timeout_s=600, pg_timeout_s=300, env=env)[0]
+                except Exception as e:
+                    ok = False
+                    failures.append(str(e)[-800:])
+            rec[f"layer_{dtype}"] = dict(options=opts,passed=passed, runs=args.layer_launches * args.layer_iters,
+                                         seconds=round(time.time() - t0, 1), failures=failures)
+        print(json.dumps(rec), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on a lent GPU host (see ../.library/device): the gda correctness checks. Ranks are
+# processes on the GPU(s) under MPS (started here, stopped at the end).
+#   GDA_STEPS   which steps, default "probe tests stress layers"
+#   GDA_ROUNDS  randomized rounds per world size (default 1000)
+#   GDA_WORLDS  world sizes of the stress rounds and layer runs (default 2,4,8)
+#   GDA_LAUNCHES x GDA_ITERS  layer runs per (world, dtype) (default 4 x 5 = 20)
+# Carry: .whl (megatron-core wheel for the GPU's Python). Outputs: $OUT/*.log, $OUT/gda_stress.jsonl
+set -u
+OUT=${OUT:-/tmp/gpu_gda_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+source scripts/gpu_common.sh
+mps_start
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+want() { case " ${GDA_STEPS:-probe tests stress layers} " in *" $1 "*) return 0;; esac; return 1; }
+W=${GDA_WORLDS:-2,4,8}
+want probe && for p in 1 132 528; do step probe_$p 60 python3 scripts/gda_stall_probe.py --spin-s 2 --spin-programs $p; done
+want probe && cat "$OUT"/probe_*.log
+want tests && TAILN=12 step tests 300 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py
+want stress && TAILN=8 step stress 900 python3 scripts/gda_stress.py --worlds "$W" \
+  --rounds "${GDA_ROUNDS:-1000}" --out "$OUT/gda_stress.jsonl"
+want layers && TAILN=8 step layers 900 python3 scripts/gda_stress.py --worlds "$W" --rounds 0 \
+  --layer-launches "${GDA_LAUNCHES:-4}" --layer-iters "${GDA_ITERS:-5}" --out "$OUT/gda_stress.jsonl"
+mps_stop
