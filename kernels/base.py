@@ -474,7 +474,7 @@ def exchange_status(group, rank: int, op: str, seq: int, header_WF: torch.Tensor
     if len(set(ops)) > 1 or len(set(seqs)) > 1:
         calls = [f"{_OP_NAMES.get(o, o)} #{q}" for o, q in zip(ops, seqs)]
         raise ProtocolError(
-            f"rank {rank}: {tag}: the EP group's ranks are running different operations "
+            f"the EP group's ranks are running different operations, refused on every rank "
             f"({_ranks_by_value(calls)}); every rank must issue the same calls in the same order")
     what = {H_K: "top-k K (topk_idx.shape[1])", H_D: "row width D",
             H_DTYPE: "row dtype", H_REF: "handle (the dispatch it came from, by number)"}
