@@ -356,7 +356,8 @@ class ProxyTransport(Transport):
         self.off_hdr_send = 0
         self.off_data_send = w * self.hdr_bytes
         self.off_recv = self.off_data_send + w * self.slot_bytes
-        self.region_bytes = 2 * self.hdr_bytes + self.slot_bytes
+        # + a 16-byte pad at the region's end that liveness probes write into (nobody reads it)
+        self.region_bytes = 2 * self.hdr_bytes + self.slot_bytes + _ALIGN
         self.window_bytes = self.off_recv + w * self.region_bytes
         if self.window_bytes >= (1 << 36):
             raise TransportError(

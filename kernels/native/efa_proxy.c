@@ -104,6 +104,9 @@ typedef struct {
 
     desc_t queue[LOCAL_QUEUE];
     int q_first, q_count;
+    _Atomic int probe_req; /* 1 + rank a waiter wants probed (see probe_peer), 0 = none */
+    uint64_t eagain_since; /* first -FI_EAGAIN of the write now retried (0 = none) */
+    int eagain_dest;
     _Atomic int queued;   /* popped, not yet posted (for wait_idle) */
     _Atomic int inflight; /* posted, not yet completed locally */
 
@@ -615,6 +618,25 @@ static int poll_cq(engine *e, channel *c) {
     return (int)n;
 }
 
+/* tcp/rxm answers writes to a peer whose connection is gone (the process died) with -FI_EAGAIN
+ * while it tries to reconnect. With nothing of ours in flight, back-pressure cannot explain it:
+ * after EAGAIN_DEAD_MS of refusals the peer is declared unreachable, well before the deadline. */
+#define EAGAIN_DEAD_MS 500
+static int eagain_check(engine *e, channel *c, int dest) {
+    uint64_t t = now_ns();
+    if (!c->eagain_since || c->eagain_dest != dest ||
+        atomic_load_explicit(&c->inflight, memory_order_relaxed)) {
+        c->eagain_since = t;
+        c->eagain_dest = dest;
+        return 0;
+    }
+    if (t - c->eagain_since < (uint64_t)EAGAIN_DEAD_MS * 1000000ull) return 0;
+    engine_fail(e, "rank %d channel %d: rank %d is unreachable: the provider refused every write to "
+                   "it for %d ms with nothing else in flight (-FI_EAGAIN: connection lost and not "
+                   "re-established); is rank %d alive?", e->rank, c->idx, dest, EAGAIN_DEAD_MS, dest);
+    return 1;
+}
+
 /* Step 2 for one descriptor. Returns 1 posted, 0 must retry later (no context / EAGAIN), <0 fail. */
 static int post_one(engine *e, channel *c, const desc_t *d) {
     uint32_t len = (uint32_t)(d->w0 & 0xffffffffu);
@@ -658,8 +680,9 @@ static int post_one(engine *e, channel *c, const desc_t *d) {
     if (rc == -FI_EAGAIN) {
         atomic_fetch_add_explicit(&c->stats[ST_EAGAIN], 1, memory_order_relaxed);
         if (tamper) atomic_store_explicit(&e->tamper_done, 0, memory_order_relaxed);
-        return 0;
+        return eagain_check(e, c, dest) ? -1 : 0;
     }
+    c->eagain_since = 0;
     if (rc) {
         engine_fail(e, "rank %d channel %d: fi_writedata(to rank %d, message %u, %u bytes) failed: "
                        "%s (%zd)", e->rank, c->idx, dest, msg, len, fi_strerror((int)-rc), rc);
@@ -675,6 +698,35 @@ static int post_one(engine *e, channel *c, const desc_t *d) {
     if ((uint64_t)inflight > atomic_load_explicit(&c->stats[ST_MAX_INFLIGHT], memory_order_relaxed))
         atomic_store_explicit(&c->stats[ST_MAX_INFLIGHT], (uint64_t)inflight, memory_order_relaxed);
     atomic_fetch_add_explicit(&c->stats[ST_POSTED], 1, memory_order_relaxed);
+    return 1;
+}
+
+/* Liveness probe: a 16-byte fi_write (no immediate, so the target counts nothing) into the last
+ * 16 bytes of our region of dest's window, a pad nobody reads. Over a connection whose peer died
+ * the provider fails it (error completion naming dest) instead of letting waiters run to their
+ * deadline. Returns 1 posted (or not needed), 0 retry later, < 0 failure. */
+static int probe_peer(engine *e, channel *c, int dest) {
+    if (!e->recv_stride || dest < 0 || dest >= e->world || dest == e->rank) return 1;
+    if (c->free_ctx < 0) return 0;
+    op_ctx *x = &c->ctx[c->free_ctx];
+    uint64_t rs = region_start(e, e->rank), rb = region_bytes(e);
+    ssize_t rc = fi_write(c->ep, e->window, 16, c->mr_desc, c->peer_addr[dest],
+                          c->peer_base[dest] + rb - 16, c->peer_key[dest], &x->fctx);
+    (void)rs;
+    if (rc == -FI_EAGAIN) return eagain_check(e, c, dest) ? -1 : 0;
+    c->eagain_since = 0;
+    if (rc) {
+        engine_fail(e, "rank %d channel %d: liveness probe fi_write to rank %d failed: %s (%zd); is "
+                       "rank %d alive?", e->rank, c->idx, dest, fi_strerror((int)-rc), rc, dest);
+        return -1;
+    }
+    c->free_ctx = x->next_free;
+    x->in_use = 1;
+    x->dest = dest;
+    x->msg = 0;
+    x->len = 16;
+    x->post_ns = now_ns();
+    atomic_fetch_add_explicit(&c->inflight, 1, memory_order_release);
     return 1;
 }
 
@@ -724,6 +776,14 @@ static int step(engine *e, channel *c) {
         c->q_count--;
         atomic_store_explicit(&c->queued, c->q_count, memory_order_release);
         progressed = 1;
+    }
+
+    /* 2b. a waiter asked whether a silent peer is still there */
+    int pd = atomic_exchange_explicit(&c->probe_req, 0, memory_order_acq_rel);
+    if (pd) {
+        int r = probe_peer(e, c, pd - 1);
+        if (r < 0) return -1;
+        if (r == 0) atomic_store_explicit(&c->probe_req, pd, memory_order_relaxed);
     }
 
     /* 3. poll the completion queue (also drives manual progress for tcp/rxm) */
@@ -1038,6 +1098,7 @@ int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
     engine *e = from_handle(handle);
     uint64_t start = now_ns(), deadline = start + (uint64_t)timeout_ms * 1000000ull;
     uint32_t slot = (msg & ((1u << EFA_MSG_BITS) - 1)) % e->num_slots;
+    uint64_t next_probe = start + 100000000ull; /* first probe after 100 ms of silence */
     int i = 0;
     while (i < n) {
         _Atomic uint64_t *cnt = &e->counters[(size_t)srcs[i] * e->num_slots + slot];
@@ -1055,7 +1116,14 @@ int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
         }
         int rc = engine_broken(e, err, errlen);
         if (rc) return rc;
-        if (now_ns() > deadline) {
+        uint64_t t = now_ns();
+        if (t > next_probe) {
+            /* ask a channel thread to probe the peer we wait for (a dead one fails the write) */
+            channel *pc = &e->ch[(uint32_t)srcs[i] % (uint32_t)e->num_channels];
+            atomic_store_explicit(&pc->probe_req, srcs[i] + 1, memory_order_release);
+            next_probe = t + 250000000ull;
+        }
+        if (t > deadline) {
             set_err(err, errlen, "rank %d: timed out after %d ms waiting for message %u from rank %d: "
                                  "%llu of %llu chunks arrived (is rank %d alive and in the same "
                                  "operation?)",
