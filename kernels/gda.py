@@ -41,18 +41,19 @@ No host sync; a deadline expiry is recorded in the error word and raised at the 
 ``check_every_call=1``). ``dispatch_cached`` replays the layout with new rows, no host sync.
 
 Never stuck, never silently wrong:
-    * The stall this design prevents (seen with 4 ranks as MPS clients of one H200, every run):
-      MPS funnels all ranks into one CUDA context, and a host call that needs that context idle
-      (Triton's ``cuModuleLoadData`` on a kernel's first use, CUDA lazy loading of a library's
-      kernel, some allocations) waits for every running kernel, a peer's spinning wait
-      included. Rank A's combine wait spun for rank B's store while B's host sat in such a call
-      before it could enqueue that store: both stood still until A's deadline, and the reduce
-      then summed without B's rows. Pre-loading kernels is not enough (any library may load or
-      allocate between two ops). Hence the **launch gate**: a rank launches a waiting kernel
-      only after every source has *issued* (enqueued) the op's stores, told through a host
-      shared-memory board (:class:`LaunchGate`, on by default when ranks share a GPU). A wait
-      then depends only on kernels already in streams, which complete whatever the hosts do; a
-      peer that never issues is found on the host, within ``timeout_s``, and named.
+    * The stall this design prevents (4 ranks as MPS clients of one H200, every run before
+      it): a combine wait spun until its deadline for a store its peer had not issued, every
+      rank's host sat in Triton's module load, and the reduce then summed without that peer's
+      rows. Measured since (``scripts/gda_stall_probe.py``): a module load waits for the
+      process's *own* running kernels (1.7 s behind a 2 s spin; 0.3 ms idle), so a rank whose
+      wait spins cannot issue anything until that wait ends. A wait must therefore only ever
+      wait for stores already in the peers' streams. Hence the **launch gate**: a rank launches
+      a waiting kernel only after every source has *issued* (enqueued) the op's stores, told
+      through a host shared-memory board (:class:`LaunchGate`, on by default when ranks share a
+      GPU, where the ranks also compete for SMs). A wait then depends only on kernels already in
+      streams, which complete whatever the hosts do; a peer that never issues is found on the
+      host, within ``timeout_s``, and named. Pre-loading kernels is not enough: any library may
+      load a module or allocate between two ops.
     * Waits run in one-program kernels, so a spinning wait holds one program slot, never the SMs
       a peer's store on the same GPU needs (full-width spinning grids starved them).
     * An expired wait records the op (number and kind: dispatch, combine, cached dispatch,
@@ -118,13 +119,14 @@ class LaunchGate:
     its stores for, and which rank failed. Shared memory (a ``/dev/shm`` file, mapped by every
     rank, unlinked once all have mapped it), int64 slots ``[issued W | failed W]``.
 
-    Why: ranks that share a GPU (MPS) share one CUDA context, and a host call that needs the
-    context idle (a module load, lazy loading of any library's kernel, some allocations) waits
-    for every kernel in it, including a peer's spinning wait. If that wait needs a store that
-    the blocked rank has not issued yet, both stall until the wait's deadline. A rank therefore
-    launches a kernel that waits on sources only once every source has *issued* (enqueued) its
-    stores for that op: the wait then depends only on kernels already in streams, which finish
-    whatever the hosts do. The gate is a host wait for the peers' hosts, not a device sync.
+    Why: a host call that needs the CUDA context idle (a module load on a kernel's first use,
+    lazy loading of a library's kernel) waits for the process's own running kernels, a spinning
+    wait included. If that wait needs a store that a peer has not issued, and the peer's host is
+    held the same way, both stall until the deadline. A rank therefore launches a kernel that
+    waits on sources only once every source has *issued* (enqueued) its stores for that op: the
+    wait then depends only on kernels already in streams, which finish whatever the hosts do.
+    The gate is a host wait for the peers' hosts (shared memory, microseconds when they are in
+    step), not a device sync.
 
     ``failed[r]`` = ``epoch * 8 + kind`` of the op at which rank r gave up (-1: closed), so a
     waiting peer raises at once naming it instead of waiting out its own deadline.
