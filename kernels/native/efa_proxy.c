@@ -106,6 +106,7 @@ typedef struct {
     int q_first, q_count;
     _Atomic int probe_req; /* 1 + rank a waiter wants probed (see probe_peer), 0 = none */
     uint64_t eagain_since; /* first -FI_EAGAIN of the write now retried (0 = none) */
+    uint8_t *connected;    /* per rank: a write to it has completed on this channel */
     int eagain_dest;
     _Atomic int queued;   /* popped, not yet posted (for wait_idle) */
     _Atomic int inflight; /* posted, not yet completed locally */
@@ -609,6 +610,7 @@ static int poll_cq(engine *e, channel *c) {
                 return -1;
             }
             x->in_use = 0;
+            if (c->connected && x->dest >= 0 && x->dest < e->world) c->connected[x->dest] = 1;
             x->next_free = c->free_ctx;
             c->free_ctx = (int)(x - c->ctx);
             atomic_fetch_sub_explicit(&c->inflight, 1, memory_order_release);
@@ -624,7 +626,9 @@ static int poll_cq(engine *e, channel *c) {
 #define EAGAIN_DEAD_MS 500
 static int eagain_check(engine *e, channel *c, int dest) {
     uint64_t t = now_ns();
-    if (!c->eagain_since || c->eagain_dest != dest ||
+    /* before the first completed write the provider may still be connecting (slowly, on a
+     * loaded host): only a connection that existed can be lost */
+    if (!c->connected || !c->connected[dest] || !c->eagain_since || c->eagain_dest != dest ||
         atomic_load_explicit(&c->inflight, memory_order_relaxed)) {
         c->eagain_since = t;
         c->eagain_dest = dest;
@@ -948,6 +952,7 @@ int efa_engine_create_ex(const char *provider, int rank, int world, int num_chan
         c->peer_addr = calloc((size_t)world, sizeof(fi_addr_t));
         c->peer_key = calloc((size_t)world, sizeof(uint64_t));
         c->peer_base = calloc((size_t)world, sizeof(uint64_t));
+        c->connected = calloc((size_t)world, 1);
     }
     *out_handle = (uint64_t)(uintptr_t)e;
     for (int i = 0; i < num_channels; i++) {
@@ -1286,6 +1291,7 @@ int efa_engine_destroy(uint64_t handle) {
         free(c->peer_addr);
         free(c->peer_key);
         free(c->peer_base);
+        free(c->connected);
     }
     free(e->ch);
     pthread_mutex_destroy(&e->fail_mu);
