@@ -113,6 +113,7 @@ def test_bad_input_raises_on_every_rank_without_hang(what, needle):
     msgs = run_ranks(_bad_input_worker, 2, (what,), timeout_s=150, pg_timeout_s=60)
     assert "rank 1" in msgs[1] and needle in msgs[1], msgs[1]
     assert "rank(s) [1]" in msgs[0], msgs[0]  # the peer names the offending rank
+    assert msgs[0] == msgs[1]  # every rank raises the same error, in the offending rank's words
 
 
 def _mismatch_worker(rank, world):
