@@ -1,0 +1,436 @@
+"""Fitting the planner's per-operation costs from this project's benchmark records.
+
+Inputs (any mix; the format is recognised per file):
+
+- ``efa-ep-bench`` raw records (``bench_records.jsonl``, schema ``efa_ep.bench/1``) and its
+  summary (``bench_summary.json``): dispatch+combine latency per cell;
+- ``scripts/bench_proxy.py`` output (``{"meta": ..., "records": [...]}``): proxy descriptor
+  rates per channel count (``rate``) and GPU descriptor round trips (``gpu_roundtrip``);
+- planner records (``efa_ep.plan.record/1`` lines): figures measured by this project that are
+  written in its notes rather than in a bench file (e.g. the two-GPU NVLink runs).
+
+Every dispatch+combine observation becomes ``(group, shape, bytes, us)`` where ``group`` is the
+arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``proxy:k2@hbm``,
+``torch@hbm``, ``nccl_a2a@nvlink``) and ``bytes`` the model's bytes of one D+C
+(:func:`dc_bytes`). Each group is fitted with ``us = 2 x fixed + bytes / rate`` (least squares).
+The planner uses ``gda@nvlink`` and ``nccl_a2a@nvlink`` (fixed cost and link efficiency), the
+proxy's descriptor rates (per-descriptor cost, channel-scaling exponent ``alpha`` in
+``rate(K) = rate(1) x K**alpha``) and the GPU round trip. Parameters the records cannot give
+(EFA-specific rates: no EFA here) come from the seeds, tagged so.
+
+Held-out check: groups with two or more shapes are refitted without each shape in turn and
+predict it; descriptor rates of one record file are predicted from the others' alpha.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from efa_ep.tools.plan.model import DTYPE_BYTES, Fig, p_rank
+from efa_ep.tools.plan.presets import seed_efa
+
+SCHEMA = "efa_ep.plan.calibration/1"
+NVLINK4_GBPS = 450.0   # H200 NVLink 4, GB/s per direction (NVIDIA spec: 900 GB/s bidirectional)
+P5EN_EFA_NODE_GBPS = 400.0  # 16 x 200 Gb/s
+
+# Parameters the planner needs and what they mean (units in the names).
+PARAMS = {
+    "gda_fixed_us": "host + launch cost of one gda op (dispatch or combine), us",
+    "gda_link_eff": "fraction of the NVLink spec bandwidth gda stores reach",
+    "nccl_fixed_us": "fixed cost of one NCCL all-to-all op, us",
+    "nccl_link_eff": "fraction of NVLink spec bandwidth NCCL all-to-all reaches",
+    "nccl_efa_eff": "fraction of EFA spec bandwidth NCCL reaches across nodes",
+    "proxy_fixed_us": "fixed cost of one proxy op (host work + GPU descriptor round trip), us",
+    "proxy_post_us": "CPU cost of posting one descriptor on one channel, us",
+    "proxy_channel_alpha": "channel scaling exponent: rate(K) = rate(1) x K**alpha",
+    "proxy_channel_gbps": "bytes one proxy channel moves per second over EFA, GB/s",
+}
+
+
+def default_calibration() -> Dict[str, Fig]:
+    """Used when no calibration file exists: every value assumed (the shipped file replaces it)."""
+    s = seed_efa()
+    a = "assumed default (no calibration file; run `efa-ep-plan calibrate`)"
+    return {"_name": Fig("built-in defaults", "", "assumed", a),
+            "gda_fixed_us": Fig(300.0, "us", "assumed", a), "gda_link_eff": Fig(0.5, "fraction", "assumed", a),
+            "nccl_fixed_us": Fig(50.0, "us", "assumed", a), "nccl_link_eff": Fig(0.65, "fraction", "assumed", a),
+            "nccl_efa_eff": Fig(0.28, "fraction", "assumed", a), "proxy_fixed_us": Fig(305.0, "us", "assumed", a),
+            "proxy_post_us": Fig(0.25, "us", "assumed", a), "proxy_channel_alpha": Fig(0.75, "", "assumed", a),
+            "proxy_channel_gbps": s["proxy_channel_gbps_efa"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+def dc_bytes(tokens: int, hidden: int, num_experts: int, topk: int, ep: int, dtype: str) -> float:
+    """Bytes one rank sends to other ranks in one dispatch + one combine (uniform routing)."""
+    return 2.0 * tokens * (ep - 1) * p_rank(num_experts, topk, ep) * hidden * DTYPE_BYTES[dtype]
+
+
+def _dtype(d: str) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(d, d)
+
+
+def _obs(group, shape, tokens, hidden, experts, topk, ep, dtype, us, source, nbytes=None, lo=None, hi=None):
+    if nbytes is None:
+        nbytes = dc_bytes(tokens, hidden, experts, topk, ep, _dtype(dtype))
+    return {"kind": "dc", "group": group, "shape": shape, "tokens_per_rank": tokens, "hidden": hidden,
+            "num_experts": experts, "topk": topk, "ep_size": ep, "bytes": nbytes, "us": float(us),
+            "min_us": lo, "max_us": hi, "source": source}
+
+
+def _bench_link(device: str, ranks_per_gpu, ep: int) -> str:
+    if str(device).startswith("cpu"):
+        return "cpu"
+    if str(device) in ("cuda:0",) or (ranks_per_gpu and int(ranks_per_gpu) > 1):
+        return "hbm"  # every rank on one GPU: 'remote' stores are local HBM writes
+    return "nvlink"
+
+
+def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """Observations from every file in ``paths`` (see the module docstring for formats).
+
+    Raises:
+        FileNotFoundError: a path does not exist. ValueError: a file is in no known format.
+    """
+    out: List[Dict[str, Any]] = []
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"record file {path} does not exist")
+        with open(path) as f:
+            text = f.read()
+        name = os.path.relpath(path)
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        try:
+            doc = json.loads(text)
+            docs = None
+        except json.JSONDecodeError:
+            doc = None
+            docs = [json.loads(ln) for ln in lines]
+        if isinstance(doc, dict) and "records" in doc and "meta" in doc:
+            out += _from_bench_proxy(doc, name)
+        elif isinstance(doc, dict) and str(doc.get("schema", "")).endswith("-summary"):
+            out += _from_bench_summary(doc, name)
+        elif docs is not None or isinstance(doc, dict):
+            got = 0
+            bench_cells: Dict[Tuple, List[Dict[str, Any]]] = {}
+            for r in docs if docs is not None else [doc]:
+                sch = str(r.get("schema", ""))
+                if sch == "efa_ep.plan.record/1":
+                    out.append(_from_plan_record(r, name))
+                    got += 1
+                elif sch == "efa_ep.bench/1" and r.get("view") == "transport" and not r.get("void"):
+                    key = (r["arm"], r["profile"], r["shape"], r["route"], r["dtype"], r["ep_size"])
+                    bench_cells.setdefault(key, []).append(r)
+                    got += 1
+            for (arm, prof, shape, route, dtype, ep), recs in bench_cells.items():
+                r0 = recs[0]
+                vals = [r["start_median_us"] for r in recs]
+                link = _bench_link(r0.get("device", ""), r0.get("ranks_per_gpu"), ep)
+                date = (r0.get("provenance") or {}).get("date_utc", "?")
+                out.append(_obs(f"{arm}@{link}", shape, r0["tokens_per_rank"], r0["hidden"], r0["num_experts"],
+                                r0["topk"], ep, dtype, statistics.median(vals),
+                                f"{name} ({date}, n={len(vals)} starts, {prof}/{route})",
+                                lo=min(vals), hi=max(vals)))
+            if not got:
+                raise ValueError(f"{path}: no efa-ep-bench or planner records in it")
+        else:
+            raise ValueError(f"{path}: not a bench record file, bench summary, bench_proxy output or "
+                             f"planner record file")
+    return out
+
+
+def _from_bench_summary(doc, name) -> List[Dict[str, Any]]:
+    cfg = doc.get("config", {})
+    date = (doc.get("provenance") or {}).get("date_utc", "?")
+    gpu = ((doc.get("provenance") or {}).get("gpu") or {}).get("name", "cpu")
+    out = []
+    for c in doc.get("cells", []):
+        if c.get("view") != "transport" or not c["latency_us"].get("median"):
+            continue
+        link = _bench_link(cfg.get("device", ""), cfg.get("ranks_per_gpu"), c["ep_size"])
+        st = c["latency_us"]
+        out.append(_obs(f"{c['arm']}@{link}", c["shape"], c["tokens_per_rank"], c["hidden"], c["num_experts"],
+                        c["topk"], c["ep_size"], c["dtype"], st["median"],
+                        f"{name} ({date}, {gpu}, EP {c['ep_size']}, n={st.get('n')} starts, "
+                        f"{c['profile']}/{c['route']})", lo=st.get("min"), hi=st.get("max")))
+    return out
+
+
+def _from_plan_record(r, name) -> Dict[str, Any]:
+    nbytes = None
+    if r["arm"] == "nccl_a2a":   # rows per peer given: bytes as sent (no dedup model)
+        nbytes = 2.0 * r["rows_per_peer"] * (r["ep_size"] - 1) * r["hidden"] * DTYPE_BYTES[r["dtype"]]
+    st = r["dc_us"]
+    return _obs(f"{r['arm']}@{r['link']}", f"H{r['hidden']}/E{r['num_experts']}/k{r['topk']}",
+                r["tokens_per_rank"], r["hidden"], r["num_experts"], r["topk"], r["ep_size"], r["dtype"],
+                st["median"], f"{name}: {r['source']} ({r['date']}, {r['machine']})", nbytes=nbytes,
+                lo=st.get("min"), hi=st.get("max"))
+
+
+def _from_bench_proxy(doc, name) -> List[Dict[str, Any]]:
+    meta = doc.get("meta", {})
+    src = f"{name} ({meta.get('date', '?')}, {meta.get('cpus', '?')} cores, libfabric {meta.get('libfabric', '?')})"
+    out = []
+    for r in doc["records"]:
+        if r["kind"] == "rate":
+            out.append({"kind": "rate", "provider": r["provider"], "channels": r["channels"],
+                        "bytes": r["bytes"], "per_s": r["desc_per_s"]["median"], "file": name, "source": src})
+        elif r["kind"] == "gpu_roundtrip":
+            out.append({"kind": "gpu_roundtrip", "provider": r["provider"], "bytes": r["bytes"],
+                        "us": r["us_per_op"]["median"], "file": name, "source": src})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Fitting
+# ----------------------------------------------------------------------------------------------
+def fit_linear(obs: Sequence[Dict[str, Any]]) -> Tuple[float, float]:
+    """Least squares ``us = 2 x fixed + bytes x slope`` -> (fixed us per op, slope us per B).
+    One distinct byte count: slope 0, fixed = mean / 2. A negative fit is clipped at 0."""
+    xs = [o["bytes"] for o in obs]
+    ys = [o["us"] for o in obs]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return my / 2, 0.0
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+    fixed = max(0.0, (my - slope * mx) / 2)
+    return fixed, slope
+
+
+def fit_alpha(rates: Sequence[Dict[str, Any]]) -> Tuple[float, float, int]:
+    """Channel-scaling exponent from descriptor rates: least squares through the origin of
+    ``log(rate_K / rate_1)`` on ``log K`` per (file, provider, bytes). Returns (alpha, median
+    per-descriptor cost at K = 1 in us, number of points)."""
+    groups: Dict[Tuple, Dict[int, float]] = {}
+    for r in rates:
+        groups.setdefault((r["file"], r["provider"], r["bytes"]), {})[int(r["channels"])] = r["per_s"]
+    num = den = 0.0
+    n = 0
+    posts = []
+    for g in groups.values():
+        if 1 not in g:
+            continue
+        posts.append(1e6 / g[1])
+        for k, v in g.items():
+            if k > 1:
+                x, y = math.log(k), math.log(v / g[1])
+                num += x * y
+                den += x * x
+                n += 1
+    if not n:
+        raise ValueError("descriptor-rate records need K = 1 and K > 1 for the same provider and size")
+    return num / den, statistics.median(posts), n
+
+
+def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64) -> Dict[str, Any]:
+    """Fits every parameter from the records in ``paths``; returns the calibration document
+    (``params``: name -> Fig dict; ``groups``: every fitted group; ``validation``: held-out rows)."""
+    obs = load(paths)
+    dcs = [o for o in obs if o["kind"] == "dc"]
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for o in dcs:
+        groups.setdefault(o["group"], []).append(o)
+    fits = {}
+    for g, os_ in sorted(groups.items()):
+        fixed, slope = fit_linear(os_)
+        pred = [2 * fixed + o["bytes"] * slope for o in os_]
+        rel = [abs(p - o["us"]) / o["us"] for p, o in zip(pred, os_)]
+        fits[g] = {"fixed_us": fixed, "gbps": (1e-3 / slope) if slope > 0 else None, "n": len(os_),
+                   "shapes": sorted({o["shape"] for o in os_}), "max_abs_rel_err": max(rel),
+                   "sources": sorted({o["source"].split(" (")[0] for o in os_})}
+    params: Dict[str, Fig] = {}
+    seeds = seed_efa()
+
+    def from_group(g: str, what: str) -> Dict[str, Any]:
+        if g not in fits:
+            raise ValueError(f"no records for {g} ({what}); pass a file with them (e.g. "
+                             f"results/plan/measured_h200x2.jsonl)")
+        return fits[g]
+
+    gda = from_group("gda@nvlink", "gda over NVLink")
+    src = "; ".join(gda["sources"])
+    params["gda_fixed_us"] = Fig(round(gda["fixed_us"], 2), "us", "measured",
+                                 f"fit of gda@nvlink D+C = 2 x fixed + bytes / rate (n={gda['n']}): {src}")
+    params["gda_link_eff"] = Fig(round(gda["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
+                                 f"fitted gda@nvlink rate {gda['gbps']:.0f} GB/s / NVLink 4 spec {NVLINK4_GBPS:g} GB/s per direction")
+    nc = from_group("nccl_a2a@nvlink", "NCCL all-to-all over NVLink")
+    src = "; ".join(nc["sources"])
+    params["nccl_fixed_us"] = Fig(round(nc["fixed_us"], 2), "us", "measured",
+                                  f"fit of nccl_a2a@nvlink (n={nc['n']}): {src}")
+    params["nccl_link_eff"] = Fig(round(nc["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
+                                  f"fitted nccl_a2a@nvlink rate {nc['gbps']:.0f} GB/s / {NVLINK4_GBPS:g} GB/s")
+    params["nccl_efa_eff"] = Fig(round(seeds["node_injection_gbps"].value / P5EN_EFA_NODE_GBPS, 4), "fraction",
+                                 "derived", f"seed node injection {seeds['node_injection_gbps'].value:g} GB/s "
+                                            f"({seeds['node_injection_gbps'].source}) / p5en spec {P5EN_EFA_NODE_GBPS:g} GB/s")
+    rates = [o for o in obs if o["kind"] == "rate" and o["provider"] == provider and o["bytes"] == desc_bytes]
+    if not rates:
+        raise ValueError(f"no proxy descriptor-rate records for provider={provider} bytes={desc_bytes} "
+                         f"(bench_proxy.py output, e.g. results/h200/bench_proxy.json)")
+    alpha, post, npts = fit_alpha(rates)
+    rsrc = "; ".join(sorted({r["source"] for r in rates}))
+    params["proxy_channel_alpha"] = Fig(round(alpha, 4), "", "measured",
+                                        f"fit of log(rate_K/rate_1) on log K, {provider} {desc_bytes} B writes, "
+                                        f"{npts} points: {rsrc}")
+    params["proxy_post_us"] = Fig(round(post, 4), "us", "measured",
+                                  f"1 / rate at K=1, {provider} {desc_bytes} B writes (median over files; "
+                                  f"{provider}, not efa: a lower bound for EFA): {rsrc}")
+    rts = [o for o in obs if o["kind"] == "gpu_roundtrip" and o["provider"] == provider]
+    rt = statistics.median(o["us"] for o in rts) if rts else 3.2
+    rt_src = ("median GPU descriptor round trip " + "; ".join(sorted({o["source"] for o in rts}))) if rts else \
+        "DESIGN.md floor 3.2 us (no round-trip records given)"
+    params["proxy_fixed_us"] = Fig(round(gda["fixed_us"] + rt, 2), "us", "derived",
+                                   f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
+                                   f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
+    params["proxy_channel_gbps"] = seeds["proxy_channel_gbps_efa"]
+    doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "inputs": [os.path.relpath(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
+           "params": {k: v.to_dict() for k, v in params.items()}, "groups": fits,
+           "validation": validate(obs, provider, desc_bytes)}
+    return doc
+
+
+def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: int = 64) -> Dict[str, Any]:
+    """Held-out predictions: per D+C group with >= 2 shapes, leave one shape out, fit on the
+    rest, predict it; per descriptor-rate file, predict its K > 1 rates from its own K = 1 rate
+    and the alpha fitted on the other files. Rows: group, held_out, measured_us, predicted_us,
+    rel_err (predicted / measured - 1)."""
+    rows = []
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for o in obs:
+        if o["kind"] == "dc":
+            groups.setdefault(o["group"], []).append(o)
+    not_held = []
+    for g, os_ in sorted(groups.items()):
+        shapes = sorted({o["shape"] for o in os_})
+        if len(shapes) < 2:
+            not_held.append(f"{g}: one shape ({len(os_)} points) - fitted, not held out")
+            continue
+        for s in shapes:
+            train = [o for o in os_ if o["shape"] != s]
+            fixed, slope = fit_linear(train)
+            for o in os_:
+                if o["shape"] == s:
+                    p = 2 * fixed + o["bytes"] * slope
+                    rows.append({"kind": "dc", "group": g, "held_out": s, "tokens_per_rank": o["tokens_per_rank"],
+                                 "measured": o["us"], "predicted": p, "unit": "us", "rel_err": p / o["us"] - 1,
+                                 "source": o["source"]})
+    rates = [o for o in obs if o["kind"] == "rate" and o["provider"] == provider and o["bytes"] == desc_bytes]
+    files = sorted({r["file"] for r in rates})
+    if len(files) >= 2:
+        for f in files:
+            try:
+                alpha, _, _ = fit_alpha([r for r in rates if r["file"] != f])
+            except ValueError:
+                continue
+            mine = {int(r["channels"]): r for r in rates if r["file"] == f}
+            if 1 not in mine:
+                continue
+            for k, r in sorted(mine.items()):
+                if k > 1:
+                    p = mine[1]["per_s"] * k ** alpha
+                    rows.append({"kind": "rate", "group": f"proxy rate {provider} {desc_bytes} B", "held_out": f,
+                                 "tokens_per_rank": None, "channels": k, "measured": r["per_s"] / 1e6,
+                                 "predicted": p / 1e6, "unit": "M desc/s", "rel_err": p / r["per_s"] - 1,
+                                 "source": r["source"]})
+    errs = [abs(r["rel_err"]) for r in rows]
+    return {"rows": rows, "not_held_out": not_held,
+            "median_abs_rel_err": statistics.median(errs) if errs else None,
+            "max_abs_rel_err": max(errs) if errs else None}
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+def write(doc: Dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False)
+        f.write("\n")
+
+
+def read(path: str) -> Dict[str, Fig]:
+    """The parameters of calibration file ``path`` as Figs (plus ``_name`` = the path).
+
+    Raises:
+        FileNotFoundError, ValueError: missing file, other schema, or a missing parameter.
+    """
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {doc.get('schema')!r} is not {SCHEMA!r}")
+    params = {k: Fig.from_dict(v) for k, v in doc["params"].items()}
+    missing = sorted(set(PARAMS) - set(params))
+    if missing:
+        raise ValueError(f"{path}: calibration lacks {missing}; rebuild it with `efa-ep-plan calibrate`")
+    params["_name"] = Fig(os.path.relpath(path), "", "measured", f"calibration file {path} ({doc.get('created_utc')})")
+    return params
+
+
+def default_record_files(root: str) -> List[str]:
+    """The record files in ``results/`` the shipped calibration is built from."""
+    cands = ["results/h200/bench_ep4/bench_summary.json", "results/h200/bench_proxy.json",
+             "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl"]
+    return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
+
+
+def validation_table(doc: Dict[str, Any]) -> str:
+    v = doc["validation"]
+    lines = ["| group | held out | tokens/rank or K | measured | predicted | error |", "|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        tk = r["tokens_per_rank"] if r["tokens_per_rank"] is not None else f"K={r.get('channels')}"
+        lines.append(f"| {r['group']} | {r['held_out']} | {tk} | {r['measured']:.4g} {r['unit']} | "
+                     f"{r['predicted']:.4g} {r['unit']} | {100 * r['rel_err']:+.0f}% |")
+    if v["median_abs_rel_err"] is not None:
+        lines.append(f"\nheld-out |error|: median {100 * v['median_abs_rel_err']:.0f}%, "
+                     f"max {100 * v['max_abs_rel_err']:.0f}% over {len(v['rows'])} predictions")
+    for n in v["not_held_out"]:
+        lines.append(f"- {n}")
+    return "\n".join(lines)
+
+
+def params_table(doc: Dict[str, Any]) -> str:
+    lines = ["| parameter | value | unit | tag | source |", "|---|---|---|---|---|"]
+    for k, p in doc["params"].items():
+        val = f"{p['value']:.4g}" if isinstance(p["value"], (int, float)) else str(p["value"])
+        lines.append(f"| {k} | {val} | {p['unit']} | {p['tag']} | {p['source']} |")
+    return "\n".join(lines)
+
+
+def validation_plot(doc: Dict[str, Any], path: str) -> Optional[str]:
+    """Predicted vs measured (log-log, y = x line) for the held-out rows; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = doc["validation"]["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+    for ax, kind, unit in ((axes[0], "dc", "D+C us"), (axes[1], "rate", "M descriptors/s")):
+        rr = [r for r in rows if r["kind"] == kind]
+        for g in sorted({r["group"] for r in rr}):
+            pts = [r for r in rr if r["group"] == g]
+            ax.scatter([r["measured"] for r in pts], [r["predicted"] for r in pts], label=g, s=22)
+        if rr:
+            lo = min(min(r["measured"], r["predicted"]) for r in rr) * 0.7
+            hi = max(max(r["measured"], r["predicted"]) for r in rr) * 1.4
+            ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"predicted {unit} (held out)")
+        ax.legend(fontsize=7)
+        ax.set_title("dispatch+combine, shape held out" if kind == "dc" else "proxy rate, record file held out",
+                     fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
