@@ -66,18 +66,17 @@ Never stuck, never silently wrong:
       rank raise naming the offending rank (through the gate; without it the peers' waits
       expire as above).
 
-Fixed-capacity decode mode (designed, not implemented yet; CUDA-graph capturable):
-    ``dispatch_fixed(x, idx, w) -> (recv_x [W * T_MAX, H] view of the window, recv_idx, recv_w,
-    num_recv_W (device), tokens_per_expert_L (device), handle)``: steps 2-4 unchanged but with
-    no device-to-host copy; ``recv_header`` also writes -1 into ``idx`` of every unused row
-    ``j >= n_s`` of each source block so expert kernels can mask rows (DeepEP's
-    ``num_worst_tokens`` / low-latency layout); there is no step 5: the receive buffer *is* the
-    window (zero copy), so every launch has a static grid and no host read. ``combine_fixed(y
-    [W * T_MAX, H], handle)`` stores only rows ``j < n_s`` (read on the device from the header)
-    and reduces as above. Warning it must carry: the returned views are overwritten two ops
-    later (window parity), so a caller may hold at most one fixed-mode dispatch result while it
-    runs the matching combine (the DeepEP low-latency rule). Decode at T = 128 would then be 4
-    launches (2 layout, store, combine store + reduce is 5 with combine) and no host sync.
+Fixed-capacity mode (:meth:`GdaTransport.dispatch_fixed`; inference and decode):
+    no host sync and no receive copy: the layout, store and a one-program fixed receive
+    (``recv_header_fixed``: counts into device tensors, unused rows of the window marked with
+    ids -1 / weights 0) and then the returned ``recv_x [W * T_MAX, H]`` *is* the window; every
+    launch has a grid fixed by T and T_MAX. ``combine`` with its handle takes ``y`` in the same
+    layout and returns only rows ``j < n_s`` (counts read on the device). The views are
+    overwritten two ops later (window parity): hold at most one fixed dispatch result while its
+    combine runs, as in DeepEP's low-latency mode; training keeps the regular ``dispatch``
+    (activations saved for backward must outlive that). Not CUDA-graph capturable yet: op
+    numbers (epochs) are host arguments baked into a capture; moving them to a device counter
+    is the next step.
 """
 from __future__ import annotations
 
@@ -102,7 +101,8 @@ from efa_ep.kernels.base import (
 
 STATUS_OK, STATUS_BAD_ID, STATUS_BAD_WEIGHT, STATUS_BAD_INPUT = 0, 1, 2, 4
 _ALIGN = 256
-_MAX_WORLD = 63   # the error word is a 64-bit mask of missing sources
+_MAX_WORLD = 62   # the error word is a 64-bit mask of missing sources; bit 62: bad input seen
+_BAD_INPUT_BIT = 1 << 62
 
 
 class PeerTimeoutError(TransportError):
@@ -285,14 +285,19 @@ class GdaDispatchState:
 
     Attributes:
         slot_TW: ``[T, W]`` int64, device: row of (token, rank) in rank's block, -1 = not sent.
-        recv_offsets: ``[W + 1]`` int64, device: first received row of each source.
+        recv_offsets: ``[W + 1]`` int64, device: first received row of each source (None for a
+            fixed-capacity dispatch).
         epoch: the dispatch's op number. owner: ``id()`` of the transport that made it.
+        fixed: made by :meth:`GdaTransport.dispatch_fixed`; then ``num_recv_W`` ``[W]`` int64,
+            device: rows received from each source (rows ``s * T_MAX + j``, ``j < n_s``).
     """
 
     slot_TW: torch.Tensor
-    recv_offsets: torch.Tensor
+    recv_offsets: Optional[torch.Tensor]
     epoch: int
     owner: int
+    fixed: bool = False
+    num_recv_W: Optional[torch.Tensor] = None
 
 
 class GdaTransport(Transport):
@@ -381,8 +386,15 @@ class GdaTransport(Transport):
         self._win_ptr = self._buf_ptrs[self.rank:self.rank + 1]
         self._my_sig = self._hdl.get_signal_pad(self.rank, (self.world_size,), dtype=torch.int32)
         self._my_sig.zero_()
-        # error word: [missing-source bits, epoch * 8 + kind of the first expired wait]
-        self._err = torch.zeros(2, dtype=torch.int64, device=self.device)
+        # error word: [missing-source bits (bit 62: a source reported bad input in a
+        # fixed-capacity dispatch), epoch * 8 + kind of the first expired wait, bad sources]
+        self._err = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # rows of each parity's id region written per source (fixed mode clears the rest), and
+        # per parity the top-k width last written (a new width makes every row stale)
+        self._hw = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
+        self._idx_k = [0, 0]
+        self._idx_full = [False, False]
+        self._idx_epoch = [0, 0]
         self._done = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._epoch = 0
         self._broken: Optional[str] = None
@@ -436,9 +448,17 @@ class GdaTransport(Transport):
 
     def check_errors(self, op: str = "call") -> None:
         """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired, naming
-        the first op whose wait expired (its number and kind) and the missing source ranks."""
-        bits, record = self._err.tolist()
-        self._raise_missing(bits, record)
+        the first op whose wait expired (its number and kind) and the missing source ranks; or
+        :class:`DispatchInputError` if a fixed-capacity dispatch received bad-input status."""
+        bits, record, bad = self._err.tolist()
+        self._raise_missing(bits & ~_BAD_INPUT_BIT, record)
+        if bits & _BAD_INPUT_BIT:
+            ranks = [s for s in range(self.world_size) if (bad >> s) & 1]
+            msg = (f"rank {self.rank}: EP rank(s) {ranks} passed invalid inputs to a "
+                   f"fixed-capacity dispatch (see their error); its rows were marked unused and "
+                   f"later combines of this transport return NaN")
+            self._break(msg, self._epoch, "dispatch")
+            raise DispatchInputError(msg)
 
     def after_backward(self) -> None:
         """See ``Transport.after_backward``: with ``check_backward`` (default 1) one host sync,
@@ -447,6 +467,19 @@ class GdaTransport(Transport):
         the gradients and be raised only by the next dispatch, after the optimizer step."""
         if self.check_backward:
             self.check_errors("backward")
+
+    def _note_idx_width(self, parity: int, k: int) -> bool:
+        """Records that this op writes parity ``parity``'s id region with top-k width ``k``;
+        returns (and clears) whether every row of it must be treated as stale."""
+        if self._idx_k[parity] != k:
+            self._idx_k[parity] = k
+            self._idx_full[parity] = True
+        self._idx_epoch[parity] = self._epoch
+        full, self._idx_full[parity] = self._idx_full[parity], False
+        return full
+
+    def _region(self, off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._buf[off:off + nbytes].view(dtype)
 
     def _hdr_view(self, hdr_off: int) -> torch.Tensor:
         n = self.world_size * self.layout.hdr_len
@@ -513,9 +546,12 @@ class GdaTransport(Transport):
                          t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
                          epoch=epoch, with_meta=True, num_programs=self.num_programs)
         self._issued(epoch, "dispatch")
+        if self._note_idx_width(epoch % 2, k):
+            self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
         info, recv_offsets = K.recv_header(
             self._my_sig, self._hdr_view(offs["hdr_off"]), self._err, num_per_rank,
-            num_local=cfg.num_local_experts, epoch=epoch, kind="dispatch", **self._wait_args())
+            self._hw[epoch % 2], num_local=cfg.num_local_experts, t_max=cfg.max_tokens_per_rank,
+            epoch=epoch, kind="dispatch", **self._wait_args())
         info = info.cpu()  # the one host sync per dispatch
         if int(info[0]):
             self.check_errors()
@@ -558,6 +594,75 @@ class GdaTransport(Transport):
                                    owner=id(self)))
         return recv_x, recv_idx, recv_w, tokens_per_expert, handle
 
+    def dispatch_fixed(self, x, topk_idx, topk_weights):
+        """Fixed-capacity dispatch: no host sync, no receive copy, static launch grids.
+
+        Args: as :meth:`dispatch`.
+        Returns:
+            recv_x ``[W * T_MAX, H]`` cfg.dtype, recv_topk_idx ``[W * T_MAX, K]`` int64,
+            recv_topk_weights ``[W * T_MAX, K]`` float32: **views of this transport's window**,
+            rows ``s * T_MAX + j`` for ``j < num_recv_W[s]`` hold what source s sent (in its
+            token order), every other row has ids -1 and weights 0 (mask with ids >= 0; its
+            ``recv_x`` row is stale). num_recv_W ``[W]`` int64 and tokens_per_expert ``[L]``
+            int64, on the device. handle: pass to :meth:`combine` (``y`` ``[W * T_MAX, D]``,
+            rows in the same layout; rows of unused slots are ignored).
+
+        Lifetime (the low-latency rule of DeepEP): the views are overwritten by this
+        transport's op two calls later (window parity); copy what must outlive that. Bad
+        inputs cannot raise on peers without a host sync: they raise here on the offending
+        rank; its peers get every row marked unused and raise at :meth:`check_errors` (or the
+        next ``dispatch`` / ``after_backward``), and later combines return NaN.
+        Synchronization: none with the host; all work on the current stream.
+        """
+        K, cfg, world = self._k, self.cfg, self.world_size
+        error = self._host_check(x, topk_idx, topk_weights)
+        epoch = self._begin_op("dispatch")
+        parity = epoch % 2
+        offs = self.layout.offsets(parity)
+        if error is not None:  # take part with no rows and a bad status (see dispatch)
+            x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
+            topk_idx = torch.empty(0, topk_idx.shape[1] if topk_idx.dim() == 2 else 1,
+                                   dtype=torch.int64, device=self.device)
+            topk_weights = torch.empty(0, topk_idx.shape[1], dtype=torch.float32,
+                                       device=self.device)
+        x = x.contiguous() if x.stride(-1) != 1 else x
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        k = topk_idx.shape[1]
+        slot, send_idx, num_per_rank, num_per_expert, status = K.layout(
+            topk_idx, topk_weights, cfg.num_experts, world)
+        if error is not None:
+            status.fill_(STATUS_BAD_INPUT)
+        t_max = cfg.max_tokens_per_rank
+        K.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
+                         self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
+                         t_max=t_max, num_local=cfg.num_local_experts, epoch=epoch,
+                         with_meta=True, num_programs=self.num_programs)
+        self._issued(epoch, "dispatch")
+        full = self._note_idx_width(parity, k)
+        rows = world * t_max
+        num_recv = torch.empty(world, dtype=torch.int64, device=self.device)
+        tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int64,
+                                        device=self.device)
+        idx_region = self._region(offs["idx_off"], rows * k * 8, torch.int64)
+        w_region = self._region(offs["w_off"], rows * k * 4, torch.float32)
+        K.recv_header_fixed(self._my_sig, self._hdr_view(offs["hdr_off"]), self._err,
+                            self._hw[parity], num_recv, tokens_per_expert, idx_region, w_region,
+                            num_topk=k, t_max=t_max, epoch=epoch, full=full, kind="dispatch",
+                            **self._wait_args())
+        if error is not None:
+            raise DispatchInputError(error)
+        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        recv_x = self._region(offs["data_off"], rows * cfg.hidden * elem,
+                              cfg.dtype).view(rows, cfg.hidden)
+        recv_idx, recv_w = idx_region.view(rows, k), w_region.view(rows, k)
+        handle = DispatchHandle(
+            num_tokens=x.shape[0], num_recv_tokens=rows, topk_idx=topk_idx,
+            send_token_idx=send_idx, num_send_per_rank=(), num_recv_per_rank=(),
+            recv_topk_idx=recv_idx,
+            state=GdaDispatchState(slot_TW=slot, recv_offsets=None, epoch=epoch, owner=id(self),
+                                   fixed=True, num_recv_W=num_recv))
+        return recv_x, recv_idx, recv_w, num_recv, tokens_per_expert, handle
+
     def dispatch_cached(self, x, handle):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
         row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
@@ -579,6 +684,12 @@ class GdaTransport(Transport):
                          t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
                          epoch=epoch, with_meta=False, num_programs=self.num_programs)
         self._issued(epoch, "cached dispatch")
+        if st.fixed:  # the receive buffer is the window: wait, then return a view of it
+            K.wait_for_sources(self._my_sig, self._err, epoch=epoch, kind="cached dispatch",
+                               **self._wait_args())
+            rows = handle.num_recv_tokens
+            return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
+                                x.dtype).view(rows, x.shape[1])
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
         K.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
                       data_off=offs["data_off"], idx_off=0, w_off=0,
@@ -603,6 +714,11 @@ class GdaTransport(Transport):
             self._refuse(f"rank {self.rank}: combine_topk_weights input must be "
                          f"[{handle.num_recv_tokens}, {handle.recv_topk_idx.shape[1]}] float32, "
                          f"got {tuple(g.shape)}", "weight combine")
+        st = self._state(handle)
+        if st.fixed and self._idx_epoch[st.epoch % 2] != st.epoch:
+            self._refuse(f"rank {self.rank}: combine_topk_weights with a fixed-capacity handle "
+                         f"of op {st.epoch}: its window ids were overwritten by a later "
+                         f"dispatch (views live until the op two calls later)", "weight combine")
         masked = torch.where(handle.recv_topk_idx >= 0, g.float(),
                              torch.zeros((), dtype=torch.float32, device=g.device))
         return self._combine(masked.contiguous(), handle, "weight combine")
@@ -625,10 +741,10 @@ class GdaTransport(Transport):
         epoch = self._begin_op(kind)
         offs = self.layout.offsets(epoch % 2)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
-        K.combine_store(y, st.recv_offsets, self._buf_ptrs, self._sig_ptrs, self._done[1:2],
-                        data_off=offs["data_off"], me=self.rank,
+        K.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, self._buf_ptrs,
+                        self._sig_ptrs, self._done[1:2], data_off=offs["data_off"], me=self.rank,
                         t_max=self.cfg.max_tokens_per_rank, epoch=epoch,
-                        num_programs=self.num_programs)
+                        num_programs=self.num_programs, fixed=st.fixed)
         self._issued(epoch, kind)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         K.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,

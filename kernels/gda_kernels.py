@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "layout", "dispatch_store", "recv_header", "wait_for_sources", "gather_rows", "combine_store",
+    "layout", "dispatch_store", "recv_header", "recv_header_fixed", "wait_for_sources", "gather_rows", "combine_store",
     "combine_reduce", "next_pow2", "OP_KINDS", "wait_record",
 ]
 
@@ -105,7 +105,7 @@ def _wait_for_sources(sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W:
 @triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins"])
 def _wait_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
-    err_ptr: tl.pointer_type(tl.int64),             # [2] error word: missing bits, first record
+    err_ptr: tl.pointer_type(tl.int64),             # [3] error word: missing bits, first record
     epoch, record, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
@@ -315,16 +315,18 @@ def _dispatch_store_kernel(
 def _recv_header_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
-    err_ptr: tl.pointer_type(tl.int64),             # [2] sticky error word (see _wait_for_sources)
+    err_ptr: tl.pointer_type(tl.int64),             # [3] sticky error word (see _wait_for_sources)
     num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
     info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W] for the host
     offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
-    num_local, epoch, record, timeout_ns, max_spins,
+    hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
+    num_local, T_MAX, epoch, record, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
     """One program: wait for every source, then copy the headers (and the error word, and this
     rank's send counts) into ``info`` for one device-to-host copy; offsets = exclusive prefix
-    sum of the rows each source sent here."""
+    sum of the rows each source sent here. ``hw`` keeps the highest row count of this parity's
+    id region per source, so a fixed-capacity dispatch knows which stale rows to clear."""
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
     hdr_len = 2 + num_local
@@ -336,10 +338,75 @@ def _recv_header_kernel(
     n = tl.load(hdr_ptr + s * hdr_len + 1, mask=s < W, other=0)
     tl.store(offsets_ptr + 1 + s, tl.cumsum(n, axis=0), mask=s < W)
     tl.store(offsets_ptr, 0)
+    hw = tl.load(hw_ptr + s, mask=s < W, other=0)
+    tl.store(hw_ptr + s, tl.maximum(hw, tl.minimum(tl.maximum(n, 0), T_MAX)), mask=s < W)
     sent = tl.load(num_per_rank_ptr + s, mask=s < W)
     tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
     tl.debug_barrier()
     tl.store(info_ptr, tl.atomic_add(err_ptr, 0, sem="relaxed"))
+
+
+@triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins", "full"])
+def _recv_header_fixed_kernel(
+    my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
+    hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
+    err_ptr: tl.pointer_type(tl.int64),             # [3] error word (see _wait_for_sources)
+    hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
+    num_recv_ptr: tl.pointer_type(tl.int64),        # out [W] rows received from each source
+    tpe_ptr: tl.pointer_type(tl.int64),             # out [L] (token, local expert) pairs received
+    idx_ptr: tl.pointer_type(tl.int64),             # [W, T_MAX, K] this parity's id region
+    w_ptr: tl.pointer_type(tl.float32),             # [W, T_MAX, K] this parity's weight region
+    num_local, num_topk, T_MAX, epoch, record, timeout_ns, max_spins, full,
+    W: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+):
+    """Fixed-capacity receive, one program, no host copy: waits for every source, then writes
+    the counts to the device tensors ``num_recv`` and ``tokens_per_expert``, and marks every row
+    of the window that this op did not fill as unused (ids -1, weights 0): rows j >= n_s of
+    source s up to the region's high-water mark (``full``: up to T_MAX, after the top-k width
+    changed). Counts from peers are clamped to [0, T_MAX]. A source that reported bad input
+    (header status != 0) sets bit 62 of ``err[0]`` and its bit in ``err[2]``; then every row is
+    marked unused, so no expert computes on it, and combines of this window return NaN."""
+    _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
+                      USE_GLOBALTIMER)
+    hdr_len = 2 + num_local
+    s = tl.arange(0, W_PAD)
+    sm = s < W
+    st = tl.load(hdr_ptr + s * hdr_len, mask=sm, other=0)
+    n = tl.load(hdr_ptr + s * hdr_len + 1, mask=sm, other=0)
+    n = tl.minimum(tl.maximum(n, 0), T_MAX)
+    bad = tl.sum(tl.where(sm & (st != 0), tl.full([W_PAD], 1, tl.int64) << s.to(tl.int64), 0),
+                 axis=0)
+    if bad != 0:
+        tl.atomic_or(err_ptr + 2, bad, sem="relaxed")
+        tl.atomic_or(err_ptr, tl.full([], 1 << 62, tl.int64), sem="relaxed")
+        n = n * 0
+    tl.store(num_recv_ptr + s, n, mask=sm)
+    l = tl.arange(0, L_PAD)
+    cnt = tl.load(hdr_ptr + s[:, None] * hdr_len + 2 + l[None, :],
+                  mask=sm[:, None] & (l[None, :] < num_local), other=0)
+    tpe = tl.sum(cnt, axis=0)
+    if bad != 0:
+        tpe = tpe * 0
+    tl.store(tpe_ptr + l, tpe, mask=l < num_local)
+    r = tl.arange(0, BLOCK_R).to(tl.int64)
+    k = tl.arange(0, K_PAD)
+    km = k < num_topk
+    for src in tl.static_range(W):
+        lo = tl.load(num_recv_ptr + src)
+        hw = tl.load(hw_ptr + src)
+        hi = tl.maximum(hw, lo)
+        if full != 0:
+            hi = tl.full([], 0, tl.int64) + T_MAX
+        if bad != 0:
+            hi = tl.full([], 0, tl.int64) + T_MAX
+        for r0 in range(lo, hi, BLOCK_R):
+            rows = r0 + r
+            m = (rows < hi)[:, None] & km[None, :]
+            off = (src * T_MAX + rows)[:, None] * num_topk + k[None, :]
+            tl.store(idx_ptr + off, tl.full([BLOCK_R, K_PAD], -1, tl.int64), mask=m)
+            tl.store(w_ptr + off, tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32), mask=m)
+        tl.store(hw_ptr + src, lo)
 
 
 @triton.jit
@@ -357,7 +424,7 @@ def _gather_rows_kernel(
     out_x_ptr,                                      # out [N, D] received rows (compact)
     out_idx_ptr: tl.pointer_type(tl.int64),         # out [N, K] (WITH_META)
     out_w_ptr: tl.pointer_type(tl.float32),         # out [N, K] (WITH_META)
-    err_ptr: tl.pointer_type(tl.int64),             # [2] error word (read: poison on expiry)
+    err_ptr: tl.pointer_type(tl.int64),             # [3] error word (read: poison on expiry)
     data_off, idx_off, w_off,
     num_rows, D, num_topk, T_MAX,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -408,24 +475,41 @@ def _combine_store_kernel(
     done_ptr: tl.pointer_type(tl.int32),
     data_off, me, num_rows, stride_y, D, T_MAX, epoch,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    FIXED: tl.constexpr,
 ):
-    """Row i (the j-th row received from source s) -> source s's window row me * T_MAX + j."""
+    """Row i (the j-th row received from source s) -> source s's window row me * T_MAX + j.
+    FIXED: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets_ptr`` holds the device
+    counts ``num_recv [W]``: row s * T_MAX + j is returned for j < num_recv[s] only."""
     elt = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
     me64 = tl.cast(me, tl.int64)
-    for i in range(pid, num_rows, nprog):
-        i64 = tl.cast(i, tl.int64)
-        s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
-        base = (tl.load(buf_ptrs + s) + data_off).to(tl.pointer_type(elt))
-        dst = base + (me64 * T_MAX + j) * D
-        if ALIGNED:
-            dst = tl.multiple_of(dst, 16)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + offs
-            cm = cols < D
-            tl.store(dst + cols, tl.load(y_ptr + i64 * stride_y + cols, mask=cm), mask=cm)
+    if FIXED:
+        for s in tl.static_range(W):
+            n = tl.load(offsets_ptr + s)
+            base = (tl.load(buf_ptrs + s) + data_off).to(tl.pointer_type(elt))
+            for j in range(pid, n, nprog):
+                dst = base + (me64 * T_MAX + j) * D
+                src = y_ptr + (s * T_MAX + j) * stride_y
+                if ALIGNED:
+                    dst = tl.multiple_of(dst, 16)
+                for d0 in range(0, D, BLOCK_D):
+                    cols = d0 + offs
+                    cm = cols < D
+                    tl.store(dst + cols, tl.load(src + cols, mask=cm), mask=cm)
+    else:
+        for i in range(pid, num_rows, nprog):
+            i64 = tl.cast(i, tl.int64)
+            s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
+            base = (tl.load(buf_ptrs + s) + data_off).to(tl.pointer_type(elt))
+            dst = base + (me64 * T_MAX + j) * D
+            if ALIGNED:
+                dst = tl.multiple_of(dst, 16)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + offs
+                cm = cols < D
+                tl.store(dst + cols, tl.load(y_ptr + i64 * stride_y + cols, mask=cm), mask=cm)
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
 
@@ -434,7 +518,7 @@ def _combine_reduce_kernel(
     win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
     slot_ptr: tl.pointer_type(tl.int64),            # [T, W] of the matching dispatch
     out_ptr,                                        # out [T, D] in the rows' dtype
-    err_ptr: tl.pointer_type(tl.int64),             # [2] error word (read: poison on expiry)
+    err_ptr: tl.pointer_type(tl.int64),             # [3] error word (read: poison on expiry)
     data_off, num_tokens, D, T_MAX,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -575,32 +659,55 @@ def wait_record(epoch: int, kind: str) -> int:
 
 def _check_err(err: torch.Tensor) -> None:
     _check("err", err, torch.int64, 1)
-    if err.numel() < 2:
-        raise ValueError(f"err must hold 2 int64 (missing bits, first expired op), got {err.numel()}")
+    if err.numel() < 3:
+        raise ValueError(f"err must hold 3 int64 (missing-source bits, first expired op, sources "
+                         f"with bad input), got {err.numel()}")
 
 
-def recv_header(my_sig, hdr, err, num_per_rank, *, num_local, epoch, timeout_ns, max_spins,
-                use_globaltimer, kind="dispatch"):
+def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
+                max_spins, use_globaltimer, kind="dispatch"):
     """Waits for every source and returns (info [1 + W*(2+L) + W] int64, offsets [W+1] int64)
     on the device. info = [error bits, headers (status, rows, rows per local expert) per
-    source, rows this rank sent per destination]. ``err``: ``[2]`` int64 error word."""
+    source, rows this rank sent per destination]. ``err``: ``[3]`` int64 error word; ``hw``:
+    ``[W]`` int64 id-region high-water mark of this parity (updated)."""
     _check("my_sig", my_sig, torch.int32, 1)
     _check("hdr", hdr, torch.int64, 2)
     _check_err(err)
     world = my_sig.numel()
     info = torch.empty(1 + world * (2 + num_local) + world, dtype=torch.int64, device=hdr.device)
     offsets = torch.empty(world + 1, dtype=torch.int64, device=hdr.device)
-    _recv_header_kernel[(1,)](my_sig, hdr, err, num_per_rank, info, offsets, num_local, epoch,
-                              wait_record(epoch, kind), timeout_ns, max_spins, W=world,
+    _recv_header_kernel[(1,)](my_sig, hdr, err, num_per_rank, info, offsets, hw, num_local,
+                              t_max, epoch, wait_record(epoch, kind), timeout_ns, max_spins,
+                              W=world,
                               W_PAD=max(2, next_pow2(world)),
                               HDR_PAD=max(2, next_pow2(2 + num_local)),
                               USE_GLOBALTIMER=use_globaltimer, num_warps=4)
     return info, offsets
 
 
+def recv_header_fixed(my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
+                      *, num_topk, t_max, epoch, full, timeout_ns, max_spins, use_globaltimer,
+                      kind="dispatch"):
+    """Fixed-capacity receive (one program, no host copy, see :func:`_recv_header_fixed_kernel`):
+    fills ``num_recv`` ``[W]`` and ``tokens_per_expert`` ``[L]`` (int64, device) and marks the
+    window rows this op did not fill as unused in ``idx_region`` / ``w_region`` (flat int64 /
+    float32 views of this parity's id and weight regions, ``W * T_MAX * K`` used)."""
+    _check("my_sig", my_sig, torch.int32, 1)
+    _check("hdr", hdr, torch.int64, 2)
+    _check_err(err)
+    world = my_sig.numel()
+    num_local = tokens_per_expert.numel()
+    _recv_header_fixed_kernel[(1,)](
+        my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region, num_local,
+        num_topk, t_max, epoch, wait_record(epoch, kind), timeout_ns, max_spins, int(full),
+        W=world, W_PAD=max(2, next_pow2(world)), L_PAD=max(2, next_pow2(num_local)),
+        K_PAD=max(2, next_pow2(num_topk)), BLOCK_R=64, USE_GLOBALTIMER=use_globaltimer,
+        num_warps=4)
+
+
 def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_globaltimer):
     """One-program kernel: waits until every source signalled ``epoch`` (or the deadline, which
-    sets the error word ``err`` ``[2]`` int64). Stream-ordered before the op's copy/reduce."""
+    sets the error word ``err`` ``[3]`` int64). Stream-ordered before the op's copy/reduce."""
     _check("my_sig", my_sig, torch.int32, 1)
     _check_err(err)
     world = my_sig.numel()
@@ -645,8 +752,10 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
-                  num_programs):
-    """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank."""
+                  num_programs, fixed=False):
+    """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank.
+    ``fixed``: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets`` is the device count
+    ``num_recv [W]``; only rows j < num_recv[s] of each source block are returned."""
     if y.dim() != 2 or (y.shape[1] > 1 and y.stride(1) != 1):
         raise ValueError(f"y must be [N, D] with unit column stride, got {tuple(y.shape)}")
     _check("offsets", offsets, torch.int64, 1)
@@ -655,11 +764,12 @@ def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, 
     n, d = y.shape
     elem = y.element_size()
     bd = _block_d(d, elem)
-    grid = (max(1, min(n, num_programs)),)
+    grid = (max(1, min(n if not fixed else t_max, num_programs)),)
     _combine_store_kernel[grid](
         y, offsets, buf_ptrs, sig_ptrs, done, data_off, me, n, max(1, y.stride(0)), d, t_max,
         epoch, W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd,
-        ALIGNED=_aligned16(d, elem, y.stride(0), data_off), num_warps=_warps(bd, elem))
+        ALIGNED=_aligned16(d, elem, y.stride(0), data_off), FIXED=fixed,
+        num_warps=_warps(bd, elem))
 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,

@@ -18,7 +18,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKS = ["layout", "layout_errors", "dispatch_combine", "dispatch_combine_float32", "wait_timeout"]
+CHECKS = ["layout", "layout_errors", "dispatch_combine", "dispatch_combine_float32", "wait_timeout",
+          "fixed_capacity"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -99,8 +100,9 @@ class _Peers:
         self.bufs = [torch.full((self.layout.total_bytes,), 0xAB, dtype=torch.uint8)
                      for _ in range(world)]
         self.sigs = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
-        self.errs = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+        self.errs = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
         self.dones = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+        self.hws = [torch.zeros(2, world, dtype=torch.int64) for _ in range(world)]
         self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
         self.sig_ptrs = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64)
         self.win_ptrs = [self.buf_ptrs[r:r + 1] for r in range(world)]
@@ -155,8 +157,8 @@ def _run_dispatch_combine(row_dtype_name):
         for me in range(world):
             assert peers.sigs[me].tolist() == [epoch] * world
             info, offsets = K.recv_header(peers.sigs[me], peers.hdr(me, offs["hdr_off"]),
-                                          peers.errs[me], lays[me][2], num_local=num_local,
-                                          epoch=epoch, **WAIT)
+                                          peers.errs[me], lays[me][2], peers.hws[me][1],
+                                          num_local=num_local, t_max=t_max, epoch=epoch, **WAIT)
             hl = 2 + num_local
             assert int(info[0]) == 0
             hdr = info[1:1 + world * hl].view(world, hl)
@@ -188,7 +190,7 @@ def _run_dispatch_combine(row_dtype_name):
             K.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
                              data_off=offs["data_off"], t_max=t_max, epoch=epoch, wait=True,
                              num_programs=progs, **WAIT)
-            assert peers.errs[s].tolist() == [0, 0]
+            assert peers.errs[s].tolist() == [0, 0, 0]
             iv = torch.int16 if dtype != torch.float32 else torch.int32
             assert torch.equal(out.view(iv), ref_out[s].view(iv)), (world, kind, s)
         # ---- dispatch_cached of float32 rows of another width (epoch 3, parity 1) ----
@@ -206,7 +208,7 @@ def _run_dispatch_combine(row_dtype_name):
                           t_max=t_max, epoch=epoch, wait=True, num_programs=progs, **WAIT)
             want = torch.stack([x2[s][t] for s, t in ref[me][4]]) if ref[me][4] else out
             assert torch.equal(out, want)
-            assert peers.errs[me].tolist() == [0, 0]
+            assert peers.errs[me].tolist() == [0, 0, 0]
         cases += 1
     print(f"dispatch/combine cases: {cases}")
 
@@ -222,10 +224,11 @@ def _check_wait_timeout():
     offs = peers.layout.offsets(1)
     peers.sigs[0][:] = torch.tensor([1, 0, 1, 1], dtype=torch.int32)  # rank 1 never signalled
     info, _ = K.recv_header(peers.sigs[0], peers.hdr(0, offs["hdr_off"]), peers.errs[0],
-                            torch.zeros(world, dtype=torch.int64), num_local=2, epoch=1,
-                            timeout_ns=0, max_spins=5, use_globaltimer=False)
+                            torch.zeros(world, dtype=torch.int64), peers.hws[0][1],
+                            num_local=2, t_max=4, epoch=1, timeout_ns=0, max_spins=5,
+                            use_globaltimer=False)
     assert int(info[0]) == 0b0010, int(info[0])
-    assert peers.errs[0].tolist() == [0b0010, K.wait_record(1, "dispatch")]
+    assert peers.errs[0].tolist() == [0b0010, K.wait_record(1, "dispatch"), 0]
     # Sticky: a later wait that misses rank 3 adds its bit, but the record keeps the first op.
     peers.sigs[0][:] = torch.tensor([2, 2, 2, 1], dtype=torch.int32)
     slot = torch.tensor([[0, -1, -1, -1], [-1, -1, 0, 0]], dtype=torch.int64)
@@ -233,7 +236,7 @@ def _check_wait_timeout():
     K.combine_reduce(peers.win_ptrs[0], slot, out, peers.sigs[0], peers.errs[0],
                      data_off=offs["data_off"], t_max=4, epoch=2, wait=True, kind="combine",
                      timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
-    assert peers.errs[0].tolist() == [0b1010, K.wait_record(1, "dispatch")], peers.errs[0]
+    assert peers.errs[0].tolist() == [0b1010, K.wait_record(1, "dispatch"), 0], peers.errs[0]
     assert torch.isnan(out.float()).all(), out
     # A fresh window whose combine wait expires: record names the combine, rows are NaN.
     peers = _Peers(world, 4, 8, torch.float32, 2, 2)
@@ -243,7 +246,7 @@ def _check_wait_timeout():
                      data_off=offs["data_off"], t_max=4, epoch=5, wait=True,
                      kind="weight combine", timeout_ns=0, max_spins=5, use_globaltimer=False,
                      num_programs=1)
-    assert peers.errs[2].tolist() == [0b1000, K.wait_record(5, "weight combine")]
+    assert peers.errs[2].tolist() == [0b1000, K.wait_record(5, "weight combine"), 0]
     assert torch.isnan(out).all()
     rows = torch.zeros(3, 8)
     K.gather_rows(peers.win_ptrs[2], torch.tensor([0, 3, 3, 3, 3]), rows, None, None,
@@ -258,7 +261,111 @@ def _check_wait_timeout():
     K.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
                      data_off=offs["data_off"], t_max=4, epoch=5, wait=True, kind="combine",
                      timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
-    assert peers.errs[2].tolist() == [0, 0] and torch.equal(out, torch.zeros(2, 8))
+    assert peers.errs[2].tolist() == [0, 0, 0] and torch.equal(out, torch.zeros(2, 8))
+
+
+def _check_fixed_capacity():
+    """Fixed-capacity receive (a fresh window is stale everywhere: ``full`` on first use): window
+    rows of source s below n_s equal the reference, every
+    other row has ids -1 / weights 0 (also rows a larger earlier dispatch or another top-k
+    width left behind), device counts are right, and the fixed combine equals the reference."""
+    import torch
+    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from tests.routes import make_route
+
+    world, num_experts, hidden, t_max = 3, 12, 24, 10
+    num_local = num_experts // world
+    peers = _Peers(world, t_max, hidden, torch.bfloat16, 8, num_local)
+    g = torch.Generator().manual_seed(5)
+    epoch = 0
+    # (tokens per rank, top-k): shrink after a large dispatch, then change the top-k width
+    for step, (ts, topk, kind) in enumerate([([10, 7, 9], 3, "random"), ([2, 0, 4], 3, "dropped"),
+                                             ([5, 3, 1], 2, "skewed"), ([4, 4, 4], 2, "one_rank")]):
+        epoch += 2  # same parity every time: each step overwrites the previous step's rows
+        offs = peers.layout.offsets(epoch % 2)
+        xs = [torch.randn(t, hidden, generator=g).to(torch.bfloat16) for t in ts]
+        routes = [make_route(kind, t, num_experts, topk, world, 100 * step + r)
+                  for r, t in enumerate(ts)]
+        lays = []
+        for me in range(world):
+            lay = K.layout(routes[me][0], routes[me][1], num_experts, world)
+            lays.append(lay)
+            slot, _, per_rank, per_expert, status = lay
+            K.dispatch_store(xs[me], routes[me][0], routes[me][1], slot, per_rank, per_expert,
+                             status, peers.buf_ptrs, peers.sig_ptrs, peers.dones[me], **offs,
+                             me=me, t_max=t_max, num_local=num_local, epoch=epoch,
+                             with_meta=True, num_programs=2)
+        ref = reference_dispatch(xs, [r[0] for r in routes], [r[1] for r in routes], num_experts)
+        rows = world * t_max
+        views = []
+        for me in range(world):
+            num_recv = torch.full((world,), -5, dtype=torch.int64)
+            tpe = torch.full((num_local,), -5, dtype=torch.int64)
+            b = peers.bufs[me]
+            idx_region = b[offs["idx_off"]:offs["idx_off"] + rows * topk * 8].view(torch.int64)
+            w_region = b[offs["w_off"]:offs["w_off"] + rows * topk * 4].view(torch.float32)
+            K.recv_header_fixed(peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me],
+                                peers.hws[me][epoch % 2], num_recv, tpe, idx_region, w_region,
+                                num_topk=topk, t_max=t_max, epoch=epoch, full=(step in (0, 2)),
+                                timeout_ns=0, max_spins=1000, use_globaltimer=False)
+            ref_x, ref_i, ref_w, ref_tpe, sources = ref[me]
+            want_n = [sum(1 for s, _ in sources if s == src) for src in range(world)]
+            assert num_recv.tolist() == want_n, (step, me, num_recv, want_n)
+            assert torch.equal(tpe, ref_tpe)
+            rx = b[offs["data_off"]:offs["data_off"] + rows * hidden * 2].view(
+                torch.bfloat16).view(rows, hidden)
+            ri, rw = idx_region.view(rows, topk), w_region.view(rows, topk)
+            used = torch.cat([torch.arange(src * t_max, src * t_max + want_n[src])
+                              for src in range(world)])
+            unused = torch.ones(rows, dtype=torch.bool)
+            unused[used] = False
+            assert torch.equal(rx[used].view(torch.int16), ref_x.view(torch.int16)), (step, me)
+            assert torch.equal(ri[used], ref_i) and torch.equal(rw[used], ref_w), (step, me)
+            assert bool((ri[unused] == -1).all()) and bool((rw[unused] == 0).all()), (step, me)
+            assert peers.errs[me].tolist() == [0, 0, 0]
+            views.append((rx, num_recv))
+        # fixed combine: destination d returns y = 2 x its window rows (unused rows garbage)
+        epoch += 1
+        offs_c = peers.layout.offsets(epoch % 2)
+        ys = []
+        for d in range(world):
+            y = views[d][0].float().mul(2).to(torch.bfloat16)
+            y[torch.isnan(y.float())] = 0
+            ys.append(y)
+            K.combine_store(y, views[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
+                            data_off=offs_c["data_off"], me=d, t_max=t_max, epoch=epoch,
+                            num_programs=3, fixed=True)
+        compact = [torch.cat([ys[d][src * t_max: src * t_max + int(views[d][1][src])]
+                              for src in range(world)]) for d in range(world)]
+        ref_out = reference_combine(compact, [r[4] for r in ref], ts)
+        for s in range(world):
+            out = torch.full((ts[s], hidden), float("nan"), dtype=torch.bfloat16)
+            K.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
+                             data_off=offs_c["data_off"], t_max=t_max, epoch=epoch, wait=True,
+                             timeout_ns=0, max_spins=1000, use_globaltimer=False,
+                             num_programs=2)
+            assert torch.equal(out.view(torch.int16), ref_out[s].view(torch.int16)), (step, s)
+        epoch += 1  # keep the dispatch parity fixed
+    # a source with bad status: every row unused, error bits set, counts 0
+    epoch += 2
+    offs = peers.layout.offsets(epoch % 2)
+    hdr = peers.hdr(0, offs["hdr_off"])
+    hdr.zero_()
+    hdr[1, 0] = 4  # source 1 reported bad input
+    hdr[2, 1] = 3
+    peers.sigs[0][:] = epoch
+    num_recv, tpe = torch.empty(world, dtype=torch.int64), torch.empty(num_local, dtype=torch.int64)
+    b = peers.bufs[0]
+    idx_region = b[offs["idx_off"]:offs["idx_off"] + world * t_max * 2 * 8].view(torch.int64)
+    w_region = b[offs["w_off"]:offs["w_off"] + world * t_max * 2 * 4].view(torch.float32)
+    K.recv_header_fixed(peers.sigs[0], hdr, peers.errs[0], peers.hws[0][epoch % 2], num_recv,
+                        tpe, idx_region, w_region, num_topk=2, t_max=t_max, epoch=epoch,
+                        full=False, timeout_ns=0, max_spins=1000, use_globaltimer=False)
+    assert num_recv.tolist() == [0, 0, 0] and tpe.tolist() == [0] * num_local
+    assert bool((idx_region == -1).all()) and bool((w_region == 0).all())
+    assert peers.errs[0].tolist() == [1 << 62, 0, 0b010], peers.errs[0]
+    print("fixed-capacity steps: 4 + bad status")
 
 
 def _main(check):
@@ -270,6 +377,7 @@ def _main(check):
         "dispatch_combine": lambda: _run_dispatch_combine("bfloat16"),
         "dispatch_combine_float32": lambda: _run_dispatch_combine("float32"),
         "wait_timeout": _check_wait_timeout,
+        "fixed_capacity": _check_fixed_capacity,
     }[check]()
     print(f"OK {check}")
 
