@@ -22,7 +22,17 @@ import torch.multiprocessing as mp
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised, died, or missed the deadline."""
+    """One or more ranks raised, died, or missed the deadline.
+
+    Attributes:
+        failures: ``[(rank, text)]`` of the failed ranks in the order their failures reached
+            the launcher (``text``: ``"Type: message"`` then the traceback); the first is
+            usually the cause, the others its consequences (peers seeing it die).
+    """
+
+    def __init__(self, message: str, failures=()):
+        super().__init__(message)
+        self.failures = list(failures)
 
 
 LOOPBACK = "127.0.0.1"
@@ -176,5 +186,6 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
     ordered = [results[r] for r in range(world_size)]
     if raise_on_error and not all(ok for ok, _ in ordered):
         msgs = "\n".join(f"--- rank {r} ---\n{val}" for r, (ok, val) in enumerate(ordered) if not ok)
-        raise RankFailure(f"ranks {[r for r, (ok, _) in enumerate(ordered) if not ok]} failed:\n{msgs}")
+        raise RankFailure(f"ranks {[r for r, (ok, _) in enumerate(ordered) if not ok]} failed:\n{msgs}",
+                          failures=[(r, val) for r, (ok, val) in results.items() if not ok])
     return [val for _, val in ordered] if raise_on_error else ordered
