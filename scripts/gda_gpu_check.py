@@ -58,7 +58,15 @@ def _empty_kernel():
     return _empty
 
 
-def _bench_rank(rank, world, routes):
+def _bench_rank(rank, world, routes, modes=("regular",)):
+    out = {}
+    for mode in modes:
+        for key, v in _bench_mode(rank, world, routes, mode).items():
+            out[key if mode == "regular" else f"{key}/{mode}"] = v
+    return out
+
+
+def _bench_mode(rank, world, routes, mode):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from tests.routes import make_route
@@ -75,7 +83,8 @@ def _bench_rank(rank, world, routes):
             g = torch.Generator(device=dev).manual_seed(99 + rank)
             x = torch.randn(t, HIDDEN, device=dev, generator=g).to(torch.bfloat16)
             # check: combine(dispatch(x)) == x * (destination ranks), exact in float32
-            recv_x, _, _, _, h = tr.dispatch(x, idx, w)
+            disp_fn = tr.dispatch if mode == "regular" else tr.dispatch_fixed
+            recv_x, *_, h = disp_fn(x, idx, w)
             back = tr.combine(recv_x, h)
             dest = torch.zeros(t, world, dtype=torch.bool, device=dev)
             valid = idx >= 0
@@ -83,22 +92,32 @@ def _bench_rank(rank, world, routes):
             dest[rows[valid], (idx // (EXPERTS // world))[valid]] = True
             want = (x.float() * dest.sum(1, keepdim=True).float()).to(torch.bfloat16)
             ok = bool(torch.equal(back.view(torch.int16), want.view(torch.int16)))
-            sent_rows = sum(h.num_send_per_rank)
+            sent_rows = int(dest.sum())
             recv_rows = h.num_recv_tokens
             for _ in range(WARMUP):
-                r = tr.dispatch(x, idx, w)
-                tr.combine(r[0], r[4])
+                r = disp_fn(x, idx, w)
+                tr.combine(r[0], r[-1])
             torch.cuda.synchronize()
             dist.barrier()
             n = ITERS[prof]
             evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
             for e in evs:
                 e[0].record()
-                r = tr.dispatch(x, idx, w)
+                r = disp_fn(x, idx, w)
                 e[1].record()
-                tr.combine(r[0], r[4])
+                tr.combine(r[0], r[-1])
                 e[2].record()
             torch.cuda.synchronize()
+            # steady state: one event pair around n back-to-back D+C (the host may run ahead)
+            dist.barrier()
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s0.record()
+            for _ in range(n):
+                r = disp_fn(x, idx, w)
+                tr.combine(r[0], r[-1])
+            s1.record()
+            torch.cuda.synchronize()
+            steady = s0.elapsed_time(s1) * 1e3 / n
             disp = [e[0].elapsed_time(e[1]) * 1e3 for e in evs]
             comb = [e[1].elapsed_time(e[2]) * 1e3 for e in evs]
             both = [a + b for a, b in zip(disp, comb)]
@@ -123,7 +142,8 @@ def _bench_rank(rank, world, routes):
                 ok=ok, tokens=t, sent_rows=sent_rows, recv_rows=recv_rows,
                 dispatch_us=statistics.median(disp), combine_us=statistics.median(comb),
                 total_us=statistics.median(both), total_p10_us=_pct(both, 0.1),
-                total_p90_us=_pct(both, 0.9), floor_us=statistics.median(fl), iters=n)
+                total_p90_us=_pct(both, 0.9), floor_us=statistics.median(fl), iters=n,
+                steady_us=steady, mode=mode)
     tr.check_errors()
     dist.barrier()
     return out
@@ -135,6 +155,7 @@ def main():
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--routes", default="random,skewed")
     ap.add_argument("--pytest-args", default="")
+    ap.add_argument("--modes", default="regular", help="regular,fixed (dispatch_fixed)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", os.path.join(REPO, "outputs"))
     os.makedirs(out_dir, exist_ok=True)
@@ -165,7 +186,8 @@ def main():
     for world in [int(w) for w in args.worlds.split(",")]:
         t0 = time.time()
         try:
-            res = run_ranks(_bench_rank, world, (routes,), timeout_s=200, pg_timeout_s=150,
+            res = run_ranks(_bench_rank, world, (routes, tuple(args.modes.split(","))),
+                            timeout_s=300, pg_timeout_s=250,
                             env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
         except Exception as e:  # record and go on with the next size
             cells.append(dict(world=world, error=str(e)[-3000:]))
@@ -183,6 +205,9 @@ def main():
                 dispatch_us=d, combine_us=c, total_us=tot,
                 total_p10_us=max(p["total_p10_us"] for p in per),
                 total_p90_us=max(p["total_p90_us"] for p in per),
+                steady_us=max(p["steady_us"] for p in per),
+                steady_hbm_frac=4 * moved / (max(p["steady_us"] for p in per) * 1e-6)
+                / COPY_CEILING_BPS,
                 floor_us=max(p["floor_us"] for p in per),
                 dispatch_hbm_frac=2 * moved / (d * 1e-6) / COPY_CEILING_BPS,
                 combine_hbm_frac=2 * moved / (c * 1e-6) / COPY_CEILING_BPS,
@@ -195,17 +220,18 @@ def main():
           f"top-{TOPK}/{EXPERTS}; slowest-rank medians; frac = share of 4.26 TB/s (read+write)")
     if "tests" in report:
         print(f"GPU tests rc={report['tests']['rc']} ({report['tests']['seconds']}s)")
-    print(f"{'W':>2} {'cell':<16} {'ok':<3} {'MB':>7} {'disp us':>8} {'comb us':>8} {'D+C us':>8} "
-          f"{'p10-p90':>13} {'floor':>6} {'D frac':>6} {'C frac':>6} {'DC frac':>7}")
+    print(f"{'W':>2} {'cell':<22} {'ok':<3} {'MB':>7} {'disp us':>8} {'comb us':>8} {'D+C us':>8} "
+          f"{'p10-p90':>13} {'floor':>6} {'D frac':>6} {'C frac':>6} {'DC frac':>7} "
+          f"{'steady':>7} {'st frac':>7}")
     for c in cells:
         if "error" in c:
             print(f"{c['world']:>2} ERROR {c['error'][-200:]}")
             continue
-        print(f"{c['world']:>2} {c['cell']:<16} {'y' if c['ok'] else 'N':<3} "
+        print(f"{c['world']:>2} {c['cell']:<22} {'y' if c['ok'] else 'N':<3} "
               f"{c['bytes_moved'] / 1e6:7.1f} {c['dispatch_us']:8.1f} {c['combine_us']:8.1f} "
               f"{c['total_us']:8.1f} {c['total_p10_us']:6.0f}-{c['total_p90_us']:<6.0f} "
               f"{c['floor_us']:6.1f} {c['dispatch_hbm_frac']:6.2f} {c['combine_hbm_frac']:6.2f} "
-              f"{c['total_hbm_frac']:7.2f}")
+              f"{c['total_hbm_frac']:7.2f} {c['steady_us']:7.1f} {c['steady_hbm_frac']:7.2f}")
 
 
 if __name__ == "__main__":

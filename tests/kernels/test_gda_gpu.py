@@ -207,3 +207,63 @@ def test_gda_missing_peer_poisons_and_names_the_op(gate):
         assert "unusable" in o["after"], o
         if gate == "off":
             assert o["nan_rows"] == o["rows"] > 0, o
+
+
+def _fixed_equals_regular(rank, world, cases):
+    """dispatch_fixed's window rows (compacted by the device counts) equal the regular
+    dispatch; unused rows are masked; combine, cached dispatch and weight combine through the
+    fixed handle equal the regular ones bit for bit; no host sync is needed for any of it."""
+    import torch.distributed as dist
+    from efa_ep.kernels import create_transport
+    from tests.routes import make_route
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    trs = {h: create_transport("gda", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16, timeout_s=60)
+           for h in sorted({c[2] for c in cases})}
+    for ci, (kind, t0, h, k) in enumerate(cases):
+        case = (world, kind, t0, h, k, rank)
+        tr = trs[h]
+        t = t0 if rank == 0 else max(0, t0 - 37 * rank)
+        g = torch.Generator().manual_seed(1000 * ci + rank)
+        idx, w = make_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+        idx, w = idx.to(dev), w.to(dev)
+        rx, ri, rw, tpe, hr = tr.dispatch(x, idx, w)
+        fx, fi, fw, num_recv, ftpe, hf = tr.dispatch_fixed(x, idx, w)
+        n = num_recv.tolist()
+        assert n == list(hr.num_recv_per_rank), (case, n, hr.num_recv_per_rank)
+        used = torch.cat([torch.arange(s * T_MAX, s * T_MAX + n[s], device=dev)
+                          for s in range(world)])
+        _same(fx[used], rx, "fixed recv_x", case)
+        _same(fi[used], ri, "fixed recv_topk_idx", case)
+        _same(fw[used], rw, "fixed recv_topk_weights", case)
+        _same(ftpe.cpu(), tpe, "fixed tokens_per_expert", case)
+        unused = torch.ones(world * T_MAX, dtype=torch.bool, device=dev)
+        unused[used] = False
+        assert bool((fi[unused] == -1).all()) and bool((fw[unused] == 0).all()), case
+        y = torch.randn(rx.shape[0], h, generator=g).to(torch.bfloat16).to(dev)
+        yf = torch.zeros(world * T_MAX, h, dtype=torch.bfloat16, device=dev)
+        yf[used] = y
+        want = tr.combine(y, hr)
+        _same(tr.combine(yf, hf), want, "fixed combine", case)
+        x2 = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+        want = tr.dispatch_cached(x2, hr)
+        _same(tr.dispatch_cached(x2, hf)[used], want, "fixed dispatch_cached", case)
+        gw = torch.randn(rx.shape[0], k, generator=g).to(dev)
+        gwf = torch.zeros(world * T_MAX, k, device=dev)
+        gwf[used] = gw
+        rxf, rif, rwf, _, _, hf2 = tr.dispatch_fixed(x, idx, w)  # fresh ids for the weights
+        _same(tr.combine_topk_weights(gwf, hf2), tr.combine_topk_weights(gw, hr),
+              "fixed combine_topk_weights", case)
+    for tr in trs.values():
+        tr.check_errors()
+    dist.barrier()
+    return len(cases)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gda_fixed_capacity_equals_regular(world):
+    counts = run_ranks(_fixed_equals_regular, world, (CASES,), timeout_s=240, pg_timeout_s=200,
+                       env=ENV)
+    assert counts == [len(CASES)] * world

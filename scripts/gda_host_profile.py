@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Where does the host time of a decode dispatch + combine over ``gda`` go? (GPU, MPS on.)
+
+W ranks as processes on the GPU run ``--iters`` fixed-capacity (or regular) D+C at decode size
+(DeepSeek-V3 shape: H 7168 bf16, top-8 of 256, 128 tokens per rank) under cProfile; rank 0
+prints the functions with the most own time and the wall time per iteration.
+
+    python3 scripts/gda_host_profile.py [--world 2] [--mode fixed|regular] [--iters 300]
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def _rank(rank, world, mode, iters):
+    from efa_ep.kernels import create_transport
+    from tests.routes import make_route
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tr = create_transport("gda", None, 256, 7168, 4096, torch.bfloat16, timeout_s=60)
+    idx, w = make_route("random", 128, 256, 8, world, seed=rank)
+    idx, w = idx.to(dev), w.to(dev)
+    x = torch.randn(128, 7168, device=dev).to(torch.bfloat16)
+    fn = tr.dispatch_fixed if mode == "fixed" else tr.dispatch
+    for _ in range(20):
+        r = fn(x, idx, w)
+        tr.combine(r[0], r[-1])
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(iters):
+        r = fn(x, idx, w)
+        tr.combine(r[0], r[-1])
+    prof.disable()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e6
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+    tr.check_errors()
+    return dict(host_us_per_iter=host, wall_us_per_iter=wall, profile=s.getvalue())
+
+
+def main():
+    from efa_ep.distributed import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--mode", default="fixed")
+    ap.add_argument("--iters", type=int, default=300)
+    a = ap.parse_args()
+    res = run_ranks(_rank, a.world, (a.mode, a.iters), timeout_s=300,
+                    env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
+    for r, out in enumerate(res):
+        print(f"rank {r}: host (profiled) {out['host_us_per_iter']:.0f} us/iter, "
+              f"wall {out['wall_us_per_iter']:.0f} us/iter")
+    print(res[0]["profile"][-6000:])
+
+
+if __name__ == "__main__":
+    main()
