@@ -1,0 +1,260 @@
+"""efa-ep-plan: the model's arithmetic by hand, calibration round trip, the seeds' EFA cases,
+the transport choice for ``auto``, and the command line end to end (CPU, a few seconds)."""
+import json
+import math
+import os
+
+import pytest
+
+from efa_ep.tools.plan import calibrate as cal_mod
+from efa_ep.tools.plan import cli, report
+from efa_ep.tools.plan.model import (Fig, Inputs, choose_transport, make_plan, p_rank, path_proxy,
+                                     proxy_op_us, traffic)
+from efa_ep.tools.plan.presets import seed_efa
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(ROOT, "results", "plan", "calibration.json")
+
+
+def _cal(**over):
+    """A calibration with round numbers, so times can be checked by hand."""
+    vals = {"gda_fixed_us": 10.0, "gda_link_eff": 0.5, "nccl_fixed_us": 20.0, "nccl_link_eff": 0.5,
+            "nccl_efa_eff": 0.25, "proxy_fixed_us": 30.0, "proxy_post_us": 1.0,
+            "proxy_channel_alpha": 1.0, "proxy_channel_gbps": 1.0}
+    vals.update(over)
+    return {k: Fig(v, "", "assumed", "test") for k, v in vals.items()}
+
+
+def _inp(**over):
+    kw = dict(model="t", hidden=1000, num_experts=8, topk=2, moe_layers=4, moe_ffn_hidden=100, seq_length=100,
+              micro_batch=1, dtype="bf16", fabric="f", nodes=2, gpus_per_node=2, ep=4, tokens_per_rank=100,
+              nvlink_gbps=100.0, efa_gbps_per_node=20.0, gpu_tflops_bf16=100.0, hbm_gb=80.0)
+    kw.update(over)
+    return Inputs(**kw)
+
+
+def _qwen_seed_case(tokens, same_node="nvlink"):
+    """The seeds' setup: Qwen3-30B-A3B (H 2048, top-8 of 128) EP16 on two p5en (16 x 200 Gb/s)."""
+    return Inputs(model="qwen3_30b_a3b", hidden=2048, num_experts=128, topk=8, moe_layers=48, moe_ffn_hidden=768,
+                  seq_length=tokens, micro_batch=1, dtype="bf16", fabric="p5en", nodes=2, gpus_per_node=8, ep=16,
+                  tokens_per_rank=tokens, nvlink_gbps=450.0, efa_gbps_per_node=400.0, proxy_same_node=same_node)
+
+
+# --- arithmetic by hand -----------------------------------------------------------------------
+def test_p_rank_by_hand():
+    # E=8, k=2, P=4: q=2 experts per rank; P(no expert on a rank) = C(6,2)/C(8,2) = 15/28.
+    assert math.isclose(p_rank(8, 2, 4), 13 / 28)
+    assert p_rank(8, 2, 1) == 1.0          # one rank holds everything
+    assert math.isclose(p_rank(4, 4, 2), 1.0)  # every token touches both ranks
+
+
+def test_traffic_by_hand():
+    inp = _inp()  # P=4 over 2 nodes of 2 -> L=2; T=100; H*b = 2000 B
+    tr = traffic(inp)
+    pr = 13 / 28
+    assert math.isclose(tr["efa_rows_nvlink_op"].value, 100 * 1 * pr)
+    assert math.isclose(tr["efa_bytes_efa_op"].value, 100 * 2 * pr * 2000)
+    assert math.isclose(tr["a2a_bytes_efa_op"].value, 100 * 2 * 2 / 4 * 2000)   # T k (P-L)/P H b
+    assert math.isclose(tr["ag_bytes_nvlink_op"].value, 100 * 1 * 2000)
+    assert math.isclose(tr["efa_bytes_efa_step"].value, 4 * tr["efa_bytes_efa_op"].value * 4 * 1)
+    assert all(f.tag == "derived" and f.source for f in tr.values())
+
+
+def test_proxy_time_by_hand():
+    inp = _inp(proxy_same_node="nvlink", chunk_bytes=131072)
+    tr = traffic(inp)
+    efa = 100 * 2 * (13 / 28) * 2000                  # 185,714 B per op over EFA
+    per_dest = 100 * (13 / 28) * 2000                 # 92,857 B -> 1 descriptor per destination
+    t1, terms = proxy_op_us(inp, tr, _cal(), 1)
+    issue = 2 * 1.0 + efa / 1e3                       # 2 descriptors x 1 us + bytes / 1 GB/s
+    wire = efa / (10.0 * 1e3)                         # 20 GB/s per node / 2 GPUs
+    assert terms["msgs"] == 2 and math.isclose(terms["issue"], issue) and math.isclose(terms["wire"], wire)
+    assert math.isclose(t1, 30.0 + max(issue, wire))
+    t4, terms4 = proxy_op_us(inp, tr, _cal(), 4)      # alpha = 1: 4 channels = issue / 4
+    assert math.isclose(terms4["issue"], issue / 4)
+    assert per_dest < 131072
+    # 16 KiB chunks: ceil(92,857 / 16,384) = 6 descriptors per destination, 2 destinations.
+    _, terms_small = proxy_op_us(_inp(proxy_same_node="nvlink", chunk_bytes=16384), tr, _cal(), 1)
+    assert terms_small["msgs"] == 12
+
+
+def test_gda_alltoall_allgather_and_gemm_by_hand():
+    inp = _inp(nodes=1, gpus_per_node=4, ep=4)   # one node: gda applies, no EFA bytes
+    plan = make_plan(inp, _cal())
+    nvl = 100 * 3 * (13 / 28) * 2000
+    assert math.isclose(plan.paths["gda"].d_us.value, 10.0 + nvl / (100 * 0.5 * 1e3))
+    a2a = 100 * 2 * 3 / 4 * 2000
+    assert math.isclose(plan.paths["alltoall"].dc_us.value, 2 * (20.0 + a2a / (50.0 * 1e3)))
+    assert math.isclose(plan.paths["allgather"].d_us.value, 20.0 + 100 * 3 * 2000 / (50.0 * 1e3))
+    # GEMM: 2 x T x k x 3 x H x F = 2*100*2*3*1000*100 = 1.2e8 FLOP at 100 TFLOPS x 0.5 -> 2.4 us.
+    assert math.isclose(plan.compute["gemm_fwd_us"].value, 2.4)
+    dc = plan.paths["gda"].dc_us.value
+    assert math.isclose(plan.shares["gda"].value, 2 * dc / (2 * dc + 7.2))
+
+
+def test_verdicts():
+    # efa wins: cheap gda vs expensive NCCL.
+    p = make_plan(_inp(nodes=1, gpus_per_node=4, ep=4), _cal(nccl_fixed_us=500.0))
+    assert p.verdict == "efa" and p.transport == "gda" and p.num_channels == 0 and p.bound == "launch"
+    # no win, experts fit in memory -> dense (allgather).
+    p = make_plan(_inp(nodes=1, gpus_per_node=4, ep=4), _cal(gda_fixed_us=5000.0))
+    assert p.verdict == "dense" and p.transport == "allgather"
+    # no win, experts do not fit (tiny HBM) -> capacity, fastest path.
+    p = make_plan(_inp(nodes=1, gpus_per_node=4, ep=4, hbm_gb=1e-6), _cal(gda_fixed_us=5000.0))
+    assert p.verdict == "capacity" and p.transport in ("alltoall", "allgather") and "fit" in p.reason
+    # across nodes the efa path is the proxy, with its K.
+    p = make_plan(_inp(), _cal(nccl_fixed_us=1e5))
+    assert p.verdict == "efa" and p.transport == "proxy" and 1 <= p.num_channels <= 8
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="num_experts=10 must be a multiple of ep=4"):
+        _inp(num_experts=10)
+    with pytest.raises(ValueError, match="ep=16 x tp=1 needs 16 GPUs"):
+        _inp(ep=16, num_experts=16)
+    with pytest.raises(ValueError, match="dtype="):
+        _inp(dtype="int3")
+    with pytest.raises(ValueError, match="provenance tag"):
+        Fig(1, "", "guessed", "x")
+    with pytest.raises(KeyError, match="calibration has no parameter"):
+        make_plan(_inp(), {})
+
+
+# --- calibration ------------------------------------------------------------------------------
+def test_calibration_round_trip(tmp_path):
+    files = cal_mod.default_record_files(ROOT)
+    assert len(files) >= 3, files
+    doc = cal_mod.calibrate(files)
+    path = tmp_path / "cal.json"
+    cal_mod.write(doc, str(path))
+    back = cal_mod.read(str(path))
+    for k, v in doc["params"].items():
+        assert back[k].value == (tuple(v["value"]) if isinstance(v["value"], list) else v["value"])
+        assert back[k].tag in ("measured", "derived", "assumed") and back[k].source
+    # The fit reproduces its inputs: gda@nvlink has 2 points and 2 parameters (exact).
+    assert doc["groups"]["gda@nvlink"]["max_abs_rel_err"] < 1e-9
+    assert 0.3 < back["gda_link_eff"].value < 0.8 and 0.5 < back["proxy_channel_alpha"].value < 1.0
+    # Held-out predictions exist and are in a stated band: median |error| <= 25%.
+    v = doc["validation"]
+    assert len(v["rows"]) >= 10 and v["median_abs_rel_err"] <= 0.25
+    # The shipped calibration is this one (same parameters from the same records).
+    shipped = cal_mod.read(SHIPPED)
+    for k in cal_mod.PARAMS:
+        assert math.isclose(float(shipped[k].value), float(back[k].value), rel_tol=1e-6), k
+
+
+def test_calibration_from_bench_records_jsonl(tmp_path):
+    # Raw efa-ep-bench records (schema efa_ep.bench/1): grouped per cell, median over starts.
+    recs = []
+    for tokens, us in ((128, [100.0, 110.0, 90.0]), (1024, [500.0, 520.0, 480.0])):
+        for s, u in enumerate(us):
+            recs.append({"schema": "efa_ep.bench/1", "view": "transport", "arm": "gda", "profile": f"p{tokens}",
+                         "shape": "s", "route": "balanced", "dtype": "bf16", "ep_size": 2, "device": "cuda",
+                         "ranks_per_gpu": None, "tokens_per_rank": tokens, "hidden": 1024, "num_experts": 8,
+                         "topk": 2, "void": False, "start_median_us": u, "provenance": {"date_utc": "d"}})
+    p = tmp_path / "bench_records.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs))
+    obs = cal_mod.load([str(p)])
+    assert sorted(o["us"] for o in obs) == [100.0, 500.0] and all(o["group"] == "gda@nvlink" for o in obs)
+    with pytest.raises(ValueError, match="no records for nccl_a2a@nvlink"):
+        cal_mod.calibrate([str(p)])
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a bench record file"):
+        cal_mod.load([str(bad)])
+
+
+# --- the seeds' EFA cases ---------------------------------------------------------------------
+# Tolerance: the prediction must land in the seed's measured range widened by 25% (K=1: the
+# seeds give a 1-7 GB/s floor, and the per-channel rate is anchored on their "K=1 ~ 8 GB/s")
+# and by 10% (K=8: 33-35 GB/s; predicted from the channel-scaling exponent fitted on this
+# project's own descriptor-rate records, not from the seeds).
+K1_TOL, K8_TOL = 0.25, 0.10
+
+
+def _so_gbps(inp, cal, k):
+    tr = traffic(inp)
+    t, terms = proxy_op_us(inp, tr, cal, k)
+    return tr["efa_bytes_efa_op"].value / (t * 1e3), terms, t
+
+
+def test_seed_prefill_k1_and_k8_within_tolerance():
+    cal = cal_mod.read(SHIPPED)
+    seeds = seed_efa()
+    inp = _qwen_seed_case(4096)
+    lo1, hi1 = seeds["k1_prefill_dispatch_gbps"].value
+    lo8, hi8 = seeds["k8_prefill_dispatch_gbps"].value
+    g1, terms1, _ = _so_gbps(inp, cal, 1)
+    g8, terms8, _ = _so_gbps(inp, cal, 8)
+    assert lo1 * (1 - K1_TOL) <= g1 <= hi1 * (1 + K1_TOL), g1
+    assert lo8 * (1 - K8_TOL) <= g8 <= hi8 * (1 + K8_TOL), g8
+    # Both are issue-bound: the proxy's post path, not the wire, sets the time.
+    assert terms1["issue"] > terms1["wire"] and terms8["issue"] > terms8["wire"]
+
+
+def test_seed_decode_is_issue_bound_with_the_nic_mostly_idle():
+    cal = cal_mod.read(SHIPPED)
+    inp = _qwen_seed_case(128)
+    p = path_proxy(inp, traffic(inp), cal)
+    assert p.bound == "issue"
+    # The seeds measured ~2.2% NIC utilisation; the model must put the wire far from busy.
+    assert p.extra["nic_utilisation"].value < 0.15
+    # ...and through the CLI-facing plan as well (today's proxy: same-node rows via channels).
+    plan = make_plan(_qwen_seed_case(128, "channels"), cal)
+    assert plan.paths["proxy"].bound == "issue"
+
+
+# --- auto -------------------------------------------------------------------------------------
+def test_choose_transport_for_auto():
+    cal = cal_mod.read(SHIPPED)
+    assert choose_transport(8, 8, ["torch", "gda", "proxy"], cal)[:2] == ("gda", 0)
+    assert choose_transport(8, 8, ["torch", "proxy"], cal)[:2] == ("torch", 0)
+    t, k, why = choose_transport(16, 8, ["torch", "gda", "proxy"], cal, tokens_per_rank=4096)
+    assert t == "proxy" and 2 <= k <= 8 and f"K={k}" in why and "2 nodes" in why
+    assert choose_transport(16, 8, ["torch", "gda"], cal)[0] == "torch"
+    with pytest.raises(ValueError):
+        choose_transport(0, 8, ["torch"], cal)
+
+
+# --- command line -----------------------------------------------------------------------------
+def test_cli_end_to_end(tmp_path, capsys):
+    out = tmp_path / "plan"
+    rc = cli.main(["model=qwen3_30b_a3b", "fabric=p5en", "nodes=2", "gpus_per_node=8", "ep=16",
+                   "tokens_per_rank=128", f"out_dir={out}", "token_sweep=[128,4096]"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    last = text.strip().splitlines()[-1]
+    import re
+    m = re.fullmatch(r"plan: verdict=(dense|capacity|efa) transport=(\w+) num_channels=(\d+) "
+                     r"dc_us=([0-9.]+) bound=(\w+)", last)
+    assert m, last
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["line"] == last and doc["verdict"] == m.group(1)
+    assert (out / "plan.png").stat().st_size > 1000
+    # every figure in the JSON carries a tag and a source
+    for section in ("inputs", "calibration", "traffic", "compute", "memory", "share_of_step", "per_step_us"):
+        for name, fig in doc[section].items():
+            assert fig["tag"] in ("measured", "derived", "assumed") and fig["source"], (section, name)
+    assert doc["inputs"]["tokens_per_rank"]["source"].startswith("command line")
+    assert {r["tokens_per_rank"] for r in doc["sweep"]} == {128, 4096}
+
+
+@pytest.mark.parametrize("model,fabric,nodes,ep", [("deepseek_v3", "p6-b200", 4, 32), ("kimi_k2", "p6-b300", 2, 16),
+                                                   ("moonlight_16b_a3b", "p5", 1, 8)])
+def test_presets_compose(model, fabric, nodes, ep):
+    from efa_ep.tools.config import compose
+
+    cfg = compose("plan", "default", [f"model={model}", f"fabric={fabric}", f"nodes={nodes}", f"ep={ep}"])
+    plan = make_plan(cli.inputs_from_config(cfg), cal_mod.read(SHIPPED))
+    assert plan.verdict in ("dense", "capacity", "efa")
+    assert report.final_line(plan).startswith("plan: verdict=")
+
+
+def test_cli_errors_and_help(capsys):
+    assert cli.main(["ep=7"]) == 2
+    assert "must be a multiple" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["calibrate", "--help"])
+    assert e.value.code == 0 and "calibration file" in capsys.readouterr().out
+    assert cli.main(["calibrate", "/nonexistent/records.jsonl", "--out", "/tmp/never.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err
