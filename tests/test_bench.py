@@ -1,4 +1,5 @@
-"""Benchmark harness (issue 7): statistics, record schema, routes, and a --quick CPU run."""
+"""Benchmark harness: statistics, record schema, routes, the group's collective device, the raw
+collective arm, the timing modes, and a --quick CPU run."""
 import json
 import math
 import os
@@ -140,3 +141,181 @@ def test_failed_check_voids_the_cell(monkeypatch):
     rows = bench.summarize_records(recs, compose("bench", "quick"))
     bad = next(r for r in rows if r["arm"] == "proxy:k1")
     assert bad["n_void"] == 1 and bad["latency_us"]["n"] == 0 and "differs" in bad["void_reasons"][0]
+
+
+# --- the group's collective device -------------------------------------------------------------
+@pytest.mark.parametrize("backend,cuda,expected", [
+    ("gloo", False, "cpu"), ("gloo", True, "cpu"), ("nccl", True, "cuda:1"),
+    ("cpu:gloo,cuda:nccl", True, "cuda:1"),
+])
+def test_collective_device_per_backend(monkeypatch, backend, cuda, expected):
+    """An NCCL group's collectives take tensors on the current GPU, never the CPU (the bug this
+    guards: a CPU flag handed to all_reduce on an NCCL group, "No backend type associated with
+    device type cpu"); gloo's take CPU tensors even when the ranks compute on a GPU."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert str(bench.collective_device(None)) == expected
+
+
+class _StrictGroup:
+    """Stands in for ``torch.distributed`` on one rank of a group whose collectives accept only
+    tensors on ``device`` (as an NCCL group accepts only CUDA tensors)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.calls = []
+        self.ReduceOp = __import__("torch.distributed", fromlist=["ReduceOp"]).ReduceOp
+
+    def _check(self, name, t):
+        self.calls.append((name, str(t.device)))
+        if str(t.device) != self.device:
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+
+    def all_reduce(self, t, op=None, group=None):
+        self._check("all_reduce", t)
+
+    def broadcast(self, t, src=0, group=None):
+        self._check("broadcast", t)
+
+
+def test_control_collectives_use_the_groups_device(monkeypatch):
+    """Every control collective of the benchmark asks :func:`bench.collective_device` and puts its
+    tensor there. The strict group accepts only tensors on the device the helper names; the
+    helper is pointed at ``meta`` (a device no CPU default would hit), so a hard-coded CPU tensor
+    fails here just as it fails on an NCCL group."""
+    import torch
+    import torch.distributed as dist
+
+    strict = _StrictGroup("meta")
+    monkeypatch.setattr(bench, "collective_device", lambda group=None: torch.device("meta"))
+    for name in ("all_reduce", "broadcast"):
+        monkeypatch.setattr(dist, name, getattr(strict, name))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: 1)  # a meta flag has no value
+    assert bench._agree(True) is True
+    bench._broadcast_(torch.zeros(3, device="meta"), src=0)
+    assert strict.calls == [("all_reduce", "meta"), ("broadcast", "meta")]
+
+
+def test_loss_match_collectives_use_the_groups_device():
+    """loss-match's control collectives (loss sum, grad-norm) take the group's device."""
+    import inspect
+
+    from efa_ep.tools import loss_match
+
+    src = inspect.getsource(loss_match._train_arm)
+    assert 'to("cpu")' not in src.split("dist.all_reduce(total")[0].split("Reported loss")[1]
+    assert "collective_device(dp_group)" in src and "collective_device(ep_group)" in src
+
+
+# --- the raw collective arm and the timing modes -------------------------------------------------
+def test_nccl_arm_needs_an_nccl_group():
+    quick = compose("bench", "quick")
+    arms, not_run = bench.resolve_arms(quick, ["torch"])  # gloo, auto: listed as not run, with why
+    assert "nccl" not in [a.name for a in arms]
+    assert "NCCL process group" in not_run["nccl"] and "backend=gloo" in not_run["nccl"]
+    with pytest.raises(ValueError, match="needs an NCCL process group; this run's group is backend=gloo"):
+        bench.resolve_arms({**quick, "arms": {**quick["arms"], "nccl_arm": "require"}}, ["torch"])
+    nccl = {**quick, "backend": "nccl", "device": "cuda"}
+    arms, not_run = bench.resolve_arms(nccl, ["torch"])
+    raw = [a for a in arms if a.collective]
+    assert [(a.name, a.collective, a.transport) for a in raw] == [("nccl", "nccl", None)]
+    assert "nccl" not in not_run
+    with pytest.raises(ValueError, match="nccl_arm=gloo requires backend=gloo"):
+        bench.resolve_arms({**nccl, "arms": {**quick["arms"], "nccl_arm": "gloo"}}, ["torch"])
+    arms, _ = bench.resolve_arms({**quick, "arms": {**quick["arms"], "nccl_arm": "gloo"}}, ["torch"])
+    assert [a.name for a in arms if a.collective] == ["a2a:gloo"]  # never labelled nccl
+    arms, not_run = bench.resolve_arms({**quick, "arms": {**quick["arms"], "nccl_arm": False}}, ["torch"])
+    assert not any(a.collective for a in arms) and "nccl" not in not_run
+    with pytest.raises(ValueError, match="backend=nccl requires device=cuda"):
+        bench.validate_config({**quick, "backend": "nccl"})
+    with pytest.raises(ValueError, match="one rank per GPU"):
+        bench.validate_config({**quick, "backend": "nccl", "device": "cuda:0"})
+    gpu = compose("bench", "gpu_nccl")
+    assert (gpu["backend"], gpu["device"], gpu["arms"]["nccl_arm"]) == ("nccl", "cuda", "require")
+    assert gpu["timing"] == ["single", "steady"] and gpu["starts"] >= 6
+    bench.validate_config(gpu)
+
+
+def test_timing_modes_and_cells():
+    quick = compose("bench", "quick")
+    assert bench.timing_modes(quick) == ["single"]
+    both = {**quick, "timing": ["single", "steady"]}
+    arms, _ = bench.resolve_arms(both, ["torch"])
+    cells = bench.build_cells(both, arms)
+    assert {c.timing for c in cells} == {"single", "steady"} and len({c.key for c in cells}) == len(cells)
+    assert len(cells) == 2 * len(bench.build_cells(quick, arms))
+    with pytest.raises(ValueError, match="timing="):
+        bench.timing_modes({**quick, "timing": "pipelined"})
+    with pytest.raises(ValueError, match="steady_iters >= 1"):
+        bench.timing_modes({**quick, "timing": "steady", "steady_iters": 0})
+    assert "elapsed" not in bench.timing_boundary("single") and "/ steady_iters" in bench.timing_boundary("steady")
+    assert "MoELayer" in bench.timing_boundary("steady", "layer")
+
+
+def test_steady_timing_divides_by_the_loop_and_single_times_one_call():
+    import time as _time
+
+    calls, barriers = [], []
+
+    def fn():
+        calls.append(1)
+        _time.sleep(0.002)
+
+    out = bench.time_samples(fn, warmup=1, iters=2, timing="steady", steady_iters=5,
+                             barrier=lambda: barriers.append(1))
+    assert len(calls) == 3 * 5 and len(barriers) == 3 and len(out) == 2
+    assert all(0.0015 < t < 0.05 for t in out)  # per iteration, not per 5-iteration loop
+    calls.clear()
+    out = bench.time_samples(fn, warmup=0, iters=3, timing="single")
+    assert len(calls) == 3 and len(out) == 3
+
+
+def test_pack_rows_round_trip():
+    import torch
+
+    x = torch.randn(5, 6).to(torch.bfloat16)
+    idx = torch.tensor([[0, -1], [1, 2], [-1, 3], [0, 1], [2, -1]])
+    w = torch.rand(5, 2)
+    rows = bench.pack_rows(x, idx, w)
+    assert rows.dtype == torch.uint8 and rows.shape == (5, 6 * 2 + 2 * 8 + 2 * 4)
+    gx, gi, gw = bench.unpack_rows(rows, 6, 2, torch.bfloat16)
+    assert torch.equal(gx, x) and torch.equal(gi, idx) and torch.equal(gw, w)
+
+
+def test_gloo_run_of_the_raw_arm_in_both_timing_modes(tmp_path):
+    """A real 2-rank gloo start: the raw all_to_all_single arm (a2a:gloo) checked against the
+    torch transport, then timed, in single and steady mode; records carry mode and provenance."""
+    out = tmp_path / "bg"
+    cfg = compose("bench", "quick", [
+        f"out_dir={out}", "progress=false", "arms.transports=[torch]", "arms.nccl_arm=gloo",
+        "layer.enabled=false", "starts=1", "warmup=0", "iters=2", "timing=[single,steady]",
+        "steady_iters=2", "routes=[skewed]", "~profiles.prefill"])
+    summary = bench.run(cfg, log=lambda *a, **k: None)
+    assert not summary["failed_starts"], summary["failed_starts"]
+    records = [json.loads(l) for l in (out / "bench_records.jsonl").read_text().splitlines()]
+    assert {(r["arm"], r["timing"]) for r in records} == {
+        (a, m) for a in ("torch", "a2a:gloo") for m in ("single", "steady")}
+    for r in records:
+        assert set(bench.RECORD_FIELDS) <= set(r), set(bench.RECORD_FIELDS) - set(r)
+        assert not r["void"] and r["collective_backend"] == "gloo" and r["ranks_per_node"] == 2
+        assert r["clock"] == "host perf_counter"
+        assert r["steady_iters"] == (2 if r["timing"] == "steady" else 1)
+        assert r["provenance"]["process_group"] == {"backend": "gloo", "world_size": 2}
+        assert "loaded" in r["provenance"]["versions"]["nccl"]
+    raw = [r for r in records if r["arm"] == "a2a:gloo"]
+    torch_rec = next(r for r in records if r["arm"] == "torch")
+    for r in raw:
+        assert r["check"]["status"] == "pass" and r["transport"] is None
+        cb = r["collective_bytes"]
+        # same rows as the dispatcher: payload + K ids + K weights out, payload back
+        assert r["dispatch_rows"] == torch_rec["dispatch_rows"]
+        assert cb["combine"] == r["dispatch_bytes"] == torch_rec["dispatch_bytes"]
+        assert cb["dispatch"] == r["dispatch_rows"] * (r["hidden"] * 2 + r["topk"] * 12)
+    cells = summary["cells"]
+    assert all(c["collective_arm"] == "a2a:gloo" for c in cells)
+    assert all(c["vs_collective"] == 1.0 for c in cells if c["arm"] == "a2a:gloo")
+    assert "vs a2a:gloo" in summary["table"] and "| steady |" in summary["table"]

@@ -1,27 +1,39 @@
-"""EP dispatch+combine benchmark with the seeds' method (issue 7).
+"""EP dispatch+combine benchmark with the seeds' method.
 
 One command launches its own ranks, times every arm with one boundary, checks every arm against
 ``torch`` before timing it, and writes raw records, a summary, a markdown table and box plots.
 The method (``../shared/notes/benchmarking.md``) in code:
 
-1. **One timing boundary for every arm**: inputs (x, route, weights) are built before it; per
-   iteration all ranks pass a barrier, the device is synchronized, then ``t0``; ``dispatch``;
-   ``combine`` of the received rows (identity experts, the same for every arm); device sync;
-   ``t1``. Nothing arm-specific happens inside. This is *barrier-aligned single-shot* latency
-   (host clock, device synchronized), not pipelined steady state.
-2. **Slowest rank** is the primary metric: every rank's per-iteration times are gathered and the
-   max is taken per iteration (:func:`bench_stats.slowest_rank`); a start's value is the median
-   over its measured iterations. Aggregate input tokens/s = EP x tokens_per_rank / latency.
+1. **One timing boundary for every arm**: inputs (x, route, weights) are built before it; each
+   sample starts after all ranks pass a barrier and the device is synchronized, and ends when
+   combine has completed. Nothing arm-specific happens inside. Two timing modes (``timing``):
+   ``single`` is *barrier-aligned single shot* (host clock around one dispatch + combine and a
+   device sync); ``steady`` times ``steady_iters`` back-to-back dispatch + combine iterations
+   with CUDA events on the current stream (host clock after a device sync on CPU) and reports
+   elapsed / ``steady_iters``. Every record says which (``timing``, ``clock``).
+2. **Slowest rank** is the primary metric: every rank's per-sample times are gathered and the
+   max is taken per sample (:func:`bench_stats.slowest_rank`); a start's value is the median
+   over its measured samples. Aggregate input tokens/s = EP x tokens_per_rank / latency.
 3. **Independent starts**: every start is a fresh launch of all ranks (>= 20 by default); the
-   cell order is rotated by one position per start; warm-up iterations are excluded. Summaries
+   cell order is rotated by one position per start; warm-up samples are excluded. Summaries
    give n and the median of the start values, with a bootstrap interval only where n makes it
    meaningful (:func:`bench_stats.summarize`), otherwise min/median/max.
 4. **Correctness before timing**: each arm's dispatch outputs and combine output are compared
    bit for bit with the ``torch`` transport on the same input (the contract requires equality);
    a failure voids the cell in that start and is reported.
 5. **Provenance in every record**: git commit, versions (torch, Triton, megatron-core, the NCCL
-   library actually loaded, libfabric), CPU/GPU model and SMs, MPS, ranks per GPU/node, channel
-   count, environment knobs, and whether the shapes were scaled down.
+   library actually loaded, libfabric), CPU/GPU model and SMs, the kernels' SM budget, MPS,
+   ranks per GPU/node, the process group's backend, channel count, resolved transport options
+   (gda ``num_programs``/``launch_gate``, proxy channels/provider), environment knobs, and
+   whether the shapes were scaled down.
+
+Arms of the ``transport`` view: each efa-ep transport, and the raw collective arm ``nccl``:
+``torch.distributed.all_to_all_single`` of the same bytes as dispatch + combine (a
+dispatch-sized exchange of each sent row with its routing metadata, then a combine-sized
+exchange back, with the per-destination row counts the dispatcher sends), on the same ranks,
+inside the same boundary. It needs an NCCL group (``backend=nccl``); ``arms.nccl_arm=gloo`` runs
+the same exchange over gloo for CPU tests, named ``a2a:gloo``. Control collectives (check
+agreement, barriers, broadcasts) put their tensors on :func:`collective_device` of the group.
 
 Views: ``transport`` (dispatch+combine of a transport) and ``layer`` (one Megatron ``MoELayer``
 forward+backward with the ``efa`` dispatcher on each transport vs Megatron's ``alltoall``).
@@ -31,6 +43,7 @@ Usage::
     efa-ep-bench                        # conf/bench/default.yaml (CPU-feasible sizes)
     efa-ep-bench --quick                # CI smoke run (< 60 s)
     efa-ep-bench --config-name gpu      # real shapes, bf16, ranks as processes on one GPU
+    efa-ep-bench --config-name gpu_nccl # real shapes, one rank per GPU, NCCL group, nccl arm
 """
 from __future__ import annotations
 
@@ -47,17 +60,33 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from efa_ep.tools import bench_stats
 
-SCHEMA = "efa_ep.bench/1"
-TIMING_BOUNDARY = ("barrier-aligned single shot: [all ranks barrier, device sync] t0 -> dispatch "
-                   "-> combine(recv_x) -> device sync -> t1; inputs and route built before t0")
+SCHEMA = "efa_ep.bench/2"
+TIMING_MODES = ("single", "steady")
+_BOUNDARY = {
+    "single": ("barrier-aligned single shot: [all ranks barrier, device sync] t0 -> {op} -> "
+               "device sync -> t1 (host perf_counter); inputs and route built before t0"),
+    "steady": ("steady state: [all ranks barrier, device sync] start -> steady_iters x ({op}) "
+               "back to back -> end; time per iteration = (end - start) / steady_iters; CUDA "
+               "events on the current stream (cuda), host perf_counter after a device sync (cpu); "
+               "inputs and route built before start"),
+}
+_BOUNDARY_OP = {"transport": "dispatch -> combine(recv_x)", "layer": "MoELayer forward + backward"}
+
+
+def timing_boundary(timing: str, view: str = "transport") -> str:
+    """The timing boundary of ``timing`` (single | steady) for ``view``, in words."""
+    return _BOUNDARY[timing].replace("{op}", _BOUNDARY_OP[view])
+
+
 # Fields every raw record has (tests check the schema against this list).
 RECORD_FIELDS = (
     "schema", "run_id", "start", "order_index", "view", "arm", "transport", "options",
     "num_channels", "profile", "shape", "route", "route_skew", "route_stats", "dtype",
     "tokens_per_rank", "hidden", "num_experts", "topk", "ep_size", "ranks_per_gpu",
-    "ranks_per_node", "device", "scaled", "scale_note", "warmup", "iters", "timing_boundary",
-    "check", "void", "void_reason", "slowest_us", "start_median_us", "per_rank_median_us",
-    "dispatch_rows", "dispatch_bytes", "transport_info", "provenance",
+    "ranks_per_node", "device", "collective_backend", "scaled", "scale_note", "warmup", "iters",
+    "timing", "steady_iters", "clock", "timing_boundary", "check", "void", "void_reason",
+    "slowest_us", "start_median_us", "per_rank_median_us", "dispatch_rows", "dispatch_bytes",
+    "collective_bytes", "sm_budget", "transport_info", "provenance",
 )
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
@@ -67,15 +96,17 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """A thing that moves tokens: a transport with options, an external library, or (layer
-    view) a Megatron dispatcher. ``name`` is unique: ``torch``, ``proxy:k4``, ``efa:gda``,
-    ``alltoall``."""
+    """A thing that moves tokens: a transport with options, an external library, a raw
+    collective, or (layer view) a Megatron dispatcher. ``name`` is unique: ``torch``,
+    ``proxy:k4``, ``nccl``, ``efa:gda``, ``alltoall``. ``collective`` is the process-group
+    backend a raw ``all_to_all_single`` arm requires (``nccl``; ``gloo`` for CPU tests)."""
 
     name: str
     view: str                    # transport | layer
-    transport: Optional[str]     # efa-ep transport name (None: Megatron alltoall / external)
+    transport: Optional[str]     # efa-ep transport name (None: raw collective / alltoall / external)
     options: tuple = ()
     external: Optional[str] = None
+    collective: Optional[str] = None
 
     @property
     def num_channels(self) -> Optional[int]:
@@ -84,6 +115,10 @@ class Arm:
 
 # External EP libraries: benchmarked only when importable (and an adapter exists).
 EXTERNAL = {"deep_ep": "deep_ep", "uccl_ep": "uccl.ep", "nccl_ep": "nccl.ep"}
+# arms.nccl_arm values: auto = run the nccl arm when backend=nccl, else list it as not run;
+# require = refuse a run whose backend is not nccl; gloo = the same raw exchange on a gloo group
+# (CPU tests), named a2a:gloo so that it is never mistaken for NCCL; off = no raw arm.
+NCCL_ARM_MODES = ("auto", "require", "gloo", "off")
 
 
 def _importable(module: str) -> bool:
@@ -93,8 +128,21 @@ def _importable(module: str) -> bool:
         return False
 
 
+def nccl_arm_refusal(backend: str) -> str:
+    """Why the nccl arm cannot run on a ``backend`` group, and what to set instead."""
+    return (f"the nccl arm times NCCL's all_to_all_single and needs an NCCL process group; this "
+            f"run's group is backend={backend}. Set backend=nccl device=cuda (one rank per GPU), "
+            f"or arms.nccl_arm=gloo to time the same raw exchange over gloo (arm a2a:gloo)")
+
+
 def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Arm], Dict[str, str]]:
-    """Arms to run, and ``{name: reason}`` for arms that will not run here."""
+    """Arms to run, and ``{name: reason}`` for arms that will not run here.
+
+    Raises:
+        ValueError: the torch reference is not available; ``arms.nccl_arm`` is unknown, or asks
+            for a raw arm the configured backend cannot run (``require`` without
+            ``backend=nccl``, ``gloo`` without ``backend=gloo``).
+    """
     arms: List[Arm] = []
     not_run: Dict[str, str] = {}
     want = cfg["arms"].get("transports") or "*"
@@ -111,6 +159,11 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
                 arms.append(Arm(f"proxy:k{k}", "transport", "proxy", opts))
         else:
             arms.append(Arm(t, "transport", t, base))
+    raw = collective_arm(cfg)
+    if isinstance(raw, Arm):
+        arms.append(raw)
+    elif raw:
+        not_run["nccl"] = raw
     for name, module in EXTERNAL.items():
         if name not in (cfg["arms"].get("external") or []):
             continue
@@ -125,9 +178,55 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
     return arms, not_run
 
 
+def collective_arm(cfg: Dict[str, Any]):
+    """The raw ``all_to_all_single`` arm ``arms.nccl_arm`` asks for: an :class:`Arm`, a reason
+    it does not run (str), or None (``off``)."""
+    mode = cfg["arms"].get("nccl_arm", "auto")
+    mode = "off" if mode in (False, None) else str(mode)
+    if mode not in NCCL_ARM_MODES:
+        raise ValueError(f"arms.nccl_arm={mode!r}: expected one of {', '.join(NCCL_ARM_MODES)}")
+    backend = str(cfg["backend"]).lower()
+    if mode == "off":
+        return None
+    if mode == "gloo":
+        if backend != "gloo":
+            raise ValueError(f"arms.nccl_arm=gloo requires backend=gloo, got backend={backend} "
+                             f"(on an NCCL group use arms.nccl_arm=auto or require)")
+        return Arm("a2a:gloo", "transport", None, collective="gloo")
+    if backend == "nccl":
+        return Arm("nccl", "transport", None, collective="nccl")
+    if mode == "require":
+        raise ValueError(f"arms.nccl_arm=require: {nccl_arm_refusal(backend)}")
+    return nccl_arm_refusal(backend)
+
+
+def timing_modes(cfg: Dict[str, Any]) -> List[str]:
+    """``timing`` as a list: ``single``, ``steady`` or both (each a cell of its own)."""
+    t = cfg.get("timing", "single")
+    modes = [t] if isinstance(t, str) else list(t or [])
+    if not modes or any(m not in TIMING_MODES for m in modes):
+        raise ValueError(f"timing={t!r}: expected single, steady or a list of them")
+    if "steady" in modes and int(cfg.get("steady_iters", 0)) < 1:
+        raise ValueError(f"timing=steady requires steady_iters >= 1, got {cfg.get('steady_iters')}")
+    return modes
+
+
+def validate_config(cfg: Dict[str, Any]) -> None:
+    """Combinations that cannot run, refused in the parent before any rank starts."""
+    backend, device = str(cfg["backend"]).lower(), str(cfg["device"])
+    if backend == "nccl" and not device.startswith("cuda"):
+        raise ValueError(f"backend=nccl requires device=cuda (NCCL moves GPU memory only), "
+                         f"got device={device}")
+    if backend == "nccl" and device.startswith("cuda:") and int(cfg["ep_size"]) > 1:
+        raise ValueError(f"backend=nccl requires one rank per GPU (device=cuda puts rank r on "
+                         f"cuda:r % num_gpus); device={device} puts every rank on one GPU, which "
+                         f"NCCL refuses (use backend=gloo for ranks sharing a GPU)")
+    timing_modes(cfg)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One (arm, profile, shape, route) combination: the unit of the summary."""
+    """One (arm, profile, shape, route, timing) combination: the unit of the summary."""
 
     arm: Arm
     profile: str
@@ -138,28 +237,31 @@ class Cell:
     num_experts: int
     topk: int
     dtype: str
+    timing: str = "single"
 
     @property
     def key(self) -> str:
-        return f"{self.arm.view}|{self.arm.name}|{self.profile}|{self.shape}|{self.route}|{self.dtype}"
+        return (f"{self.arm.view}|{self.arm.name}|{self.profile}|{self.shape}|{self.route}|"
+                f"{self.dtype}|{self.timing}")
 
 
 def build_cells(cfg: Dict[str, Any], arms: Sequence[Arm]) -> List[Cell]:
     cells = []
-    for arm in arms:
-        if arm.view == "transport":
-            for pname, prof in cfg["profiles"].items():
-                for sname in cfg["use_shapes"]:
-                    shape = cfg["shapes"][sname]
-                    for route in cfg["routes"]:
-                        cells.append(Cell(arm, pname, sname, route, int(prof["tokens_per_rank"]),
-                                          int(shape["hidden"]), int(shape["num_experts"]),
-                                          int(shape["topk"]), cfg["dtype"]))
-        else:
-            lay = cfg["layer"]
-            cells.append(Cell(arm, "layer", lay["name"], lay["route"], int(lay["tokens_per_rank"]),
-                              int(lay["hidden"]), int(lay["num_experts"]), int(lay["topk"]),
-                              lay["dtype"]))
+    for timing in timing_modes(cfg):
+        for arm in arms:
+            if arm.view == "transport":
+                for pname, prof in cfg["profiles"].items():
+                    for sname in cfg["use_shapes"]:
+                        shape = cfg["shapes"][sname]
+                        for route in cfg["routes"]:
+                            cells.append(Cell(arm, pname, sname, route, int(prof["tokens_per_rank"]),
+                                              int(shape["hidden"]), int(shape["num_experts"]),
+                                              int(shape["topk"]), cfg["dtype"], timing))
+            else:
+                lay = cfg["layer"]
+                cells.append(Cell(arm, "layer", lay["name"], lay["route"], int(lay["tokens_per_rank"]),
+                                  int(lay["hidden"]), int(lay["num_experts"]), int(lay["topk"]),
+                                  lay["dtype"], timing))
     return cells
 
 
@@ -250,20 +352,80 @@ def _compare(name, got, want) -> Optional[str]:
     return None
 
 
+def collective_device(group=None):
+    """Device of the tensors a collective on ``group`` takes (CPU for gloo, the current CUDA
+    device for NCCL). The one rule for every control tensor of the benchmark."""
+    from efa_ep.kernels.base import collective_device as base_collective_device
+
+    return base_collective_device(group)
+
+
+def resolve_device(device: str, rank: int) -> str:
+    """``cuda`` -> ``cuda:<rank % num_gpus>`` (one rank per GPU); anything else unchanged."""
+    if device != "cuda":
+        return device
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 1:
+        raise RuntimeError("device=cuda but torch sees no CUDA device")
+    return f"cuda:{rank % n}"
+
+
+# Resolved knobs recorded per transport (attributes of the transport object; None where a
+# transport version does not have one).
+TRANSPORT_KNOBS = {
+    "torch": (),
+    "gda": ("num_programs", "launch_gate", "ranks_per_device", "max_topk", "timeout_s",
+            "check_every_call", "check_backward"),
+    "proxy": ("num_channels", "provider", "hmem", "chunk_bytes", "timeout_s"),
+}
+
+
+def transport_info(name: Optional[str], t) -> Dict[str, Any]:
+    """JSON-safe resolved options of transport ``t`` (see :data:`TRANSPORT_KNOBS`)."""
+    out: Dict[str, Any] = {}
+    for k in TRANSPORT_KNOBS.get(name or "", ()):
+        v = getattr(t, k, None)
+        out[k] = v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+    return out
+
+
 class _RankContext:
     def __init__(self, rank, world, cfg):
+        import socket
+
         import torch
+        import torch.distributed as dist
 
         self.rank, self.world, self.cfg = rank, world, cfg
-        dev = cfg["device"]
+        dev = resolve_device(cfg["device"], rank)
         if dev.startswith("cuda"):
-            n = torch.cuda.device_count()
-            dev = f"cuda:{rank % n}" if dev == "cuda" else dev
             torch.cuda.set_device(torch.device(dev))
         self.device = torch.device(dev)
+        self.backend = str(dist.get_backend()).lower()
+        self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else None)
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            gpu = str(getattr(props, "uuid", self.device.index))
+        else:
+            gpu = None
+        where = [None] * world
+        dist.all_gather_object(where, (socket.gethostname(), gpu))
+        self.ranks_per_node = sum(1 for h, _ in where if h == where[rank][0])
+        self.ranks_per_gpu = where.count(where[rank]) if gpu is not None else None
         self.transports: Dict[Tuple, Any] = {}
         self.layers: Dict[str, Any] = {}
         self.megatron_ready = False
+
+    def barrier(self):
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])  # the barrier's tensor on our GPU
+        else:
+            dist.barrier()
 
     def transport(self, name, options, cell: Cell):
         import torch
@@ -305,30 +467,85 @@ def _inputs(ctx: _RankContext, cell: Cell, rank: int):
     return x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
 
 
-def _time_iters(ctx: _RankContext, fn, warmup: int, iters: int) -> List[float]:
-    import torch.distributed as dist
+def time_samples(fn, *, warmup: int, iters: int, timing: str = "single", steady_iters: int = 1,
+                 device=None, barrier=None) -> List[float]:
+    """This rank's seconds per dispatch + combine, one value per measured sample.
 
+    Every sample starts after ``barrier()`` and a device sync. ``single``: host perf_counter
+    around one ``fn()`` and a device sync. ``steady``: ``steady_iters`` calls of ``fn()`` back to
+    back, timed with CUDA events on the current stream when ``device`` is CUDA (host
+    perf_counter after a device sync otherwise); the value is elapsed / ``steady_iters``. The
+    first ``warmup`` samples are run and dropped.
+    """
+    import torch
+
+    if timing not in TIMING_MODES:
+        raise ValueError(f"timing={timing!r}: expected one of {TIMING_MODES}")
+    n = 1 if timing == "single" else int(steady_iters)
+    if n < 1:
+        raise ValueError(f"steady_iters must be >= 1, got {steady_iters}")
+    cuda_events = timing == "steady" and device is not None and device.type == "cuda"
     times = []
     for i in range(warmup + iters):
-        dist.barrier()
-        _sync(ctx.device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(ctx.device)
-        t1 = time.perf_counter()
+        if barrier is not None:
+            barrier()
+        if device is not None:
+            _sync(device)
+        if cuda_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) * 1e-3 / n
+        else:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            if device is not None:
+                _sync(device)
+            dt = (time.perf_counter() - t0) / n
         if i >= warmup:
-            times.append(t1 - t0)
+            times.append(dt)
     return times
 
 
-def _agree(ok: bool, device) -> bool:
-    """True only if every rank says ok (so all ranks skip a void cell together)."""
+def clock_of(timing: str, device) -> str:
+    return "cuda events" if timing == "steady" and device.type == "cuda" else "host perf_counter"
+
+
+def _time_iters(ctx: _RankContext, fn, cell: Cell) -> List[float]:
+    return time_samples(fn, warmup=int(ctx.cfg["warmup"]), iters=int(ctx.cfg["iters"]),
+                        timing=cell.timing, steady_iters=int(ctx.cfg.get("steady_iters", 1)),
+                        device=ctx.device, barrier=ctx.barrier)
+
+
+def _agree(ok: bool, group=None) -> bool:
+    """True only if every rank says ok (so all ranks skip a void cell together). The flag
+    lives on the group's collective device (an NCCL group has no CPU backend)."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _broadcast_(t, src: int = 0, group=None):
+    """Broadcast ``t`` in place from ``src`` through the group's collective device."""
+    import torch
+    import torch.distributed as dist
+
+    dev = collective_device(group)
+    if t.device == dev and t.is_contiguous():
+        dist.broadcast(t, src=src, group=group)
+        return t
+    buf = t.detach().to(dev).contiguous()
+    dist.broadcast(buf, src=src, group=group)
+    with torch.no_grad():
+        t.copy_(buf.to(t.device))
+    return t
 
 
 def _gather_times(times: List[float]) -> List[List[float]]:
@@ -337,6 +554,22 @@ def _gather_times(times: List[float]) -> List[List[float]]:
     parts: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, times)
     return parts
+
+
+def _void(rec: Dict[str, Any], reason: str) -> Dict[str, Any]:
+    rec.update(void=True, void_reason=reason, slowest_us=[], start_median_us=None,
+               per_rank_median_us=[])
+    return rec
+
+
+def _library_sm_note(backend: str) -> str:
+    if backend == "nccl":
+        return "NCCL, which picks its own channels/SMs (NCCL_MIN/MAX_NCHANNELS in provenance.env)"
+    return f"{backend} on host threads (no GPU kernels of its own)"
+
+
+def _sm_budget(ctx: _RankContext, programs: Optional[int], note: str) -> Dict[str, Any]:
+    return {"device_sm_count": ctx.sm_count, "kernel_programs": programs, "note": note}
 
 
 def _run_transport_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
@@ -361,32 +594,125 @@ def _run_transport_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
         except Exception as e:  # a crashing arm voids its cell; peers learn it via _agree
             err = f"{type(e).__name__}: {e}"
         check = "pass" if err is None else "fail"
-    ok = _agree(err is None, ctx.device)
-    info = {}
-    describe = getattr(t, "describe", None)
-    if callable(describe):
-        try:
-            info = dict(describe())
-        except Exception:
-            info = {}
+    ok = _agree(err is None)
+    info = transport_info(cell.arm.transport, t)
     rows = sum(r_handle.num_send_per_rank)
     total_rows = [None] * ctx.world
     dist.all_gather_object(total_rows, rows)
+    if cell.arm.transport == "gda":
+        budget = _sm_budget(ctx, info.get("num_programs"),
+                            "gda store/gather grids: min(rows, num_programs) programs per kernel; "
+                            "SMs touched <= min(num_programs, device_sm_count)")
+    elif cell.arm.transport == "proxy":
+        budget = _sm_budget(ctx, None, "proxy: rows move through libfabric, posted by native CPU "
+                                       "proxy threads (num_channels in transport_info)")
+    else:
+        budget = _sm_budget(ctx, None, f"{cell.arm.transport}: rows move through "
+                            + _library_sm_note(ctx.backend))
     rec: Dict[str, Any] = {"check": {"status": check if ok else "fail", "detail": err},
                            "dispatch_rows": sum(total_rows),
                            "dispatch_bytes": sum(total_rows) * cell.hidden * x.element_size(),
-                           "transport_info": info}
+                           "collective_bytes": None, "sm_budget": budget, "transport_info": info}
     if not ok:
-        rec.update(void=True, void_reason=err or "a peer rank's check failed", slowest_us=[],
-                   start_median_us=None, per_rank_median_us=[])
-        return rec
+        return _void(rec, err or "a peer rank's check failed")
 
     def once():
         rx, _, _, _, h = t.dispatch(x, idx, w)
         t.combine(rx, h)
 
-    times = _time_iters(ctx, once, int(ctx.cfg["warmup"]), int(ctx.cfg["iters"]))
-    return _finish(rec, times)
+    return _finish(rec, _time_iters(ctx, once, cell))
+
+
+def pack_rows(x_SD, topk_idx_SK, topk_weights_SK):
+    """Dispatch rows as the wire carries them: ``[S, D*elem + 8K + 4K]`` uint8, each row its
+    payload bytes, then K int64 local expert ids, then K float32 weights (bit patterns)."""
+    import torch
+
+    def as_bytes(t):
+        return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+    return torch.cat([as_bytes(x_SD), as_bytes(topk_idx_SK), as_bytes(topk_weights_SK)], dim=1)
+
+
+def unpack_rows(rows_SB, hidden: int, topk: int, dtype):
+    """Inverse of :func:`pack_rows`: ``(x [S, D] dtype, topk_idx [S, K] int64, weights [S, K] f32)``."""
+    import torch
+
+    nx = hidden * torch.empty((), dtype=dtype).element_size()
+    x = rows_SB[:, :nx].contiguous().view(dtype)
+    idx = rows_SB[:, nx:nx + 8 * topk].contiguous().view(torch.int64)
+    w = rows_SB[:, nx + 8 * topk:].contiguous().view(torch.float32)
+    return x, idx, w
+
+
+def _run_collective_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
+    """The raw collective arm: ``all_to_all_single`` of the bytes dispatch + combine move.
+
+    Dispatch-sized exchange: each sent row with its routing metadata (:func:`pack_rows`), with
+    the torch transport's per-destination row counts; then a combine-sized exchange of the
+    received payload rows back to their sources. Send buffers are built before the boundary
+    (no index_select, no reduction inside: this is the floor of moving the same bytes). Checked
+    before timing: the received rows, ids and weights equal the torch transport's dispatch
+    outputs, and the combine-sized exchange returns exactly the rows sent.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from efa_ep.kernels.base import compute_send_layout
+
+    if ctx.backend != cell.arm.collective:
+        raise RuntimeError(f"arm {cell.arm.name} needs a {cell.arm.collective} process group, this "
+                           f"rank's group is {ctx.backend}: "
+                           + (nccl_arm_refusal(ctx.backend) if cell.arm.collective == "nccl" else ""))
+    x, idx, w = _inputs(ctx, cell, ctx.rank)
+    ref = ctx.transport("torch", (), cell)
+    r_recv_x, r_recv_idx, r_recv_w, _, r_handle = ref.dispatch(x, idx, w)
+    num_send, num_recv = list(r_handle.num_send_per_rank), list(r_handle.num_recv_per_rank)
+    layout = compute_send_layout(idx, cell.num_experts, ctx.world, num_rows=sum(num_send))
+    send_x = x.index_select(0, layout.send_token_idx_S)
+    send_w = torch.where(layout.send_topk_idx_SK >= 0, w.index_select(0, layout.send_token_idx_S),
+                         torch.zeros((), dtype=torch.float32, device=w.device))
+    send_rows = pack_rows(send_x, layout.send_topk_idx_SK, send_w)
+    recv_rows = send_rows.new_empty((sum(num_recv), send_rows.shape[1]))
+    back_x = send_x.new_empty(send_x.shape)
+    combine_rows = r_recv_x.contiguous()  # identity experts: combine sends the received rows back
+    err = None
+    try:
+        dist.all_to_all_single(recv_rows, send_rows, num_recv, num_send)
+        dist.all_to_all_single(back_x, combine_rows, num_send, num_recv)
+        got_x, got_idx, got_w = unpack_rows(recv_rows, cell.hidden, cell.topk, x.dtype)
+        for name, got, want in (("recv_x", got_x, r_recv_x), ("recv_topk_idx", got_idx, r_recv_idx),
+                                ("recv_topk_weights", got_w, r_recv_w),
+                                ("combine_rows", back_x, send_x)):
+            err = err or _compare(name, got, want)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    ok = _agree(err is None)
+    totals = [None] * ctx.world
+    dist.all_gather_object(totals, (sum(num_send), sum(num_send) * send_rows.shape[1],
+                                    sum(num_send) * send_x.shape[1] * send_x.element_size()))
+    rec: Dict[str, Any] = {
+        "check": {"status": "pass" if ok else "fail", "detail": err},
+        "dispatch_rows": sum(t[0] for t in totals),
+        "dispatch_bytes": sum(t[0] for t in totals) * cell.hidden * x.element_size(),
+        "collective_bytes": {"dispatch": sum(t[1] for t in totals),
+                             "combine": sum(t[2] for t in totals),
+                             "row_bytes_dispatch": int(send_rows.shape[1]),
+                             "row_bytes_combine": int(send_x.shape[1] * send_x.element_size()),
+                             "note": "all ranks' bytes per D+C: dispatch rows carry payload + K "
+                                     "int64 ids + K float32 weights, combine rows the payload"},
+        "sm_budget": _sm_budget(ctx, None, "all_to_all_single through " + _library_sm_note(ctx.backend)),
+        "transport_info": {"op": "torch.distributed.all_to_all_single", "backend": ctx.backend,
+                           "exchanges": ["dispatch-sized", "combine-sized"]},
+    }
+    if not ok:
+        return _void(rec, err or "a peer rank's check failed")
+
+    def once():
+        dist.all_to_all_single(recv_rows, send_rows, num_recv, num_send)
+        dist.all_to_all_single(back_x, combine_rows, num_send, num_recv)
+
+    return _finish(rec, _time_iters(ctx, once, cell))
 
 
 def _finish(rec, times):
@@ -403,7 +729,6 @@ def _finish(rec, times):
 def _layer(ctx: _RankContext, cell: Cell):
     """Megatron MoELayer for this cell's arm; efa layers copy the alltoall layer's weights."""
     import torch
-    import torch.distributed as dist
 
     from efa_ep.dispatcher import settings as dsettings
 
@@ -435,9 +760,7 @@ def _layer(ctx: _RankContext, cell: Cell):
     if "alltoall" not in ctx.layers:
         torch.manual_seed(0)
         ref = build("alltoall")
-        w = ref.router.weight.data.cpu().clone()  # same router on every rank
-        dist.broadcast(w, src=0)
-        ref.router.weight.data.copy_(w)
+        _broadcast_(ref.router.weight.data, src=0)  # same router on every rank
         ctx.layers["alltoall"] = ref
     if cell.arm.name not in ctx.layers:
         dsettings.configure(transport=cell.arm.transport, **dict(cell.arm.options))
@@ -448,6 +771,13 @@ def _layer(ctx: _RankContext, cell: Cell):
         layer.load_state_dict(ctx.layers["alltoall"].state_dict())
         ctx.layers[cell.arm.name] = layer
     return ctx.layers[cell.arm.name]
+
+
+def _layer_transport_info(cell: Cell) -> Dict[str, Any]:
+    """Options the layer arm's transport was configured with (the dispatcher resolves the rest)."""
+    if cell.arm.transport is None:
+        return {"dispatcher": "megatron alltoall"}
+    return {"dispatcher": "efa", "transport": cell.arm.transport, "options": dict(cell.arm.options)}
 
 
 def _run_layer_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
@@ -476,14 +806,14 @@ def _run_layer_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
                 err = "layer input grad differs from alltoall"
     except Exception as e:
         err = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-    ok = _agree(err is None, ctx.device)
+    ok = _agree(err is None)
     check = "reference" if cell.arm.name == "alltoall" and err is None else ("pass" if ok else "fail")
     rec: Dict[str, Any] = {"check": {"status": check, "detail": err}, "dispatch_rows": None,
-                           "dispatch_bytes": None, "transport_info": {}}
+                           "dispatch_bytes": None, "collective_bytes": None,
+                           "sm_budget": _sm_budget(ctx, None, "layer view: not measured"),
+                           "transport_info": _layer_transport_info(cell)}
     if not ok:
-        rec.update(void=True, void_reason=err or "a peer rank's check failed", slowest_us=[],
-                   start_median_us=None, per_rank_median_us=[])
-        return rec
+        return _void(rec, err or "a peer rank's check failed")
     xin = x.clone().requires_grad_(True)
 
     def once():
@@ -491,8 +821,7 @@ def _run_layer_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
         out.backward(grad)
         xin.grad = None
 
-    times = _time_iters(ctx, once, int(ctx.cfg["warmup"]), int(ctx.cfg["iters"]))
-    return _finish(rec, times)
+    return _finish(rec, _time_iters(ctx, once, cell))
 
 
 def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: List[Cell],
@@ -521,7 +850,8 @@ def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: L
                 # order on every rank); setup stays outside the timing boundary.
                 ctx.close()
             prev_arm = cell.arm
-            runner = _run_transport_cell if cell.arm.view == "transport" else _run_layer_cell
+            runner = (_run_layer_cell if cell.arm.view == "layer" else
+                      _run_collective_cell if cell.arm.collective else _run_transport_cell)
             tc = time.perf_counter()
             body = runner(ctx, cell)
             body["cell_seconds"] = round(time.perf_counter() - tc, 3)
@@ -533,7 +863,7 @@ def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: L
                                       r, world, int(cfg["seed"]), float(cfg["skew"]))[0] for r in range(world)]
                 routes_cache[rkey] = route_stats(idx_all, cell.num_experts, world)
             if rank == 0:
-                records.append({**_record_head(cfg, run_id, start, i, cell, world, routes_cache[rkey]),
+                records.append({**_record_head(cfg, run_id, start, i, cell, world, routes_cache[rkey], ctx),
                                 **body})
         prov = collect() if rank == 0 else None
     finally:
@@ -543,8 +873,8 @@ def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: L
     return records
 
 
-def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats) -> Dict[str, Any]:
-    rpg = cfg.get("ranks_per_gpu")
+def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats,
+                 ctx: _RankContext) -> Dict[str, Any]:
     return {
         "schema": SCHEMA, "run_id": run_id, "start": start, "order_index": order_index,
         "view": cell.arm.view, "arm": cell.arm.name, "transport": cell.arm.transport,
@@ -553,11 +883,14 @@ def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats) -> 
         "route_skew": (f"zipf s={cfg['skew']}" if cell.route == "skewed" else "none (every expert equal load)"),
         "route_stats": rstats, "dtype": cell.dtype, "tokens_per_rank": cell.tokens_per_rank,
         "hidden": cell.hidden, "num_experts": cell.num_experts, "topk": cell.topk,
-        "ep_size": world, "ranks_per_gpu": rpg, "ranks_per_node": world, "device": cfg["device"],
+        "ep_size": world, "ranks_per_gpu": ctx.ranks_per_gpu if ctx.ranks_per_gpu else cfg.get("ranks_per_gpu"),
+        "ranks_per_node": ctx.ranks_per_node, "device": cfg["device"],
+        "collective_backend": ctx.backend,
         "scaled": bool(cfg.get("scaled")), "scale_note": cfg.get("scale_note"),
-        "warmup": int(cfg["warmup"]), "iters": int(cfg["iters"]),
-        "timing_boundary": TIMING_BOUNDARY if cell.arm.view == "transport" else
-        TIMING_BOUNDARY.replace("dispatch -> combine(recv_x)", "MoELayer forward + backward"),
+        "warmup": int(cfg["warmup"]), "iters": int(cfg["iters"]), "timing": cell.timing,
+        "steady_iters": int(cfg.get("steady_iters", 1)) if cell.timing == "steady" else 1,
+        "clock": clock_of(cell.timing, ctx.device),
+        "timing_boundary": timing_boundary(cell.timing, cell.arm.view),
     }
 
 
@@ -566,63 +899,89 @@ def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats) -> 
 # ----------------------------------------------------------------------------------------------
 def summarize_records(records: List[Dict[str, Any]], cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One summary row per cell: n (non-void starts), n_void, stats of the per-start medians,
-    tokens/s, and the ratio to the reference arm (``torch`` / ``alltoall``) of the same cell."""
+    tokens/s, the ratio to the reference arm (``torch`` / ``alltoall``) of the same cell and,
+    where a raw collective arm ran, the ratio to it (``vs_collective``)."""
+    def cell_of(r):
+        return (r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r.get("timing", "single"))
+
     groups: Dict[Tuple, List[Dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["arm"]), []).append(r)
+        groups.setdefault(cell_of(r) + (r["arm"],), []).append(r)
     rows = []
-    for (view, profile, shape, route, dtype, arm), recs in groups.items():
+    for key, recs in groups.items():
+        view, profile, shape, route, dtype, timing, arm = key
         good = [r["start_median_us"] for r in recs if not r["void"]]
         st = bench_stats.summarize(good, alpha=float(cfg["alpha"]), min_n_for_ci=int(cfg["min_n_for_ci"]),
                                    seed=int(cfg["seed"]))
         r0 = recs[0]
         tok_s = (r0["ep_size"] * r0["tokens_per_rank"] / (st["median"] * 1e-6)) if st["median"] else None
         rows.append({"view": view, "profile": profile, "shape": shape, "route": route, "dtype": dtype,
-                     "arm": arm, "num_channels": r0["num_channels"], "tokens_per_rank": r0["tokens_per_rank"],
+                     "timing": timing, "arm": arm, "num_channels": r0["num_channels"],
+                     "tokens_per_rank": r0["tokens_per_rank"],
                      "hidden": r0["hidden"], "num_experts": r0["num_experts"], "topk": r0["topk"],
                      "ep_size": r0["ep_size"], "n_void": sum(1 for r in recs if r["void"]),
                      "void_reasons": sorted({(r["void_reason"] or "")[:200] for r in recs if r["void"]}),
-                     "latency_us": st, "tokens_per_s": tok_s, "route_stats": r0["route_stats"]})
+                     "latency_us": st, "tokens_per_s": tok_s, "route_stats": r0["route_stats"],
+                     "collective": r0["arm"] in COLLECTIVE_ARM_NAMES})
     ref_of = {"transport": "torch", "layer": "alltoall"}
-    by_key = {(r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["arm"]): r for r in rows}
+    by_key = {(r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["timing"], r["arm"]): r
+              for r in rows}
     for r in rows:
-        ref = by_key.get((r["view"], r["profile"], r["shape"], r["route"], r["dtype"], ref_of[r["view"]]))
+        cell = (r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["timing"])
+        ref = by_key.get(cell + (ref_of[r["view"]],))
         r["vs_reference"] = bench_stats.ratio(r["latency_us"]["median"],
                                               ref["latency_us"]["median"] if ref else None)
-    rows.sort(key=lambda r: (r["view"] != "transport", r["profile"], r["shape"], r["route"], r["arm"]))
+        coll = next((by_key[cell + (a,)] for a in COLLECTIVE_ARM_NAMES if cell + (a,) in by_key), None)
+        r["vs_collective"] = bench_stats.ratio(r["latency_us"]["median"],
+                                               coll["latency_us"]["median"] if coll else None)
+        r["collective_arm"] = coll["arm"] if coll else None
+    rows.sort(key=lambda r: (r["view"] != "transport", r["timing"], r["profile"], r["shape"],
+                             r["route"], r["arm"]))
     return rows
 
 
+# Names of the raw collective arms (``vs_collective`` is the ratio to whichever ran).
+COLLECTIVE_ARM_NAMES = ("nccl", "a2a:gloo")
+
+
 def markdown_table(rows: List[Dict[str, Any]], cfg: Dict[str, Any], meta: Dict[str, Any]) -> str:
+    modes = timing_modes(cfg)
     lines = [f"Slowest-rank latency in us: median of per-start medians, with a bootstrap interval "
              f"of the median where n allows ({int(100 * (1 - float(cfg['alpha'])))}%), else min/max. "
-             f"Timing: {TIMING_BOUNDARY}. EP={meta['ep_size']}, dtype {cfg['dtype']}, device "
-             f"{cfg['device']}, starts {cfg['starts']} x {cfg['iters']} iters (+{cfg['warmup']} warm-up)."]
+             f"EP={meta['ep_size']}, dtype {cfg['dtype']}, device {cfg['device']}, backend "
+             f"{cfg['backend']}, starts {cfg['starts']} x {cfg['iters']} samples "
+             f"(+{cfg['warmup']} warm-up)."]
+    for m in modes:
+        extra = f" (steady_iters={cfg.get('steady_iters')})" if m == "steady" else ""
+        lines.append(f"Timing `{m}`{extra}: {timing_boundary(m)}.")
     if cfg.get("scaled"):
         lines.append(f"**Scaled shapes:** {cfg.get('scale_note')}")
+    coll = sorted({r["collective_arm"] for r in rows if r.get("collective_arm")})
     for view, ref in (("transport", "torch"), ("layer", "alltoall")):
         vr = [r for r in rows if r["view"] == view]
         if not vr:
             continue
         title = ("Dispatch + combine" if view == "transport"
                  else "MoE layer forward + backward (Megatron MoELayer)")
-        lines += ["", f"### {title}", "",
-                  f"| profile | shape (H, E, top-k, tok/rank) | route | arm | latency us | "
-                  f"tokens/s (aggregate) | vs {ref} | void |",
-                  "|---|---|---|---|---|---|---|---|"]
+        vs_coll = view == "transport" and coll
+        head = (f"| timing | profile | shape (H, E, top-k, tok/rank) | route | arm | latency us | "
+                f"tokens/s (aggregate) | vs {ref} |" + (f" vs {'/'.join(coll)} |" if vs_coll else "")
+                + " void |")
+        lines += ["", f"### {title}", "", head, "|" + "---|" * (head.count("|") - 1)]
         for r in vr:
             shape = f"{r['shape']} ({r['hidden']}, {r['num_experts']}, {r['topk']}, {r['tokens_per_rank']})"
             tps = f"{r['tokens_per_s']:.3g}" if r["tokens_per_s"] else "-"
             vs = f"{r['vs_reference']:.3f}" if r["vs_reference"] else "-"
-            lines.append(f"| {r['profile']} | {shape} | {r['route']} | {r['arm']} | "
-                         f"{bench_stats.format_stats(r['latency_us'])} | {tps} | {vs} | {r['n_void']} |")
+            vc = (f" {r['vs_collective']:.3f} |" if r.get("vs_collective") else " - |") if vs_coll else ""
+            lines.append(f"| {r['timing']} | {r['profile']} | {shape} | {r['route']} | {r['arm']} | "
+                         f"{bench_stats.format_stats(r['latency_us'])} | {tps} | {vs} |{vc} {r['n_void']} |")
     if meta.get("not_run"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["not_run"].items())]
     return "\n".join(lines) + "\n"
 
 
 def box_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
-    """One PNG per profile: per-start medians of every arm, grouped by shape and route."""
+    """One PNG per profile: per-start medians of every arm, grouped by shape, route, timing."""
     try:
         import matplotlib
 
@@ -634,21 +993,22 @@ def box_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
     profiles = sorted({r["profile"] for r in records})
     for prof in profiles:
         recs = [r for r in records if r["profile"] == prof and not r["void"]]
-        groups = sorted({(r["shape"], r["route"]) for r in recs})
+        groups = sorted({(r["shape"], r["route"], r.get("timing", "single")) for r in recs})
         arms = sorted({r["arm"] for r in recs}, key=lambda a: (a not in ("torch", "alltoall"), a))
         if not groups:
             continue
         fig, axes = plt.subplots(1, len(groups), figsize=(max(5, 3.2 * len(groups)), 4.2), squeeze=False)
-        for ax, (shape, route) in zip(axes[0], groups):
+        for ax, (shape, route, timing) in zip(axes[0], groups):
             data, labels = [], []
             for a in arms:
-                vals = [r["start_median_us"] for r in recs if r["shape"] == shape and r["route"] == route and r["arm"] == a]
+                vals = [r["start_median_us"] for r in recs if r["shape"] == shape and r["route"] == route
+                        and r.get("timing", "single") == timing and r["arm"] == a]
                 if vals:
                     data.append(vals)
                     labels.append(f"{a}\nn={len(vals)}")
             ax.boxplot(data, showfliers=True)
             ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30)
-            ax.set_title(f"{shape} / {route}", fontsize=9)
+            ax.set_title(f"{shape} / {route} / {timing}", fontsize=9)
             ax.set_ylabel("slowest-rank latency, us")
         fig.suptitle(f"profile {prof}: per-start medians", fontsize=10)
         fig.tight_layout()
@@ -663,6 +1023,7 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     from efa_ep.distributed import run_ranks
     from efa_ep.kernels import available_transports
 
+    validate_config(cfg)
     out_dir = os.path.abspath(cfg["out_dir"])
     os.makedirs(out_dir, exist_ok=True)
     arms, not_run = resolve_arms(cfg, available_transports())
@@ -706,7 +1067,7 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     meta = {"ep_size": world, "not_run": not_run}
     summary = {"schema": SCHEMA + "-summary", "run_id": run_id, "config": cfg,
                "wall_seconds": round(time.perf_counter() - t0, 1), "not_run": not_run,
-               "failed_starts": failed_starts, "timing_boundary": TIMING_BOUNDARY,
+               "failed_starts": failed_starts, "timing_boundary": {m: timing_boundary(m) for m in timing_modes(cfg)},
                "provenance": records[0]["provenance"] if records else None, "cells": rows}
     with open(os.path.join(out_dir, "bench_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -209,6 +209,7 @@ def _train_arm(rank: int, cfg: Dict[str, Any], arm: Arm, corpus, fault) -> Dict[
 
     from efa_ep.dispatcher import settings as dsettings
     from efa_ep.dispatcher import token_dispatcher
+    from efa_ep.kernels.base import collective_device
     from efa_ep.tiny_moe import TinyMoEConfig, build_gpt_moe, causal_inputs, is_expert_param, sync_grads
 
     mcfg = TinyMoEConfig(**cfg["model"])
@@ -269,16 +270,18 @@ def _train_arm(rank: int, cfg: Dict[str, Any], arm: Arm, corpus, fault) -> Dict[
             sync_grads(model)
             routing_steps.append(_gather_routing(routed, tokens.shape, dp_group, dp_size))
             # Reported loss: float64 sum over the global batch / count (same for every arm).
-            total = per_token.detach().double().sum().reshape(1).to("cpu")
+            # Tensors of a collective live on the group's device (NCCL has no CPU backend).
+            total = per_token.detach().double().sum().reshape(1).to(collective_device(dp_group))
             if dp_size > 1:
                 dist.all_reduce(total, group=dp_group)
             losses.append(float(total) / (gb * tokens.shape[1]))
             # Grad norm over the whole model: dense grads are replicated, expert grads sharded.
-            dense_sq = torch.zeros(1, dtype=torch.float64)
-            expert_sq = torch.zeros(1, dtype=torch.float64)
+            norm_device = collective_device(ep_group)
+            dense_sq = torch.zeros(1, dtype=torch.float64, device=norm_device)
+            expert_sq = torch.zeros(1, dtype=torch.float64, device=norm_device)
             for p in params:
                 if p.grad is not None:
-                    sq = p.grad.detach().double().pow(2).sum().to("cpu")
+                    sq = p.grad.detach().double().pow(2).sum().to(norm_device)
                     if is_expert_param(p):
                         expert_sq += sq
                     else:
@@ -338,7 +341,9 @@ def _rank_main(rank: int, world: int, cfg: Dict[str, Any], arms: List[Arm], out_
     warnings.filterwarnings("ignore")  # Megatron's "Apex/TE not installed" and deprecation noise
     logging.getLogger("megatron").setLevel(logging.ERROR)
     _force_determinism(cfg)
-    if cfg["device"].startswith("cuda"):
+    if cfg["device"] == "cuda":  # one rank per GPU (what an NCCL group needs)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    elif cfg["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(cfg["device"]))
     import efa_ep  # noqa: F401,E501  (registers the efa dispatcher)
     from efa_ep.tiny_moe import init_megatron

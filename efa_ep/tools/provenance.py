@@ -22,6 +22,9 @@ from typing import Dict, Optional
 ENV_KNOBS = (
     "EFA_EP_TRANSPORT", "EFA_EP_TRANSPORT_OPTIONS", "EFA_EP_MAX_TOKENS_PER_RANK",
     "NCCL_DEBUG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NET", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+    "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE",
+    "NCCL_BUFFSIZE", "NCCL_IB_DISABLE", "NCCL_P2P_LEVEL", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
     "FI_PROVIDER", "FI_TCP_IFACE", "FI_EFA_USE_HW_CNTR", "FI_EFA_USE_DEVICE_RDMA", "FI_LOG_LEVEL",
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MPS_PIPE_DIRECTORY",
     "CUBLAS_WORKSPACE_CONFIG", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "OMP_NUM_THREADS",
@@ -152,6 +155,18 @@ def gpu_info() -> Dict[str, object]:
         return {"available": None, "error": f"{type(e).__name__}: {e}"}
 
 
+def process_group_info() -> Dict[str, object]:
+    """Backend and size of the default process group, when one is initialized in this process."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return {"backend": str(dist.get_backend()), "world_size": dist.get_world_size()}
+    except Exception as e:  # provenance must never fail the run
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"backend": None, "world_size": None}
+
+
 def collect(extra_env: tuple = ()) -> Dict[str, object]:
     """Everything that identifies the run. Cheap; call it in the process that measured."""
     import torch
@@ -176,6 +191,7 @@ def collect(extra_env: tuple = ()) -> Dict[str, object]:
                 "torch_threads": torch.get_num_threads()},
         "gpu": gpu_info(),
         "mps": mps_running(),
+        "process_group": process_group_info(),
         "transports": transports,
         "env": {k: os.environ[k] for k in ENV_KNOBS + tuple(extra_env) if k in os.environ},
     }
