@@ -71,6 +71,14 @@ def dc_bytes(tokens: int, hidden: int, num_experts: int, topk: int, ep: int, dty
     return 2.0 * tokens * (ep - 1) * p_rank(num_experts, topk, ep) * hidden * DTYPE_BYTES[dtype]
 
 
+def _rel(path: str) -> str:
+    """``path`` relative to the repository root when inside it (stable names in shipped files)."""
+    from efa_ep.tools.provenance import repo_root
+
+    ap, root = os.path.abspath(path), repo_root()
+    return os.path.relpath(ap, root) if ap.startswith(root + os.sep) else ap
+
+
 def _dtype(d: str) -> str:
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(d, d)
 
@@ -103,7 +111,7 @@ def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
             raise FileNotFoundError(f"record file {path} does not exist")
         with open(path) as f:
             text = f.read()
-        name = os.path.relpath(path)
+        name = _rel(path)
         lines = [ln for ln in text.splitlines() if ln.strip()]
         try:
             doc = json.loads(text)
@@ -290,7 +298,7 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                                    f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
     params["proxy_channel_gbps"] = seeds["proxy_channel_gbps_efa"]
     doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "inputs": [os.path.relpath(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
+           "inputs": [_rel(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
            "params": {k: v.to_dict() for k, v in params.items()}, "groups": fits,
            "validation": validate(obs, provider, desc_bytes)}
     return doc
@@ -322,7 +330,7 @@ def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: i
                                  "measured": o["us"], "predicted": p, "unit": "us", "rel_err": p / o["us"] - 1,
                                  "source": o["source"]})
     rates = [o for o in obs if o["kind"] == "rate" and o["provider"] == provider and o["bytes"] == desc_bytes]
-    files = sorted({r["file"] for r in rates})
+    files = sorted({r["file"] for r in rates})  # noqa: C414
     if len(files) >= 2:
         for f in files:
             try:
@@ -369,7 +377,11 @@ def read(path: str) -> Dict[str, Fig]:
     missing = sorted(set(PARAMS) - set(params))
     if missing:
         raise ValueError(f"{path}: calibration lacks {missing}; rebuild it with `efa-ep-plan calibrate`")
-    params["_name"] = Fig(os.path.relpath(path), "", "measured", f"calibration file {path} ({doc.get('created_utc')})")
+    from efa_ep.tools.provenance import repo_root
+
+    ap, root = os.path.abspath(path), repo_root()
+    name = os.path.relpath(ap, root) if ap.startswith(root + os.sep) else ap
+    params["_name"] = Fig(name, "", "measured", f"calibration file {name} ({doc.get('created_utc')})")
     return params
 
 
