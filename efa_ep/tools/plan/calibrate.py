@@ -28,7 +28,7 @@ import json
 import math
 import os
 import statistics
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from efa_ep.tools.plan.model import DTYPE_BYTES, Fig, p_rank
 from efa_ep.tools.plan.presets import seed_efa
@@ -330,7 +330,7 @@ def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: i
                                  "measured": o["us"], "predicted": p, "unit": "us", "rel_err": p / o["us"] - 1,
                                  "source": o["source"]})
     rates = [o for o in obs if o["kind"] == "rate" and o["provider"] == provider and o["bytes"] == desc_bytes]
-    files = sorted({r["file"] for r in rates})  # noqa: C414
+    files = sorted({r["file"] for r in rates})
     if len(files) >= 2:
         for f in files:
             try:

@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from efa_ep.tools.plan import calibrate as cal_mod
 from efa_ep.tools.plan import report

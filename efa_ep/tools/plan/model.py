@@ -195,14 +195,12 @@ def traffic(inp: Inputs) -> Dict[str, Fig]:
     out["ag_bytes_efa_op"] = derived(T * (P - L) * rb, "B", "T x (P-L) x H x b")
     per_layer = 2 * (out["efa_bytes_nvlink_op"].value + out["efa_bytes_efa_op"].value)
     out["efa_bytes_layer_fwd"] = derived(per_layer, "B", "2 ops (D+C) x (NVLink + EFA bytes)")
-    mult = 2 * inp.moe_layers * inp.micro_batches_per_step
     for link in ("nvlink", "efa"):
         op = out[f"efa_bytes_{link}_op"].value
         out[f"efa_bytes_{link}_layer_train"] = derived(4 * op, "B", "4 ops per layer: D+C forward, C+D backward")
         out[f"efa_bytes_{link}_step"] = derived(4 * op * inp.moe_layers * inp.micro_batches_per_step, "B",
                                                 f"layer_train x {inp.moe_layers} MoE layers x "
                                                 f"{inp.micro_batches_per_step} micro-batches")
-    del mult
     return out
 
 
