@@ -156,6 +156,10 @@ def test_calibration_from_bench_records_jsonl(tmp_path):
     p.write_text("\n".join(json.dumps(r) for r in recs))
     obs = cal_mod.load([str(p)])
     assert sorted(o["us"] for o in obs) == [100.0, 500.0] and all(o["group"] == "gda@nvlink" for o in obs)
+    nccl = [dict(r, arm="nccl") for r in recs]   # the bench's raw NCCL arm feeds the NCCL fit
+    p2 = tmp_path / "nccl.jsonl"
+    p2.write_text("\n".join(json.dumps(r) for r in nccl))
+    assert {o["group"] for o in cal_mod.load([str(p2)])} == {"nccl_a2a@nvlink"}
     with pytest.raises(ValueError, match="no records for nccl_a2a@nvlink"):
         cal_mod.calibrate([str(p)])
     bad = tmp_path / "x.json"

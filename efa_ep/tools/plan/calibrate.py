@@ -91,6 +91,12 @@ def _obs(group, shape, tokens, hidden, experts, topk, ep, dtype, us, source, nby
             "min_us": lo, "max_us": hi, "source": source}
 
 
+def _arm_group(arm: str) -> str:
+    """Bench arm name -> fit group prefix: the bench's raw NCCL all_to_all_single arm (``nccl``,
+    the same bytes as the efa dispatch) feeds the NCCL parameters."""
+    return "nccl_a2a" if arm == "nccl" else arm
+
+
 def _bench_link(device: str, ranks_per_gpu, ep: int) -> str:
     if str(device).startswith("cpu"):
         return "cpu"
@@ -140,7 +146,7 @@ def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
                 vals = [r["start_median_us"] for r in recs]
                 link = _bench_link(r0.get("device", ""), r0.get("ranks_per_gpu"), ep)
                 date = (r0.get("provenance") or {}).get("date_utc", "?")
-                out.append(_obs(f"{arm}@{link}", shape, r0["tokens_per_rank"], r0["hidden"], r0["num_experts"],
+                out.append(_obs(f"{_arm_group(arm)}@{link}", shape, r0["tokens_per_rank"], r0["hidden"], r0["num_experts"],
                                 r0["topk"], ep, dtype, statistics.median(vals),
                                 f"{name} ({date}, n={len(vals)} starts, {prof}/{route})",
                                 lo=min(vals), hi=max(vals)))
@@ -162,7 +168,7 @@ def _from_bench_summary(doc, name) -> List[Dict[str, Any]]:
             continue
         link = _bench_link(cfg.get("device", ""), cfg.get("ranks_per_gpu"), c["ep_size"])
         st = c["latency_us"]
-        out.append(_obs(f"{c['arm']}@{link}", c["shape"], c["tokens_per_rank"], c["hidden"], c["num_experts"],
+        out.append(_obs(f"{_arm_group(c['arm'])}@{link}", c["shape"], c["tokens_per_rank"], c["hidden"], c["num_experts"],
                         c["topk"], c["ep_size"], c["dtype"], st["median"],
                         f"{name} ({date}, {gpu}, EP {c['ep_size']}, n={st.get('n')} starts, "
                         f"{c['profile']}/{c['route']})", lo=st.get("min"), hi=st.get("max")))
