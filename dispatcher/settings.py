@@ -9,7 +9,13 @@ Precedence (highest first): :func:`configure` in this process; attributes set on
 - ``EFA_EP_MAX_TOKENS_PER_RANK``: bound on tokens per rank per MoE call (default 16384); sizes
   the fixed windows of ``gda``/``proxy``.
 - ``EFA_EP_TRANSPORT_OPTIONS``: comma-separated ``key=value`` knobs passed to the transport,
-  e.g. ``num_channels=4,provider=tcp`` (ints and floats are parsed).
+  e.g. ``num_channels=4,provider=tcp``.
+
+Every value is checked against the transport's option schema (:mod:`efa_ep.kernels.options`)
+where it enters: a wrong name, an unknown option key (with "did you mean") or a value of the
+wrong type raises :class:`~efa_ep.kernels.options.ConfigError` naming the variable, attribute or
+call it came from. Launchers call :func:`check_environment` before starting ranks, so the same
+error appears once, in seconds, instead of once per rank after the model is built.
 
 Environment variables reach every rank and every NeMo-RL worker, which is why they are the
 default channel; every rank of an EP group must resolve the same settings (checked at setup).
@@ -18,16 +24,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from efa_ep.kernels.options import (
+    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, ConfigError, check_max_tokens_per_rank,
+    check_resolved, check_transport_name, parse_options_text, validate_options,
+)
+
+ENV_TRANSPORT = "EFA_EP_TRANSPORT"
+ENV_MAX_TOKENS = "EFA_EP_MAX_TOKENS_PER_RANK"
+ENV_OPTIONS = "EFA_EP_TRANSPORT_OPTIONS"
 
 
-def parse_options(text: str) -> Dict[str, Any]:
-    """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}``; raises on a malformed item."""
+def parse_options(text: str, where: str = ENV_OPTIONS) -> Dict[str, Any]:
+    """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints and floats parsed, before
+    any schema); raises ConfigError on a malformed item."""
     out: Dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if "=" not in item:
-            raise ValueError(f"EFA_EP_TRANSPORT_OPTIONS item {item!r} is not key=value")
-        key, value = (s.strip() for s in item.split("=", 1))
+    for key, value in parse_options_text(text, where).items():
         for conv in (int, float):
             try:
                 value = conv(value)
@@ -40,26 +53,59 @@ def parse_options(text: str) -> Dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class DispatcherSettings:
-    """Settings of the ``efa`` dispatcher.
+    """Settings of the ``efa`` dispatcher, checked against the transport's schema on creation.
 
     Attributes:
         transport: transport name (``auto``, ``torch``, ``gda``, ``proxy``).
         max_tokens_per_rank: bound on the tokens one rank passes to one dispatch.
-        transport_options: extra knobs forwarded to ``create_transport``.
+        transport_options: sorted ``(key, value)`` knobs forwarded to ``create_transport``,
+            values converted to the schema's types.
+        sources: where each field came from (for error messages); not part of equality.
     """
 
-    transport: str = "auto"
-    max_tokens_per_rank: int = 16384
+    transport: str = DEFAULT_TRANSPORT
+    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     transport_options: tuple = ()
+    sources: Tuple[str, str, str] = dataclasses.field(
+        default=("DispatcherSettings.transport", "DispatcherSettings.max_tokens_per_rank",
+                 "DispatcherSettings.transport_options"), compare=False, repr=False)
+
+    def __post_init__(self):
+        where_t, where_m, where_o = self.sources
+        name = check_transport_name(self.transport, where_t)
+        tokens = check_max_tokens_per_rank(self.max_tokens_per_rank, where_m)
+        opts = self.transport_options
+        if isinstance(opts, str):
+            opts = parse_options(opts, where_o)
+        opts = validate_options(name, dict(opts), where_o)
+        object.__setattr__(self, "transport", name)
+        object.__setattr__(self, "max_tokens_per_rank", tokens)
+        object.__setattr__(self, "transport_options", tuple(sorted(opts.items())))
+
+    def resolved_transport(self) -> str:
+        """The transport that runs here (``auto`` resolved), refusing options it would ignore."""
+        from efa_ep.kernels import resolve_transport_name
+
+        resolved = resolve_transport_name(self.transport)
+        check_resolved(self.transport, resolved, dict(self.transport_options), self.sources[2])
+        return resolved
 
     @staticmethod
-    def from_env() -> "DispatcherSettings":
+    def from_env(environ: Optional[Mapping[str, str]] = None,
+                 names: Optional[Mapping[str, str]] = None) -> "DispatcherSettings":
+        """Settings from ``EFA_EP_*`` variables of ``environ`` (default ``os.environ``).
+
+        Args:
+            names: optional ``{variable: what the user set}`` for messages, e.g.
+                ``{"EFA_EP_TRANSPORT": "efa_ep.transport.transport"}`` when a recipe key set it.
+        """
+        env = os.environ if environ is None else environ
+        names = dict(names or {})
         return DispatcherSettings(
-            transport=os.environ.get("EFA_EP_TRANSPORT", "auto").strip() or "auto",
-            max_tokens_per_rank=int(os.environ.get("EFA_EP_MAX_TOKENS_PER_RANK", "16384")),
-            transport_options=tuple(sorted(parse_options(
-                os.environ.get("EFA_EP_TRANSPORT_OPTIONS", "")).items())),
-        )
+            transport=(env.get(ENV_TRANSPORT) or "").strip() or DEFAULT_TRANSPORT,
+            max_tokens_per_rank=(env.get(ENV_MAX_TOKENS) or "").strip() or DEFAULT_MAX_TOKENS_PER_RANK,
+            transport_options=env.get(ENV_OPTIONS, ""),
+            sources=tuple(names.get(v, v) for v in (ENV_TRANSPORT, ENV_MAX_TOKENS, ENV_OPTIONS)))
 
 
 _override: Optional[DispatcherSettings] = None
@@ -69,15 +115,22 @@ def configure(transport: Optional[str] = None, max_tokens_per_rank: Optional[int
               **transport_options) -> DispatcherSettings:
     """Sets this process's dispatcher settings (overrides config attributes and environment).
 
-    Call before building the model; layers already built keep their transport.
+    Call before building the model; layers already built keep their transport. Fields not given
+    keep the environment's (or an earlier call's) values.
+
+    Raises:
+        ConfigError: an unknown transport or option key, or a value of the wrong type.
     """
     global _override
     base = _override or DispatcherSettings.from_env()
+    given_t, given_m, given_o = transport is not None, max_tokens_per_rank is not None, bool(transport_options)
     _override = DispatcherSettings(
-        transport=transport or base.transport,
-        max_tokens_per_rank=max_tokens_per_rank or base.max_tokens_per_rank,
-        transport_options=tuple(sorted(transport_options.items())) if transport_options
-        else base.transport_options)
+        transport=transport if given_t else base.transport,
+        max_tokens_per_rank=max_tokens_per_rank if given_m else base.max_tokens_per_rank,
+        transport_options=tuple(sorted(transport_options.items())) if given_o else base.transport_options,
+        sources=("configure(transport=...)" if given_t else base.sources[0],
+                 "configure(max_tokens_per_rank=...)" if given_m else base.sources[1],
+                 "configure(**transport_options)" if given_o else base.sources[2]))
     return _override
 
 
@@ -88,16 +141,54 @@ def reset() -> None:
 
 
 def current_settings(config=None) -> DispatcherSettings:
-    """The settings a dispatcher built now for ``config`` would use."""
+    """The settings a dispatcher built now for ``config`` would use (validated)."""
     if _override is not None:
         return _override
     s = DispatcherSettings.from_env()
-    if config is not None:
-        opts = getattr(config, "efa_ep_transport_options", None)
-        if isinstance(opts, str):
-            opts = parse_options(opts)
-        s = DispatcherSettings(
-            transport=getattr(config, "efa_ep_transport", None) or s.transport,
-            max_tokens_per_rank=getattr(config, "efa_ep_max_tokens_per_rank", None) or s.max_tokens_per_rank,
-            transport_options=tuple(sorted(dict(opts).items())) if opts else s.transport_options)
+    if config is None:
+        return s
+    t = getattr(config, "efa_ep_transport", None)
+    m = getattr(config, "efa_ep_max_tokens_per_rank", None)
+    o = getattr(config, "efa_ep_transport_options", None)
+    if not (t or m or o):
+        return s
+    where_o = "config.efa_ep_transport_options"
+    if isinstance(o, str):
+        o = parse_options(o, where_o)
+    return DispatcherSettings(
+        transport=t or s.transport,
+        max_tokens_per_rank=m or s.max_tokens_per_rank,
+        transport_options=tuple(sorted(dict(o).items())) if o else s.transport_options,
+        sources=("config.efa_ep_transport" if t else s.sources[0],
+                 "config.efa_ep_max_tokens_per_rank" if m else s.sources[1],
+                 where_o if o else s.sources[2]))
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None,
+                      names: Optional[Mapping[str, str]] = None,
+                      check_available: bool = True) -> DispatcherSettings:
+    """What a launcher calls before starting ranks on this machine: the settings the ranks will
+    read from ``environ``, validated, with ``auto`` resolved and (``check_available``) the
+    transport's availability checked here.
+
+    Raises:
+        ConfigError: one line naming the variable, with a hint (e.g. ``gda`` on a machine
+            without a GPU: use ``torch`` or ``auto``).
+    """
+    s = DispatcherSettings.from_env(environ, names)
+    if not check_available:
+        return s
+    from efa_ep.kernels import transport_status
+    from efa_ep.kernels.options import unavailable_hint
+
+    resolved = s.resolved_transport()
+    why = transport_status().get(resolved)
+    if why is not None:
+        short = why.split(" (needs ")[0]
+        raise ConfigError(f"{s.sources[0]}={s.transport!r}: transport {resolved!r} cannot run on "
+                          f"this machine: {short}", hint=unavailable_hint(resolved, s.sources[0]))
     return s
+
+
+__all__ = ["DispatcherSettings", "configure", "reset", "current_settings", "check_environment",
+           "parse_options", "ConfigError"]

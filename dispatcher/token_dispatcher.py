@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from efa_ep.dispatcher.settings import current_settings
-from efa_ep.kernels import Transport, create_transport, resolve_transport_name
+from efa_ep.kernels import Transport, create_transport
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
 _UNSUPPORTED = (
@@ -174,7 +174,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
                              f"{num_local_experts} x ep_size {self.ep_size}")
         self.topk = config.moe_router_topk
         self.settings = current_settings(config)
-        self.transport_name = resolve_transport_name(self.settings.transport)
+        self.transport_name = self.settings.resolved_transport()
         self.fused = bool(getattr(config, "moe_permute_fusion", False))
         # Per-call state (non-differentiable metadata; tensors with grads travel via returns).
         self.hidden_shape = None

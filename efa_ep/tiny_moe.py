@@ -86,6 +86,9 @@ def transformer_config(cfg: TinyMoEConfig, dispatcher: str, ep_size: int, **over
         attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, moe_permute_fusion=False,
         init_method_std=cfg.init_std,
+        # Megatron's default ("full") warns that it is deprecated on every config it builds;
+        # an empty list means the same here (no CUDA graphs: cuda_graph_impl stays "none").
+        cuda_graph_modules=[],
     )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -132,13 +135,22 @@ def build_gpt_moe(cfg: TinyMoEConfig, dispatcher: str = "efa", device: Optional[
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     config = transformer_config(cfg, dispatcher, ep_size, **config_overrides)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
+    import logging
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "GPTModel IS DEPRECATED": still the local-spec path
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                         max_sequence_length=cfg.seq_length, position_embedding_type="rope",
-                         share_embeddings_and_output_weights=False)
+    # "GPTModel IS DEPRECATED" (a logging warning, printed once per build): the local-spec
+    # GPTModel is still what runs Megatron's MoE layer on CPU without Transformer Engine.
+    gpt_logger = logging.getLogger(GPTModel.__module__)
+    level = gpt_logger.level
+    gpt_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                             max_sequence_length=cfg.seq_length, position_embedding_type="rope",
+                             share_embeddings_and_output_weights=False)
+    finally:
+        gpt_logger.setLevel(level)
     deterministic_init_(model, cfg, ep_rank, ep_size)
     if cfg.dtype != "fp32":
         # What Megatron's Float16Module does: every parameter in the low-precision dtype. The

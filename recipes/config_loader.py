@@ -17,6 +17,8 @@ from typing import Optional, Sequence, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from efa_ep.kernels.options import ConfigError
+
 RECIPES_DIR = Path(__file__).resolve().parent
 
 
@@ -66,12 +68,18 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from efa_ep.tools.config import check_override_keys
+
+    # A misspelled key gets "did you mean", not Hydra's advice to add it with "+".
+    check_override_keys(OmegaConf.to_container(cfg, resolve=False), overrides)
     OmegaConf.set_struct(cfg, True)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
         ConfigLoaderImpl._apply_overrides_to_config(overrides=parsed, cfg=cfg)
     except Exception as e:
-        raise ValueError(f"could not apply overrides {list(overrides)}: {e}") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"could not apply overrides {list(overrides)}: {first}",
+                          hint="an existing key takes a.b=v, a new one +a.b=v") from e
     finally:
         OmegaConf.set_struct(cfg, False)
     return cfg
@@ -89,7 +97,11 @@ def find_recipe(name: Union[str, Path]) -> Path:
             return cand
     shipped = sorted(str(q.relative_to(RECIPES_DIR)) for q in RECIPES_DIR.rglob("*.yaml")
                      if "nemo_rl_base" not in q.parts)
-    raise FileNotFoundError(f"recipe {str(name)!r} not found (not a file; shipped: {shipped})")
+    from efa_ep.kernels.options import did_you_mean
+
+    raise ConfigError(f"--config {str(name)!r}: no such file, and no shipped recipe of that name"
+                      f"{did_you_mean(stem, [Path(q).name for q in shipped])}",
+                      hint=f"shipped recipes: {', '.join(shipped)}")
 
 
 def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (), resolve: bool = True):
@@ -111,5 +123,16 @@ def compose_conf(overrides: Sequence[str] = (), config_name: str = "grpo") -> di
 
         conf_dir = os.path.dirname(efa_ep.conf.__file__)
     with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base=None):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
+        if overrides:
+            from efa_ep.tools.config import check_override_keys
+
+            base = OmegaConf.to_container(compose(config_name=config_name), resolve=False)
+            groups = [d for d in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, d))]
+            check_override_keys(base, overrides, groups=groups)
+        try:
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        except Exception as e:
+            from efa_ep.tools.config import hydra_error
+
+            raise hydra_error(e, overrides) from e
     return OmegaConf.to_container(cfg, resolve=True)

@@ -20,7 +20,10 @@ def _build(cls, values: Optional[Mapping[str, Any]], strict: bool, where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if strict and unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+        from efa_ep.kernels.options import ConfigError, did_you_mean
+
+        raise ConfigError(f"{where}: unknown key(s) {unknown}{did_you_mean(unknown[0], fields)}",
+                          hint=f"keys of {where}: {', '.join(sorted(fields))}")
     kw = {}
     for name, f in fields.items():
         if name not in values:
@@ -176,6 +179,14 @@ class PolicyConfig:
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     megatron_cfg: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
 
+    def __post_init__(self):
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"policy.precision={self.precision!r}: expected one of "
+                             f"{', '.join(_PRECISIONS)}")
+
+
+_PRECISIONS = ("float32", "bfloat16", "bf16")
+
 
 @dataclasses.dataclass
 class TaskConfig:
@@ -220,16 +231,25 @@ class TransportConfig:
     """``"k=v,..."`` -> ``EFA_EP_TRANSPORT_OPTIONS``."""
 
     def __post_init__(self):
-        if self.transport not in ("auto", "torch", "gda", "proxy"):
-            raise ValueError(f"efa_ep.transport.transport={self.transport!r}: expected auto, "
-                             f"torch, gda or proxy")
+        # The transport's option schema checks every key here, naming the recipe key, so a
+        # typo fails in the launcher instead of in every rank after the model is built.
+        from efa_ep.dispatcher.settings import DispatcherSettings
+
+        DispatcherSettings(
+            transport=self.transport,
+            max_tokens_per_rank=self.max_tokens_per_rank or DispatcherSettings.max_tokens_per_rank,
+            transport_options=self.transport_options or "",
+            sources=("efa_ep.transport.transport", "efa_ep.transport.max_tokens_per_rank",
+                     "efa_ep.transport.transport_options"))
 
     def env(self) -> Dict[str, str]:
         out = {"EFA_EP_TRANSPORT": self.transport}
         if self.max_tokens_per_rank:
             out["EFA_EP_MAX_TOKENS_PER_RANK"] = str(int(self.max_tokens_per_rank))
         if self.transport_options:
-            out["EFA_EP_TRANSPORT_OPTIONS"] = str(self.transport_options)
+            opts = self.transport_options
+            out["EFA_EP_TRANSPORT_OPTIONS"] = (",".join(f"{k}={v}" for k, v in opts.items())
+                                               if isinstance(opts, dict) else str(opts))
         return out
 
 
@@ -255,6 +275,10 @@ class EfaEpConfig:
             raise ValueError(f"efa_ep.trainer={self.trainer!r}: expected auto, builtin or nemo_rl")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"efa_ep.device={self.device!r}: expected auto, cpu or cuda")
+        if self.model.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"efa_ep.model.dtype={self.model.dtype!r}: expected fp32, bf16 or fp16")
+        if self.num_threads < 1:
+            raise ValueError(f"efa_ep.num_threads={self.num_threads} must be >= 1")
 
 
 @dataclasses.dataclass

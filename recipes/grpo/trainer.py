@@ -156,9 +156,32 @@ def _device(cfg: TrainerConfig, rank: int) -> torch.device:
     return dev
 
 
+def quiet_megatron() -> Optional[str]:
+    """Silences Megatron's per-module "Transformer Engine / Apex is not installed" warnings
+    (a dozen per rank on a CPU machine) and returns the one line that says the same, or None
+    when both are installed. Call before Megatron is imported."""
+    import importlib.util
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
+    missing = [n for n, mod in (("Transformer Engine", "transformer_engine"), ("Apex", "apex"))
+               if importlib.util.find_spec(mod) is None]
+    if not missing:
+        return None
+    return (f"Megatron: {' and '.join(missing)} not installed, so Megatron uses its PyTorch "
+            f"implementations (expected on CPU; its per-module warnings are silenced)")
+
+
 def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
+    import signal
+
     from efa_ep.recipes.grpo.config import trainer_config
 
+    # Ctrl-C reaches every process of the terminal's group; the launcher alone handles it (it
+    # stops the ranks, then writes the partial run's plot), so ranks do not die mid-collective
+    # with a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    megatron_note = quiet_megatron()
     cfg = trainer_config(cfg_dict)
     torch.set_num_threads(max(1, cfg.efa_ep.num_threads))
     device = _device(cfg, rank)
@@ -186,6 +209,8 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
     policy = build_gpt_moe(model_cfg, dispatcher=dispatcher, device=device)
     is_main = rank == 0
     log = _RankZeroLog(cfg, is_main)
+    if megatron_note:
+        log.info(megatron_note)
     log.info(f"policy: tiny Megatron GPT-MoE ({model_cfg.num_layers} layers, "
              f"{model_cfg.num_moe_experts} experts top-{model_cfg.moe_router_topk}, hidden "
              f"{model_cfg.hidden_size}), moe_token_dispatcher_type={dispatcher!r}, EP={world}, "
@@ -422,34 +447,106 @@ class _RankZeroLog:
             print(f"[efa-ep grpo] {msg}", flush=True)
 
     def bar(self, total: int, desc: str):
+        """tqdm on a terminal; a one-line status every ``_LINE_PERIOD_S`` otherwise (a bar
+        redrawn with carriage returns fills a log file with hundreds of KB of noise)."""
         if not (self.is_main and self.progress):
             return None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return None
-        return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        return _LineProgress(total, desc, self.info)
+
+
+_LINE_PERIOD_S = 30.0
+
+
+class _LineProgress:
+    """The part of tqdm's API the trainer uses, printing ``desc n/total (p%): k=v ..., eta``
+    at most every ``_LINE_PERIOD_S`` seconds and at the end."""
+
+    def __init__(self, total: int, desc: str, emit: Callable[[str], None]):
+        self.total, self.desc, self.emit = total, desc, emit
+        self.n, self.post = 0, {}
+        self.t0 = self.last = time.time()
+
+    def set_postfix(self, post=None, **kw):
+        self.post = dict(post or {}, **kw)
+
+    def update(self, k: int = 1):
+        self.n += k
+        now = time.time()
+        if now - self.last >= _LINE_PERIOD_S or self.n >= self.total:
+            self.last = now
+            rate = (now - self.t0) / max(self.n, 1)
+            eta = rate * (self.total - self.n)
+            post = " ".join(f"{key}={val}" for key, val in self.post.items())
+            self.emit(f"{self.desc} {self.n}/{self.total} ({100 * self.n // max(self.total, 1)}%)"
+                      + (f": {post}" if post else "")
+                      + (f", eta {eta:.0f}s" if self.n < self.total else f", {now - self.t0:.0f}s"))
+
+    def close(self):
+        pass
 
 
 # ----------------------------------------------------------------------------- entry
+def rank_env(cfg: TrainerConfig, environ=None):
+    """What the ranks will see: ``(env, names)`` where ``env`` is the variables the launcher
+    sets on top of ``environ`` (default ``os.environ``) and ``names`` maps each ``EFA_EP_*``
+    variable the recipe set to its recipe key (for messages)."""
+    environ = os.environ if environ is None else environ
+    env = dict(cfg.efa_ep.transport.env())
+    names = {var: f"efa_ep.transport.{key}" for var, key in (
+        ("EFA_EP_TRANSPORT", "transport"), ("EFA_EP_MAX_TOKENS_PER_RANK", "max_tokens_per_rank"),
+        ("EFA_EP_TRANSPORT_OPTIONS", "transport_options")) if var in env}
+    env.setdefault("OMP_NUM_THREADS", str(cfg.efa_ep.num_threads))
+    if "EFA_EP_TRANSPORT" in environ and cfg.efa_ep.transport.transport == "auto":
+        # the recipe's default leaves the choice to the environment
+        env["EFA_EP_TRANSPORT"] = environ["EFA_EP_TRANSPORT"]
+        names.pop("EFA_EP_TRANSPORT", None)
+    return env, names
+
+
+def check_before_start(cfg: TrainerConfig, environ=None) -> None:
+    """Everything the ranks will read, checked here first (seconds, one error): the dispatcher
+    settings from the recipe and the ``EFA_EP_*`` environment against the transport's schema,
+    and that the transport runs on this machine.
+
+    Raises:
+        ConfigError: naming the recipe key or environment variable.
+    """
+    if cfg.policy.megatron_cfg.moe_token_dispatcher_type != "efa":
+        return
+    from efa_ep.dispatcher.settings import check_environment
+
+    environ = os.environ if environ is None else environ
+    env, names = rank_env(cfg, environ)
+    check_environment({**environ, **env}, names)
+
+
 def run(cfg_dict: dict, log: Callable[[str], None] = print) -> dict:
     """Runs the built-in trainer on a resolved recipe dict; returns rank 0's summary.
 
     Starts ``policy.megatron_cfg.expert_model_parallel_size`` ranks as local processes (gloo on
     CPU or when ranks share a GPU; NCCL with one GPU per rank), with the ``efa_ep.transport``
     settings exported as ``EFA_EP_*`` environment variables.
+
+    Raises:
+        ConfigError / ValueError: a setting is wrong (checked before any rank starts).
+        RankFailure: a rank failed (its error and traceback inside).
     """
     from efa_ep.distributed import run_ranks
     from efa_ep.recipes.grpo.config import trainer_config
 
     cfg = trainer_config(cfg_dict)  # validate before spawning
+    check_before_start(cfg)
     world = cfg.world_size
     use_cuda = cfg.efa_ep.device == "cuda" or (cfg.efa_ep.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if use_cuda and torch.cuda.device_count() >= world else "gloo"
-    env = dict(cfg.efa_ep.transport.env())
-    env.setdefault("OMP_NUM_THREADS", str(cfg.efa_ep.num_threads))
-    if "EFA_EP_TRANSPORT" in os.environ and cfg.efa_ep.transport.transport == "auto":
-        env["EFA_EP_TRANSPORT"] = os.environ["EFA_EP_TRANSPORT"]
+    env, _ = rank_env(cfg)
     os.makedirs(cfg.logger.log_dir, exist_ok=True)
     t0 = time.time()
     results = run_ranks(_rank_main, world, (cfg_dict,), backend=backend,

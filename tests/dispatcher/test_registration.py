@@ -21,23 +21,24 @@ def test_settings_from_env_and_configure(monkeypatch):
     from efa_ep.dispatcher import settings
 
     monkeypatch.setenv("EFA_EP_TRANSPORT", "proxy")
-    monkeypatch.setenv("EFA_EP_TRANSPORT_OPTIONS", "num_channels=4, provider=tcp,deadline_s=2.5")
+    monkeypatch.setenv("EFA_EP_TRANSPORT_OPTIONS", "num_channels=4, provider=tcp,timeout_s=2.5")
     monkeypatch.setenv("EFA_EP_MAX_TOKENS_PER_RANK", "512")
     settings.reset()
     s = settings.current_settings()
     assert (s.transport, s.max_tokens_per_rank) == ("proxy", 512)
-    assert dict(s.transport_options) == {"num_channels": 4, "provider": "tcp", "deadline_s": 2.5}
+    assert dict(s.transport_options) == {"num_channels": 4, "provider": "tcp", "timeout_s": 2.5}
 
     class Cfg:  # attributes on a TransformerConfig instance beat the environment
-        efa_ep_transport = "torch"
+        efa_ep_transport = "proxy"
         efa_ep_transport_options = "num_channels=2"
 
     s = settings.current_settings(Cfg())
-    assert s.transport == "torch" and dict(s.transport_options) == {"num_channels": 2}
-    settings.configure(transport="gda", max_tokens_per_rank=64)
+    assert s.transport == "proxy" and dict(s.transport_options) == {"num_channels": 2}
+    settings.configure(transport="gda", max_tokens_per_rank=64, timeout_s=5)
     try:
         assert settings.current_settings(Cfg()).transport == "gda"
         assert settings.current_settings().max_tokens_per_rank == 64
+        assert dict(settings.current_settings().transport_options) == {"timeout_s": 5.0}
     finally:
         settings.reset()
     with pytest.raises(ValueError, match="not key=value"):

@@ -63,7 +63,7 @@ def test_launcher_runs_nemo_rl_grpo_with_worker_extension(fake_nemo_rl, capsys):
     from efa_ep.recipes.nemo_rl_ext import WORKER_EXTENSION_FQN
 
     rc = launcher.main(["--config", "grpo-qwen3-30ba3b-1n8g-megatron-ep8-efa.yaml",
-                        "grpo.max_num_steps=2", "+policy.megatron_cfg.efa_ep_transport=torch",
+                        "grpo.max_num_steps=2", "+policy.megatron_cfg.efa_ep_transport=proxy",
                         "+policy.megatron_cfg.efa_ep_transport_options='num_channels=2'"])
     assert rc == 0
     first = capsys.readouterr().out.splitlines()[0]
@@ -84,17 +84,17 @@ def test_launcher_runs_nemo_rl_grpo_with_worker_extension(fake_nemo_rl, capsys):
     mcfg = master.policy["megatron_cfg"]
     assert mcfg["moe_token_dispatcher_type"] == "efa"
     env_vars = mcfg["env_vars"]
-    assert env_vars["EFA_EP_TRANSPORT"] == "torch"          # + key wins over the recipe's auto
+    assert env_vars["EFA_EP_TRANSPORT"] == "proxy"          # + key wins over the recipe's auto
     assert env_vars["EFA_EP_TRANSPORT_OPTIONS"] == "num_channels=2"
     assert env_vars["FI_PROVIDER"] == "efa"
     assert env_vars["PYTHONPATH"].split(os.pathsep)[0].endswith(f"efa_ep_worker_path_{os.getuid()}")
-    assert os.environ["EFA_EP_TRANSPORT"] == "torch"         # driver env, forwarded by init_ray
+    assert os.environ["EFA_EP_TRANSPORT"] == "proxy"         # driver env, forwarded by init_ray
 
     report = calls["Policy"][1]["report"]
     assert calls["Policy"][1]["worker_extension_cls_fqn"] == WORKER_EXTENSION_FQN
     assert report["hook_ready_before_build"] is True
     assert report["dispatcher_class"] == "EfaTokenDispatcher"
-    assert report["transport_setting"] == "torch"
+    assert report["transport_setting"] == "proxy"
     assert report["extension"]["num_efa_dispatcher_layers"] == 1
     assert report["extension"]["transport_options"] == {"num_channels": 2}
     assert report["remote_options"] == {"runtime_env": {"fake_runtime_env_for": "megatron_policy_worker"}}

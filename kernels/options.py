@@ -1,0 +1,282 @@
+"""One option schema per transport: every knob's key, type, allowed values and default.
+
+The schema is checked where settings enter, before any rank starts: the ``efa-ep-grpo``
+launcher, :func:`efa_ep.dispatcher.configure`, the config attributes and the ``EFA_EP_*``
+environment variables (:mod:`efa_ep.dispatcher.settings`). A problem raises :class:`ConfigError`:
+one line naming where the value came from (``EFA_EP_TRANSPORT_OPTIONS``, ``configure()``, a
+recipe key), the key and the value, plus a separate hint. Unknown keys are refused with the
+closest known key ("did you mean"), because a misspelled knob that is silently ignored looks
+like a knob that does nothing.
+
+    >>> validate_options("proxy", {"num_channels": "4"}, where="EFA_EP_TRANSPORT_OPTIONS")
+    {'num_channels': 4}
+
+Knows nothing of Megatron; transports may import it (``SCHEMAS[name][key].default``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+TRANSPORT_NAMES = ("auto", "torch", "gda", "proxy")
+DEFAULT_TRANSPORT = "auto"
+DEFAULT_MAX_TOKENS_PER_RANK = 16384
+# Upper bound that still leaves the fixed windows addressable (proxy descriptor offsets are 36
+# bits); a typo with extra zeros fails here in the launcher rather than as an allocation failure.
+MAX_MAX_TOKENS_PER_RANK = 1 << 24
+
+
+class ConfigError(ValueError):
+    """A setting is wrong. ``str(e)`` is one line naming where, what and the value; ``hint`` says
+    what to do (shown on its own line by the command-line tools)."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest choice, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One transport knob.
+
+    Attributes:
+        key: the name in ``key=value`` / ``configure(key=...)``.
+        type: ``int``, ``float`` or ``str`` (the value is converted to it).
+        default: what the transport uses when the key is absent (None: computed, see doc).
+        doc: one line for humans.
+        choices: allowed values (after conversion), or None.
+        min, max: inclusive bounds for numbers, or None.
+        env: a per-transport environment variable the transport also reads, or "".
+    """
+
+    key: str
+    type: type
+    default: Any
+    doc: str
+    choices: Optional[Tuple[Any, ...]] = None
+    min: Optional[float] = None
+    max: Optional[float] = None
+    env: str = ""
+
+    def describe(self) -> str:
+        allowed = (" | ".join(map(str, self.choices)) if self.choices is not None
+                   else self.type.__name__)
+        default = "automatic" if self.default is None else self.default
+        return f"{self.key}={allowed} (default {default})"
+
+    def convert(self, value: Any, where: str) -> Any:
+        """``value`` as ``self.type`` within bounds/choices, or ConfigError naming ``where``."""
+        raw = value
+        try:
+            if self.type is int:
+                if isinstance(value, bool):
+                    value = int(value)
+                elif isinstance(value, float):
+                    if not value.is_integer():
+                        raise ValueError
+                    value = int(value)
+                else:
+                    value = int(str(value).strip())
+            elif self.type is float:
+                if isinstance(value, bool):
+                    raise ValueError
+                value = float(str(value).strip()) if not isinstance(value, (int, float)) else float(value)
+            else:
+                value = str(value).strip()
+        except ValueError:
+            raise ConfigError(f"{where}: {self.key}={raw!r} is not {_a(self.type)}",
+                              hint=f"{self.key}: {self.doc}; expected {self.describe()}") from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(
+                f"{where}: {self.key}={raw!r} is not one of {', '.join(map(str, self.choices))}"
+                f"{did_you_mean(value, map(str, self.choices))}",
+                hint=f"{self.key}: {self.doc}")
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            bounds = (f">= {self.min}" if self.max is None else
+                      f"<= {self.max}" if self.min is None else f"in [{self.min}, {self.max}]")
+            raise ConfigError(f"{where}: {self.key}={raw!r} must be {bounds}",
+                              hint=f"{self.key}: {self.doc}")
+        return value
+
+
+def _a(t: type) -> str:
+    return {int: "an integer", float: "a number", str: "a string"}[t]
+
+
+def _schema(*options: Option) -> Dict[str, Option]:
+    return {o.key: o for o in options}
+
+
+# The transports' own docstrings explain each knob in depth; these lines are what a user sees
+# in an error. Keep them in step with kernels/proxy.py and kernels/gda.py.
+SCHEMAS: Dict[str, Dict[str, Option]] = {
+    # torch's only deadline is the process group's timeout (init_process_group(timeout=...)).
+    "torch": _schema(),
+    "gda": _schema(
+        Option("max_topk", int, 16, "most top-k slots a dispatch may carry", min=1, max=1024),
+        Option("timeout_s", float, 60.0, "deadline of every device-side wait, seconds", min=1e-3),
+        Option("num_programs", int, None, "grid of the store/gather kernels (default 2 x SMs / "
+               "ranks sharing the GPU)", min=1),
+        Option("check_every_call", int, 0, "1 = sync after combine to raise deadline errors at once",
+               choices=(0, 1)),
+        Option("check_backward", int, 1, "1 = one sync per layer backward raises deferred errors",
+               choices=(0, 1)),
+        Option("launch_gate", str, "auto", "launch waiting kernels only after every source stored "
+               "(on when ranks share a GPU)", choices=("auto", "on", "off", "0", "1")),
+    ),
+    "proxy": _schema(
+        Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",
+               choices=("efa", "tcp", "shm"),
+               env="EFA_EP_PROXY_PROVIDER"),
+        Option("num_channels", int, 2, "K proxy channels (threads + endpoints)", min=1, max=64,
+               env="EFA_EP_PROXY_CHANNELS"),
+        Option("timeout_s", float, 60.0, "deadline of every wait, seconds", min=1e-3,
+               env="EFA_EP_PROXY_TIMEOUT_S"),
+        Option("chunk_bytes", int, 256 << 10, "bytes per descriptor", min=16, max=(1 << 32) - 1,
+               env="EFA_EP_PROXY_CHUNK_BYTES"),
+        Option("hmem", str, "auto", "where the window lives: off = host, cuda = GPU memory with "
+               "FI_HMEM", choices=("auto", "off", "cuda"), env="EFA_EP_PROXY_HMEM"),
+        Option("producer", str, "auto", "who writes the descriptors", choices=("auto", "torch", "triton"),
+               env="EFA_EP_PROXY_PRODUCER"),
+        Option("max_topk", int, 8, "top-k the windows are sized for", min=1, max=1024),
+        Option("max_row_bytes", int, None, "override of the per-row slot size", min=16),
+        Option("ring_slots", int, 1024, "descriptor ring slots per channel", min=1),
+        Option("max_inflight", int, 64, "writes in flight per channel", min=1),
+        Option("spin_us", int, 200, "microseconds a proxy thread spins before sleeping", min=0,
+               env="EFA_EP_PROXY_SPIN_US"),
+        Option("cpu_base", int, -1, "pin channel c to CPU cpu_base + c (-1: no pinning)", min=-1,
+               env="EFA_EP_PROXY_CPU_BASE"),
+        Option("inject_reorder", int, 0, "test-only fault injection (0 off)", min=0,
+               env="EFA_EP_PROXY_INJECT"),
+    ),
+}
+
+
+def describe_transport(name: str) -> str:
+    """``"proxy options: provider=efa | tcp | shm (default None), ..."`` for hints."""
+    schema = SCHEMAS.get(name, {})
+    if not schema:
+        return f"{name} takes no options"
+    return f"{name} options: " + ", ".join(o.describe() for o in schema.values())
+
+
+def check_transport_name(name: Any, where: str) -> str:
+    """``name`` stripped and checked against :data:`TRANSPORT_NAMES`."""
+    text = str(name).strip()
+    if text not in TRANSPORT_NAMES:
+        raise ConfigError(f"{where}={text!r} is not a transport{did_you_mean(text, TRANSPORT_NAMES)}",
+                          hint=f"one of {', '.join(TRANSPORT_NAMES)} (auto: gda on a GPU, else torch)")
+    return text
+
+
+def check_max_tokens_per_rank(value: Any, where: str) -> int:
+    """A positive integer bound on the tokens one rank passes to one dispatch."""
+    opt = Option("max_tokens_per_rank", int, DEFAULT_MAX_TOKENS_PER_RANK,
+                 "bound on tokens per rank per MoE call; sizes the gda/proxy windows",
+                 min=1, max=MAX_MAX_TOKENS_PER_RANK)
+    try:
+        return opt.convert(value, where)
+    except ConfigError as e:
+        # Name the variable itself (EFA_EP_MAX_TOKENS_PER_RANK=abc), not "where: key=".
+        msg = str(e).replace(f"{where}: max_tokens_per_rank=", f"{where}=")
+        raise ConfigError(msg, hint=f"a positive integer, default {DEFAULT_MAX_TOKENS_PER_RANK}") from None
+
+
+def parse_options_text(text: str, where: str) -> Dict[str, Any]:
+    """``"a=1,b=x"`` -> ``{"a": "1", "b": "x"}`` (values stay strings; the schema converts)."""
+    out: Dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in str(text).split(","))):
+        if "=" not in item:
+            raise ConfigError(f"{where}: item {item!r} is not key=value",
+                              hint="comma-separated key=value pairs, e.g. num_channels=4,provider=tcp")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if not key:
+            raise ConfigError(f"{where}: item {item!r} has no key",
+                              hint="comma-separated key=value pairs, e.g. num_channels=4,provider=tcp")
+        if key in out:
+            raise ConfigError(f"{where}: key {key!r} given twice", hint="give each option once")
+        out[key] = value
+    return out
+
+
+def validate_options(name: str, options: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """``options`` checked against transport ``name``'s schema, values converted.
+
+    Args:
+        name: a transport name (``torch``, ``gda``, ``proxy``); ``auto`` is checked against the
+            transports it may pick (see :func:`validate_for_auto`).
+        options: ``{key: value}``, values as parsed from text or given by code.
+        where: what the user set (``EFA_EP_TRANSPORT_OPTIONS``, ``configure()``, a recipe key);
+            it starts every message.
+
+    Raises:
+        ConfigError: unknown key (with the closest known key), or a value of the wrong type or
+            out of range (naming key and value).
+    """
+    if name == "auto":
+        return validate_for_auto(options, where)
+    schema = SCHEMAS[name]
+    out: Dict[str, Any] = {}
+    for key, value in options.items():
+        if key not in schema:
+            if not schema:
+                raise ConfigError(f"{where}: transport {name!r} takes no options (got {key!r})",
+                                  hint=f"remove them, or pick the transport they belong to "
+                                       f"({_owners(key)})")
+            elsewhere = _owners(key, exclude=name)
+            raise ConfigError(
+                f"{where}: unknown option {key!r} for transport {name!r}{did_you_mean(key, schema)}",
+                hint=describe_transport(name) + (f"; {key!r} is an option of {elsewhere}"
+                                                 if elsewhere != "none" else ""))
+        out[key] = schema[key].convert(value, where)
+    return out
+
+
+def validate_for_auto(options: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """Options with ``auto``: ``auto`` picks ``gda`` on a GPU and ``torch`` elsewhere, and torch
+    takes none, so options only make sense for gda; checked against gda's schema here, and
+    :func:`check_resolved` refuses them when ``auto`` resolves to ``torch``."""
+    if not options:
+        return {}
+    return validate_options("gda", options, where)
+
+
+def check_resolved(requested: str, resolved: str, options: Mapping[str, Any], where: str) -> None:
+    """Refuses options that the resolved transport would ignore (``auto`` -> ``torch``)."""
+    if options and not SCHEMAS[resolved]:
+        raise ConfigError(
+            f"{where}: transport {requested!r} resolved to {resolved!r} on this machine, which "
+            f"takes no options (got {', '.join(sorted(options))})",
+            hint="name the transport the options belong to (EFA_EP_TRANSPORT=gda or proxy), "
+                 "or drop the options")
+
+
+def _owners(key: str, exclude: str = "") -> str:
+    names = [n for n, s in SCHEMAS.items() if key in s and n != exclude]
+    return ", ".join(names) if names else "none"
+
+
+def unavailable_hint(name: str, where: str = "EFA_EP_TRANSPORT") -> str:
+    """What to do when transport ``name`` cannot run here, in this machine's terms; ``where``
+    is the setting to change (an environment variable or a recipe key)."""
+    import torch
+
+    if name == "gda" and not torch.cuda.is_available():
+        return (f"this machine has no CUDA GPU: use {where}=torch (or auto, which picks torch "
+                f"here); gda needs a GPU with triton>=3.2 (pip install 'efa-ep[gpu]')")
+    if name == "proxy":
+        return (f"install libfabric headers and a C compiler (apt-get install libfabric-dev gcc; "
+                f"on AWS the EFA installer), or use {where}=torch")
+    return f"use {where}=auto to pick what runs here"
+
+
+__all__ = ["ConfigError", "Option", "SCHEMAS", "TRANSPORT_NAMES", "validate_options",
+           "check_transport_name", "check_max_tokens_per_rank", "parse_options_text",
+           "check_resolved", "describe_transport", "unavailable_hint", "did_you_mean"]
