@@ -31,6 +31,15 @@ Two further operations serve autograd (the Megatron dispatcher's backward passes
 - ``combine_topk_weights(grad_NK, handle) -> grad_TK``: returns to each source token, slot by
   slot, the value held by the row of the rank that owns that slot's expert (dispatch's backward
   for the routing weights). The base class implements it with ``combine``.
+
+Errors. Every operation is collective, and a rank that finds bad input still takes part in the
+operation's status exchange (:func:`exchange_status`) with its error set, so every rank raises
+the same :class:`DispatchInputError`, naming the offending rank, the tensor and what was
+expected, before any row moves; the transport stays usable. A deadline, a dead peer
+(:class:`PeerFailure`) or received data that fails validation (:class:`ProtocolError`) breaks
+the transport on the ranks that see it; later calls raise :class:`TransportBroken` carrying the
+original error. Everything received is validated before use (:func:`check_received_counts`,
+:func:`received_metadata_errors`).
 """
 from __future__ import annotations
 
@@ -539,7 +548,9 @@ def received_metadata_errors(recv_topk_idx_NK: torch.Tensor, num_recv_rows_W,
         0, src, bad_row.to(torch.int64)) > 0
     key = torch.where(ok_ids, src.unsqueeze(1) * num_local_experts + ids,
                       torch.full_like(ids, world * num_local_experts))
-    counts = torch.bincount(key.reshape(-1), minlength=world * num_local_experts + 1)
+    # index_add_, not bincount: bincount reads its input's max on the host (a sync on CUDA)
+    counts = torch.zeros(world * num_local_experts + 1, dtype=torch.int64, device=dev).index_add_(
+        0, key.reshape(-1), torch.ones(key.numel(), dtype=torch.int64, device=dev))
     counts = counts[: world * num_local_experts].view(world, num_local_experts)
     bad_src = bad_src | (counts != num_recv_per_expert_WL.to(dev)).any(1)
     # Bit r for source r < 62; sources >= 62 share bit 62 (a sum of distinct powers of two is
