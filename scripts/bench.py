@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Thin entry point: ``python scripts/bench.py [--quick | --config-name gpu] [overrides...]``.
+"""Thin entry point: ``python scripts/bench.py [--quick | --config-name gpu|gpu_nccl] [overrides...]``.
 
 Same as the ``efa-ep-bench`` console script; see :mod:`efa_ep.tools.bench`.
 """

@@ -291,7 +291,7 @@ def test_gloo_run_of_the_raw_arm_in_both_timing_modes(tmp_path):
     torch transport, then timed, in single and steady mode; records carry mode and provenance."""
     out = tmp_path / "bg"
     cfg = compose("bench", "quick", [
-        f"out_dir={out}", "progress=false", "arms.transports=[torch]", "arms.nccl_arm=gloo",
+        f"out_dir={out}", "progress=false", "plots=false", "arms.transports=[torch]", "arms.nccl_arm=gloo",
         "layer.enabled=false", "starts=1", "warmup=0", "iters=2", "timing=[single,steady]",
         "steady_iters=2", "routes=[skewed]", "~profiles.prefill"])
     summary = bench.run(cfg, log=lambda *a, **k: None)

@@ -404,13 +404,12 @@ class _RankContext:
             torch.cuda.set_device(torch.device(dev))
         self.device = torch.device(dev)
         self.backend = str(dist.get_backend()).lower()
-        self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                         if self.device.type == "cuda" else None)
+        self.sm_count, gpu = None, None
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
+            self.sm_count = props.multi_processor_count
             gpu = str(getattr(props, "uuid", self.device.index))
-        else:
-            gpu = None
+        # Where every rank runs (host, GPU): ranks per node and per GPU are measured, not assumed.
         where = [None] * world
         dist.all_gather_object(where, (socket.gethostname(), gpu))
         self.ranks_per_node = sum(1 for h, _ in where if h == where[rank][0])
@@ -1074,7 +1073,7 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     table = markdown_table(rows, cfg, meta)
     with open(os.path.join(out_dir, "bench_table.md"), "w") as f:
         f.write(table)
-    summary["plots"] = box_plots(records, out_dir)
+    summary["plots"] = box_plots(records, out_dir) if cfg.get("plots", True) else []
     summary["table"] = table
     return summary
 
