@@ -195,16 +195,7 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
     model_cfg = dataclasses.replace(cfg.efa_ep.model, freeze_router=mcfg.freeze_moe_router)
     if pol.precision in ("bfloat16", "bf16") and device.type == "cuda":
         model_cfg = dataclasses.replace(model_cfg, dtype="bf16")
-    if model_cfg.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"efa_ep.model.vocab_size={model_cfg.vocab_size} < task vocab {VOCAB_SIZE}")
-    total_len = task.prompt_len + gen_cfg.max_new_tokens
-    if total_len > min(pol.max_total_sequence_length, model_cfg.seq_length):
-        raise ValueError(f"prompt ({task.prompt_len}) + policy.generation.max_new_tokens "
-                         f"({gen_cfg.max_new_tokens}) = {total_len} exceeds "
-                         f"policy.max_total_sequence_length / efa_ep.model.seq_length")
-    if gen_cfg.max_new_tokens < task.max_answer_len:
-        raise ValueError(f"policy.generation.max_new_tokens={gen_cfg.max_new_tokens} < longest "
-                         f"answer + <eos> ({task.max_answer_len})")
+    check_task_fits(cfg)
     dispatcher = mcfg.moe_token_dispatcher_type
     policy = build_gpt_moe(model_cfg, dispatcher=dispatcher, device=device)
     is_main = rank == 0
@@ -510,14 +501,32 @@ def rank_env(cfg: TrainerConfig, environ=None):
     return env, names
 
 
+def check_task_fits(cfg: TrainerConfig) -> None:
+    """The task's prompts and answers fit the model and the generation settings."""
+    task = make_task(cfg.efa_ep.task)
+    model_cfg, pol = cfg.efa_ep.model, cfg.policy
+    gen_cfg = pol.generation
+    if model_cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"efa_ep.model.vocab_size={model_cfg.vocab_size} < task vocab {VOCAB_SIZE}")
+    total_len = task.prompt_len + gen_cfg.max_new_tokens
+    if total_len > min(pol.max_total_sequence_length, model_cfg.seq_length):
+        raise ValueError(f"prompt ({task.prompt_len}) + policy.generation.max_new_tokens "
+                         f"({gen_cfg.max_new_tokens}) = {total_len} exceeds "
+                         f"policy.max_total_sequence_length / efa_ep.model.seq_length")
+    if gen_cfg.max_new_tokens < task.max_answer_len:
+        raise ValueError(f"policy.generation.max_new_tokens={gen_cfg.max_new_tokens} < longest "
+                         f"answer + <eos> ({task.max_answer_len})")
+
+
 def check_before_start(cfg: TrainerConfig, environ=None) -> None:
     """Everything the ranks will read, checked here first (seconds, one error): the dispatcher
     settings from the recipe and the ``EFA_EP_*`` environment against the transport's schema,
     and that the transport runs on this machine.
 
     Raises:
-        ConfigError: naming the recipe key or environment variable.
+        ValueError / ConfigError: naming the recipe key or environment variable.
     """
+    check_task_fits(cfg)
     if cfg.policy.megatron_cfg.moe_token_dispatcher_type != "efa":
         return
     from efa_ep.dispatcher.settings import check_environment
