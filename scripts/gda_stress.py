@@ -117,6 +117,7 @@ def stress_worker(rank, world, rounds, seed, torch_every, max_seconds):
     import torch.distributed as dist
 
     from efa_ep.kernels import create_transport
+    from efa_ep.kernels.base import collective_device
 
     ndev = torch.cuda.device_count()
     torch.cuda.set_device(rank % ndev)
@@ -133,7 +134,8 @@ def stress_worker(rank, world, rounds, seed, torch_every, max_seconds):
         ref_tr = create_transport("torch", None, e, h, T_MAX, dtype) if torch_every else None
         for r in range(per_layout[li]):
             if r % 20 == 0:
-                late = torch.tensor([float(time.time() - t_start > max_seconds)])
+                late = torch.tensor([float(time.time() - t_start > max_seconds)],
+                                    device=collective_device(None))
                 dist.all_reduce(late, op=dist.ReduceOp.MAX)
                 if late.item():
                     stats["stopped_early"] = True

@@ -146,7 +146,9 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
     arms: List[Arm] = []
     not_run: Dict[str, str] = {}
     want = cfg["arms"].get("transports") or "*"
-    names = list(available) if want == "*" else [t for t in want if t in available]
+    # "*": the flat transports; hier composes them and needs a node layout: name it explicitly
+    names = ([t for t in available if t != "hier"] if want == "*"
+             else [t for t in want if t in available])
     for t in ([] if want == "*" else [t for t in want if t not in available]):
         not_run[t] = "transport not available here"
     channels = cfg["arms"].get("proxy_channels") or []
