@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
-TRANSPORT_NAMES = ("auto", "torch", "gda", "proxy")
+TRANSPORT_NAMES = ("auto", "torch", "gda", "proxy", "hier")
 DEFAULT_TRANSPORT = "auto"
 DEFAULT_MAX_TOKENS_PER_RANK = 16384
 # Upper bound that still leaves the fixed windows addressable (proxy descriptor offsets are 36
@@ -157,6 +157,18 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                env="EFA_EP_PROXY_INJECT"),
     ),
 }
+# hier composes a network stage (proxy by default: its knobs pass through) and a local stage.
+SCHEMAS["hier"] = {
+    **_schema(
+        Option("node_size", int, None, "ranks per node (default: from host names)", min=1,
+               env="EFA_EP_NODE_SIZE"),
+        Option("network", str, "proxy", "transport across nodes, one per rail",
+               choices=("proxy", "torch")),
+        Option("local", str, "auto", "transport inside a node (auto: gda on a GPU, else torch)",
+               choices=("auto", "gda", "torch")),
+    ),
+    **{k: v for k, v in SCHEMAS["proxy"].items() if k not in ("hmem",)},
+}
 
 
 def describe_transport(name: str) -> str:
@@ -172,7 +184,8 @@ def check_transport_name(name: Any, where: str) -> str:
     text = str(name).strip()
     if text not in TRANSPORT_NAMES:
         raise ConfigError(f"{where}={text!r} is not a transport{did_you_mean(text, TRANSPORT_NAMES)}",
-                          hint=f"one of {', '.join(TRANSPORT_NAMES)} (auto: gda on a GPU, else torch)")
+                          hint=f"one of {', '.join(TRANSPORT_NAMES)} (auto: hier across hosts, "
+                               f"else gda on a GPU, else torch)")
     return text
 
 
@@ -240,12 +253,21 @@ def validate_options(name: str, options: Mapping[str, Any], where: str) -> Dict[
 
 
 def validate_for_auto(options: Mapping[str, Any], where: str) -> Dict[str, Any]:
-    """Options with ``auto``: ``auto`` picks ``gda`` on a GPU and ``torch`` elsewhere, and torch
-    takes none, so options only make sense for gda; checked against gda's schema here, and
-    :func:`check_resolved` refuses them when ``auto`` resolves to ``torch``."""
-    if not options:
-        return {}
-    return validate_options("gda", options, where)
+    """Options with ``auto``: ``auto`` picks ``hier`` across hosts, ``gda`` on a GPU and
+    ``torch`` elsewhere; torch takes none, so each key must belong to gda or hier (checked
+    against the first that has it), and :func:`check_resolved` refuses options when ``auto``
+    resolves to ``torch``."""
+    out: Dict[str, Any] = {}
+    candidates = [n for n in ("gda", "hier") if n in TRANSPORT_NAMES and n in SCHEMAS]
+    for key, value in options.items():
+        owner = next((n for n in candidates if key in SCHEMAS[n]), None)
+        if owner is None:
+            keys = sorted({k for n in candidates for k in SCHEMAS[n]})
+            raise ConfigError(f"{where}: unknown option {key!r} for transport 'auto' (which picks "
+                              f"{' or '.join(candidates + ['torch'])}){did_you_mean(key, keys)}",
+                              hint="name the transport the options are for (EFA_EP_TRANSPORT=proxy, ...)")
+        out[key] = SCHEMAS[owner][key].convert(value, where)
+    return out
 
 
 def check_resolved(requested: str, resolved: str, options: Mapping[str, Any], where: str) -> None:
