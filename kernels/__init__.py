@@ -40,6 +40,8 @@ _REGISTRY: Dict[str, TransportEntry] = {
     "proxy": TransportEntry("efa_ep.kernels.proxy", "ProxyTransport",
                             "libfabric headers and a C compiler (apt-get install libfabric-dev gcc; "
                             "on AWS the EFA installer)"),
+    "hier": TransportEntry("efa_ep.kernels.hier", "HierTransport",
+                           "torch.distributed, plus its stages' needs (proxy: libfabric; gda: a GPU)"),
 }
 _ALIASES = ("auto",)
 
@@ -84,12 +86,28 @@ def resolve_transport_name(name: str) -> str:
     return name
 
 
+def _spans_hosts(group) -> bool:
+    """Whether the ranks of ``group`` run on more than one host (collective over ``group``;
+    ``EFA_EP_NODE_SIZE`` below the group size counts as several emulated nodes)."""
+    import os
+    import socket
+
+    world = dist.get_world_size(group)
+    node_size = os.environ.get("EFA_EP_NODE_SIZE")
+    if node_size and node_size.isdigit() and 0 < int(node_size) < world:
+        return True
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) > 1
+
+
 def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens_per_rank: int,
                      dtype: torch.dtype, **options) -> Transport:
     """Builds transport ``name`` for the EP process group ``group`` (collective over it).
 
     Args:
-        name: ``torch``, ``gda``, ``proxy`` or ``auto``.
+        name: ``torch``, ``gda``, ``proxy``, ``hier`` or ``auto`` (``hier`` when the group spans
+            several hosts, else ``gda`` where usable, else ``torch``).
         group: torch.distributed process group of the EP ranks (None = WORLD).
         num_experts: E, global experts, a multiple of the group size.
         hidden: H. max_tokens_per_rank: bound on any rank's T (sizes fixed windows).
@@ -102,6 +120,8 @@ def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens
     """
     group = group if group is not None else dist.group.WORLD
     resolved = resolve_transport_name(name)
+    if name == "auto" and _spans_hosts(group):
+        resolved = "hier"  # NVLink (or torch) inside each node, the network across nodes
     module = _load(resolved)
     reason = module.availability()
     cfg = TransportConfig(

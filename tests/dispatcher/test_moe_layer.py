@@ -94,9 +94,11 @@ def _needs(world, name):
 @pytest.mark.parametrize("world,transport", [
     (1, "torch"), (2, "torch"), (4, "torch"),
     _needs(2, "proxy"),  # end to end over libfabric (tcp on loopback)
+    (4, "hier"),  # 2 emulated nodes x 2 ranks (network stage: torch, to keep CI short)
 ])
 def test_efa_layer_bitwise_equals_alltoall(world, transport):
-    env = {"EFA_EP_TRANSPORT_OPTIONS": "provider=tcp"} if transport == "proxy" else {}
+    env = {"proxy": {"EFA_EP_TRANSPORT_OPTIONS": "provider=tcp"},
+           "hier": {"EFA_EP_TRANSPORT_OPTIONS": "node_size=2,network=torch"}}.get(transport, {})
     results = run_ranks(_moe_layer_worker, world, (transport,), timeout_s=240, env=env)
     for n_params, tpe_device in results:
         assert n_params >= 3 and tpe_device == "cpu"
