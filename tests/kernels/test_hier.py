@@ -115,3 +115,55 @@ def _layout_worker(rank, world):
 def test_hier_refuses_a_node_size_that_does_not_divide():
     with pytest.raises(RankFailure, match="node_size=3 must divide the EP group size 4"):
         run_ranks(_layout_worker, 4, (), timeout_s=60)
+
+
+def _hier_gpu_worker(rank, world, node_size, topks):
+    """Ranks as processes on the GPU(s): local stage gda (NVLink stores / shared GPU), network
+    stage proxy over shm with host staging; compared with the reference bit for bit."""
+    from routes import make_route
+
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    experts, hidden = 64, 256
+    t = create_transport("hier", None, experts, hidden, 256, torch.bfloat16, node_size=node_size,
+                         network="proxy", provider="shm", num_channels=2, timeout_s=60)
+    assert t.stage_names == ("proxy", "gda"), t.stage_names
+    checked = 0
+    for case, (kind, k) in enumerate([(kind, k) for kind in KINDS for k in topks]):
+        data = []
+        for r in range(world):
+            n = 17 * (r + 1) + case
+            idx, w = make_route(kind, n, experts, k, world, seed=1000 * case + r)
+            g = torch.Generator().manual_seed(case * 31 + r)
+            data.append((torch.randn(n, hidden, generator=g).to(torch.bfloat16), idx, w))
+        x, idx, w = data[rank]
+        rx, ri, rw, tpe, handle = t.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        ref = reference_dispatch(*zip(*data), num_experts=experts)
+        exp_x, exp_i, exp_w, exp_c, _ = ref[rank]
+        assert torch.equal(rx.cpu(), exp_x) and torch.equal(ri.cpu(), exp_i), (kind, k)
+        assert torch.equal(rw.cpu(), exp_w) and torch.equal(tpe.cpu(), exp_c), (kind, k)
+        ys = [torch.randn(ref[d][0].shape[0], hidden,
+                          generator=torch.Generator().manual_seed(9 + d + case)).to(torch.bfloat16)
+              for d in range(world)]
+        out = t.combine(ys[rank].to(dev), handle).cpu()
+        exp_out = reference_combine(ys, [ref[d][4] for d in range(world)],
+                                    [d[0].shape[0] for d in data])[rank]
+        if k <= 2:
+            assert torch.equal(out, exp_out), (kind, k)
+        else:
+            torch.testing.assert_close(out.float(), exp_out.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(t.combine_topk_weights(rw, handle).cpu(), w), (kind, k)
+        checked += 1
+    t.close()
+    return checked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hier_gpu_gda_local_proxy_network():
+    """EP 4 as 2 emulated nodes x 2 ranks on the GPU (MPS when they share one)."""
+    counts = run_ranks(_hier_gpu_worker, 4, (2, (2, 8)), timeout_s=300,
+                       env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FI_TCP_IFACE": "lo"})
+    assert counts == [len(KINDS) * 2] * 4
