@@ -178,7 +178,7 @@ def _main(args, overrides: List[str]) -> int:
     except RankFailure as e:
         if e.failures and all(text.startswith("KeyboardInterrupt") for _, text in e.failures):
             return _interrupted(tcfg, time.time() - t0)
-        return _rank_failed(e, tcfg.logger.log_dir)
+        return _rank_failed(e, tcfg)
     summary["launcher_wall_s"] = time.time() - t0
     _log(f"done in {summary['launcher_wall_s']:.1f}s ({summary['steps']} GRPO steps, "
          f"{summary['grpo_wall_s']:.1f}s in the GRPO loop)")
@@ -199,39 +199,61 @@ def _main(args, overrides: List[str]) -> int:
 ERROR_LOG_NAME = "rank_errors.log"
 
 
-def _rank_failed(e, log_dir: str) -> int:
-    """One line: the first failing rank's error; every rank's traceback goes to a file."""
+def _rank_failed(e, tcfg) -> int:
+    """One line: the first failing rank's error; every rank's traceback goes to a file. What
+    the ranks logged before is kept, and plotted."""
+    log_dir = tcfg.logger.log_dir
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, ERROR_LOG_NAME)
     with open(path, "w") as f:
         f.write(str(e) + "\n")
-    # A rank that raised explains more than one that only died or timed out after it.
     failures = e.failures or [(-1, str(e))]
+    step = _last_step(tcfg)
+    at = f" at step {step} of {tcfg.grpo.max_num_steps}" if step else ""
+    if all("did not report within" in t for _, t in failures):
+        _error(f"the run did not finish within efa_ep.timeout_s={tcfg.efa_ep.timeout_s:g}s "
+               f"(ranks stopped{at})",
+               f"a busy machine runs slower: raise efa_ep.timeout_s; logs: {path}")
+        _plot_partial(tcfg)
+        return 1
+    # A rank that raised explains more than one that only died or timed out after it.
     reported = [(r, t) for r, t in failures if "without reporting" not in t and "did not report" not in t]
     rank, text = (reported or failures)[0]
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
     others = len(failures) - 1
-    _error(f"rank {rank} failed: {first}" + (f" ({others} other rank(s) failed after it)" if others else ""),
+    _error(f"rank {rank} failed{at}: {first}" + (f" ({others} other rank(s) failed after it)" if others else ""),
            f"full tracebacks of every rank: {path}")
+    _plot_partial(tcfg)
     return 1
+
+
+def _last_step(tcfg) -> int:
+    from efa_ep.recipes.grpo.metrics import JSONL_NAME, read_jsonl
+
+    jsonl = os.path.join(tcfg.logger.log_dir, JSONL_NAME)
+    rows = read_jsonl(jsonl) if os.path.exists(jsonl) else []
+    return max((r["step"] for r in rows if "train/reward" in r), default=0)
+
+
+def _plot_partial(tcfg) -> None:
+    from efa_ep.recipes.grpo.metrics import JSONL_NAME, plot_curves
+
+    jsonl = os.path.join(tcfg.logger.log_dir, JSONL_NAME)
+    if _last_step(tcfg) and tcfg.logger.plot:
+        png = plot_curves(jsonl)
+        _log(f"partial run: metrics {jsonl}" + (f"; curves {png}" if png else ""))
 
 
 def _interrupted(tcfg, wall_s: float) -> int:
     """Ctrl-C: say where the run stopped, plot what it logged, exit 130 (128 + SIGINT)."""
-    from efa_ep.recipes.grpo.metrics import JSONL_NAME, plot_curves, read_jsonl
-
-    jsonl = os.path.join(tcfg.logger.log_dir, JSONL_NAME)
-    rows = read_jsonl(jsonl) if os.path.exists(jsonl) else []
-    steps = [r["step"] for r in rows if "train/reward" in r]
+    step = _last_step(tcfg)
     total = tcfg.grpo.max_num_steps
-    if steps:
-        where = f"interrupted at step {steps[-1]} of {total} after {wall_s:.0f}s"
+    if step:
+        where = f"interrupted at step {step} of {total} after {wall_s:.0f}s"
     else:
         where = f"interrupted before the first GRPO step (of {total}) after {wall_s:.0f}s"
-    png = plot_curves(jsonl) if steps and tcfg.logger.plot else None
     print(f"{LOG_PREFIX} {where}", file=sys.stderr, flush=True)
-    if rows:
-        _log(f"partial run: metrics {jsonl}" + (f"; curves {png}" if png else ""))
+    _plot_partial(tcfg)
     return 130
 
 

@@ -117,12 +117,15 @@ def _fails_on_rank_1(rank, world):
 
 def test_rank_failure_reported_once_with_log_file(tmp_path, capsys):
     from efa_ep.distributed import RankFailure, run_ranks
+    from efa_ep.recipes.config_loader import load_recipe
+    from efa_ep.recipes.grpo.config import trainer_config
     from efa_ep.recipes.launcher import ERROR_LOG_NAME, _rank_failed
 
     with pytest.raises(RankFailure) as e:
         run_ranks(_fails_on_rank_1, 2, backend=None, timeout_s=120)
     assert e.value.failures[0][0] == 1
-    rc = _rank_failed(e.value, str(tmp_path))
+    rc = _rank_failed(e.value, trainer_config(load_recipe("grpo_tiny_moe_efa.yaml",
+                                                          [f"logger.log_dir={tmp_path}"])))
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 1 and len(err) == 2, err
     assert err[0].startswith("efa-ep-grpo: error: rank 1 failed: ValueError: boom on rank 1 "
