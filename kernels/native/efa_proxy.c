@@ -1,7 +1,8 @@
 /* efa_proxy.c: K channel threads, command rings, libfabric RDM wire, arrival counters.
  * See efa_proxy.h for the memory the caller owns, the descriptor format and the protocol.
  *
- * Build: cc -O2 -std=c11 -shared -fPIC efa_proxy.c -o libefa_proxy.so -lfabric -lpthread
+ * Build: cc -O2 -std=c11 -shared -fPIC efa_proxy.c efa_bench.c -o libefa_proxy.so -lfabric -lpthread
+ * (the benchmark entry points live in efa_bench.c, a client of the public ABI).
  *
  * Per channel thread, in this order (step()):
  *   1. commands : acquire the ring's tail, copy descriptors out, release the head (slots reusable);
@@ -1185,70 +1186,15 @@ int efa_wait_idle(uint64_t handle, int timeout_ms, char *err, size_t errlen) {
     return engine_broken(e, err, errlen);
 }
 
-/* ---------------------------------------------------------------------------------------- */
-static uint64_t make_w0(int dest, uint32_t msg, uint32_t len) {
-    return ((uint64_t)dest << 52) | ((uint64_t)(msg & ((1u << EFA_MSG_BITS) - 1)) << 32) | len;
-}
-
-int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, int iters,
-                        uint64_t *out_ns, int timeout_ms, char *err, size_t errlen) {
+int efa_engine_query(uint64_t handle, int *rank, int *num_channels, uint32_t *ring_slots,
+                     uint64_t *window_bytes) {
     engine *e = from_handle(handle);
-    /* source and target both at window offset 0 / window_bytes/2: a write to ourselves */
-    uint64_t half = (e->window_bytes / 2) & ~15ull;
-    if (len > half) {
-        set_err(err, errlen, "len %u > half the window (%llu)", len, (unsigned long long)half);
-        return -EINVAL;
-    }
-    for (int i = 0; i < iters; i++) {
-        uint32_t msg = msg0 + (uint32_t)i;
-        uint64_t d[2] = {make_w0(e->rank, msg, len), ((uint64_t)0 << 32) | (half >> 4)};
-        int32_t src = e->rank;
-        uint64_t one = 1;
-        uint64_t t0 = now_ns();
-        int rc = efa_ring_push(handle, ch, d, 1, timeout_ms, err, errlen);
-        if (!rc) rc = efa_wait_counters(handle, msg, 1, &src, &one, 1, timeout_ms, err, errlen);
-        if (rc) return rc;
-        out_ns[i] = now_ns() - t0;
-    }
+    if (!e) return -EINVAL;
+    if (rank) *rank = e->rank;
+    if (num_channels) *num_channels = e->num_channels;
+    if (ring_slots) *ring_slots = e->ring_slots;
+    if (window_bytes) *window_bytes = e->window_bytes;
     return 0;
-}
-
-int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t msg,
-                   uint64_t *out_ns, int timeout_ms, char *err, size_t errlen) {
-    engine *e = from_handle(handle);
-    if (nch < 1 || nch > e->num_channels) {
-        set_err(err, errlen, "nch=%d must be in 1..%d", nch, e->num_channels);
-        return -EINVAL;
-    }
-    uint64_t half = (e->window_bytes / 2) & ~15ull;
-    uint64_t stride = ((uint64_t)len + 15) & ~15ull;
-    uint32_t per_ring = n < e->ring_slots ? n : e->ring_slots;
-    uint64_t *d = malloc(sizeof(uint64_t) * 2 * per_ring);
-    if (!d) return -ENOMEM;
-    uint64_t t0 = now_ns();
-    /* fill rings round robin in batches so every channel thread works at the same time */
-    uint32_t done = 0;
-    int rc = 0;
-    while (done < n && !rc) {
-        uint32_t b = n - done < per_ring / 2 + 1 ? n - done : per_ring / 2 + 1;
-        if (b > per_ring) b = per_ring;
-        for (int c = 0; c < nch && !rc; c++) {
-            for (uint32_t i = 0; i < b; i++) {
-                uint64_t off = (stride * (uint64_t)((done + i) % 64)) % (half ? half : 16);
-                d[2 * i] = make_w0(e->rank, msg, len);
-                d[2 * i + 1] = ((off >> 4) << 32) | ((half + off) >> 4);
-            }
-            rc = efa_ring_push(handle, c, d, b, timeout_ms, err, errlen);
-        }
-        done += b;
-    }
-    free(d);
-    if (rc) return rc;
-    int32_t src = e->rank;
-    uint64_t expect = (uint64_t)n * (uint64_t)nch;
-    rc = efa_wait_counters(handle, msg, 1, &src, &expect, 1, timeout_ms, err, errlen);
-    *out_ns = now_ns() - t0;
-    return rc;
 }
 
 int efa_engine_stats(uint64_t handle, uint64_t *out, int n) {

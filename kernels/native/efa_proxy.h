@@ -148,7 +148,11 @@ int efa_wait_idle(uint64_t handle, int timeout_ms, char *err, size_t errlen);
  * completions, remote arrivals, -FI_EAGAIN retries, no-op markers, max in flight, idle sleeps. */
 int efa_engine_stats(uint64_t handle, uint64_t *out, int n);
 
-/* Benchmark helper (the caller thread is the producer; no Python between ops):
+/* Geometry of an engine (any pointer may be NULL): what the benchmark entry points need. */
+int efa_engine_query(uint64_t handle, int *rank, int *num_channels, uint32_t *ring_slots,
+                     uint64_t *window_bytes);
+
+/* Benchmark entry points (efa_bench.c; the caller thread is the producer, no Python between ops):
  * round trip: iters times { push one descriptor into ring ch: an RMA write of len bytes to this
  * rank's own window through the wire (len 0: the no-op marker, ring -> proxy -> counter without
  * the wire); wait until its arrival is counted }. out_ns[i] = nanoseconds of op i. Uses message

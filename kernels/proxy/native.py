@@ -1,0 +1,340 @@
+"""The one ctypes boundary of the proxy: builds and loads the native engine (``kernels/native/``:
+``efa_proxy.c`` the engine, ``efa_bench.c`` its benchmark entry points, ``efa_proxy.h`` the ABI).
+
+Build: on first use, ``cc -O2 -std=c11 -shared -fPIC efa_proxy.c efa_bench.c -lfabric -lpthread``
+into ``$EFA_EP_CACHE_DIR`` (default ``~/.cache/efa_ep``), the file named by a hash of the sources,
+the header and the compile command, so a changed source rebuilds and one build serves every Python
+version (C ABI, no Python symbols). ``EFA_EP_PROXY_SO=/path/libefa_proxy.so`` loads a prebuilt
+library instead (hosts with the libfabric runtime but no headers, e.g. the GPU machine).
+
+Every symbol gets ``argtypes``/``restype`` here and a typed wrapper that raises
+:class:`NativeError` carrying the C side's message (verb, peer, message id). No other module
+touches ctypes.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Optional, Sequence, Tuple
+
+# The C sources live in efa_ep.kernels.native (kernels/native/), next to this package.
+_NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
+SOURCE = os.path.join(_NATIVE_DIR, "efa_proxy.c")
+SOURCES = (SOURCE, os.path.join(_NATIVE_DIR, "efa_bench.c"))
+HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
+
+ABI_VERSION = 3
+ADDR_MAX = 256          # EFA_ADDR_MAX
+CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
+CTRL_TAIL, CTRL_HEAD = 0, 8
+MSG_BITS = 20           # descriptor field and source-rank shift in the immediate
+IMM_MSG_MASK = 0xFFFF   # message ids in the immediate (the rest: 4 bits of generation)
+IMM_GEN_MASK = 0xF
+MAX_RANKS = 4096
+NUM_STATS = 8
+STAT_NAMES = ("popped", "posted", "tx_done", "arrived", "eagain", "noop", "max_inflight", "sleeps")
+INJECT_TARGET, INJECT_SENDER = 1, 2
+# test-only faults on one data write (EFA_TAMPER_* in efa_proxy.h)
+TAMPER_KINDS = {"offset": 1, "msg": 2, "replay": 3, "gen": 4}
+_ERRLEN = 1024
+
+_lock = threading.Lock()
+_lib = None
+_lib_error: Optional[str] = None
+
+
+class NativeError(RuntimeError):
+    """A native proxy call failed; ``code`` is the negative errno, the message comes from C."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def timed_out(self) -> bool:
+        return self.code == -errno.ETIMEDOUT
+
+
+def cache_dir() -> str:
+    return os.environ.get("EFA_EP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "efa_ep")
+
+
+def compiler() -> Optional[str]:
+    """The system C compiler (``$CC``, then cc, gcc, clang), or None."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def libfabric_header() -> Optional[str]:
+    """Path of ``rdma/fabric.h`` in the compiler's default include dirs (or $EFA_EP_FI_INCLUDE /
+    the EFA installer's /opt/amazon/efa/include), or None."""
+    for d in (os.environ.get("EFA_EP_FI_INCLUDE"), "/opt/amazon/efa/include", "/usr/local/include",
+              "/usr/include"):
+        if d and os.path.isfile(os.path.join(d, "rdma", "fabric.h")):
+            return os.path.join(d, "rdma", "fabric.h")
+    return None
+
+
+def _compile_cmd(cc: str, out: str) -> list:
+    """$EFA_EP_FI_INCLUDE / $EFA_EP_FI_LIB select a libfabric install (default: the EFA
+    installer's /opt/amazon/efa if present, else the system's)."""
+    cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", *SOURCES, "-o", out]
+    inc = os.environ.get("EFA_EP_FI_INCLUDE") or (
+        "/opt/amazon/efa/include" if os.path.isdir("/opt/amazon/efa/include") else None)
+    if inc:
+        cmd += ["-I", inc]
+    lib = os.environ.get("EFA_EP_FI_LIB") or (
+        "/opt/amazon/efa/lib" if os.path.isdir("/opt/amazon/efa/lib") else None)
+    if lib:  # a libfabric outside the default search path: link it and find it at run time
+        cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    return cmd + ["-lfabric", "-lpthread"]
+
+
+def build_problem() -> Optional[str]:
+    """None if the library can be built (or a prebuilt one is configured), else why not."""
+    pre = os.environ.get("EFA_EP_PROXY_SO")
+    if pre:
+        return None if os.path.isfile(pre) else f"EFA_EP_PROXY_SO={pre} does not exist"
+    if compiler() is None:
+        return "no C compiler found (cc/gcc/clang; apt-get install gcc)"
+    if libfabric_header() is None:
+        return ("libfabric headers (rdma/fabric.h) not found: apt-get install libfabric-dev "
+                "(Debian/Ubuntu), or the AWS EFA installer (/opt/amazon/efa)")
+    return None
+
+
+def build(force: bool = False) -> str:
+    """Compiles the library if needed; returns its path. Raises RuntimeError with the compiler's
+    output on failure."""
+    pre = os.environ.get("EFA_EP_PROXY_SO")
+    if pre:
+        return pre
+    problem = build_problem()
+    if problem:
+        raise RuntimeError(problem)
+    cc = compiler()
+    h = hashlib.sha256()
+    for p in (*SOURCES, HEADER):
+        with open(p, "rb") as f:
+            h.update(f.read())
+    h.update(" ".join(_compile_cmd(cc, "OUT")).encode())
+    d = cache_dir()
+    os.makedirs(d, exist_ok=True)
+    out = os.path.join(d, f"libefa_proxy-{h.hexdigest()[:16]}.so")
+    if os.path.isfile(out) and not force:
+        return out
+    # Compile to a private temp name, then rename: concurrent ranks never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+    os.close(fd)
+    proc = subprocess.run(_compile_cmd(cc, tmp), capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {' '.join(SOURCES)} failed ({' '.join(_compile_cmd(cc, out))}):\n"
+                           f"{proc.stdout}{proc.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
+_u64, _i32, _u32, _vp, _cp = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_char_p
+_pu64 = ctypes.POINTER(ctypes.c_uint64)
+_SIGS = {
+    "efa_abi_version": ([], _i32),
+    "efa_probe": ([_cp, _cp, ctypes.c_size_t], _i32),
+    "efa_probe_hmem": ([_cp, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_create": ([_cp, _i32, _i32, _i32, _vp, _u64, _i32, _vp, _u32, _vp, _vp, _u32, _i32, _i32,
+                           _i32, _u64, _i32, _i32, _pu64, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_create_ex": ([_cp, _i32, _i32, _i32, _vp, _u64, _i32, _vp, _u32, _vp, _vp, _u32, _i32, _i32,
+                              _i32, _u64, _i32, _i32, _u64, _u64, _u64, _cp, _u32, _pu64, _cp,
+                              ctypes.c_size_t], _i32),
+    "efa_engine_region_info": ([_u64, _i32, _i32, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_expect": ([_u64, _u32], _i32),
+    "efa_engine_tamper": ([_u64, _i32], _i32),
+    "efa_engine_local_info": ([_u64, _i32, _vp, _pu64, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_set_peers": ([_u64, _i32, _vp, _vp, _vp, _vp, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_ring_wait_space": ([_u64, _i32, _u32, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_ring_publish": ([_u64, _i32, _u64], _i32),
+    "efa_ring_push": ([_u64, _i32, _vp, _u32, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_wait_counters": ([_u64, _u32, _i32, _vp, _vp, _i32, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_wait_idle": ([_u64, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_stats": ([_u64, _vp, _i32], _i32),
+    "efa_engine_query": ([_u64, _vp, _vp, _vp, _vp], _i32),
+    "efa_bench_roundtrip": ([_u64, _i32, _u32, _u32, _i32, _vp, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_bench_rate": ([_u64, _i32, _u32, _u32, _u32, _pu64, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_engine_stop": ([_u64], _i32),
+    "efa_engine_destroy": ([_u64], _i32),
+}
+
+
+def load():
+    """Builds (if needed) and loads the library once per process. Raises RuntimeError."""
+    global _lib, _lib_error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise RuntimeError(_lib_error)
+        try:
+            path = build()
+            lib = ctypes.CDLL(path)  # CDLL releases the GIL during calls: waits do not block Python
+            for name, (args, res) in _SIGS.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, res
+            if lib.efa_abi_version() != ABI_VERSION:
+                raise RuntimeError(f"{path}: ABI version {lib.efa_abi_version()} != {ABI_VERSION}")
+        except (OSError, RuntimeError, AttributeError) as e:
+            _lib_error = f"cannot load the native proxy: {e}"
+            raise RuntimeError(_lib_error) from e
+        _lib = lib
+        return lib
+
+
+def _check(rc: int, err) -> int:
+    if rc < 0:
+        raise NativeError(rc, err.value.decode(errors="replace") or f"native error {rc}")
+    return rc
+
+
+def _err():
+    return ctypes.create_string_buffer(_ERRLEN)
+
+
+def probe(provider: str, hmem: bool = False) -> Optional[str]:
+    """None if ``provider`` offers RDM + FI_RMA + FI_REMOTE_CQ_DATA here (and, with ``hmem``,
+    FI_HMEM device-memory registration), else the reason."""
+    try:
+        lib = load()
+    except RuntimeError as e:
+        return str(e)
+    err = _err()
+    fn = lib.efa_probe_hmem if hmem else lib.efa_probe
+    rc = fn(provider.encode(), err, _ERRLEN)
+    return None if rc == 0 else err.value.decode(errors="replace")
+
+
+class Engine:
+    """Typed wrapper over one native engine. Memory arguments are raw addresses of caller-owned
+    buffers (the Python transport keeps the tensors alive for the engine's lifetime)."""
+
+    def __init__(self, provider: str, rank: int, world: int, num_channels: int, window_ptr: int,
+                 window_bytes: int, rings_ptr: int, ring_slots: int, ctrl_ptr: int,
+                 counters_ptr: int, num_slots: int, max_inflight: int, spin_us: int, inject: int,
+                 seed: int, cpu_base: int, timeout_ms: int, hmem_cuda_device: int = -1,
+                 recv_off: int = 0, recv_stride: int = 0, key_seed: Optional[int] = None,
+                 node: str = "", gen: int = 0):
+        """``recv_stride > 0``: hardened layout (efa_engine_create_ex): source r writes only into
+        ``[recv_off + r * recv_stride, + recv_stride)``, keys from ``key_seed`` (random when
+        None), endpoint bound to ``node`` (tcp), ``gen`` in every immediate. ``recv_stride=0``:
+        one region, the whole window (standalone benchmark engines)."""
+        self._lib = load()
+        self.num_channels = num_channels
+        self.world = world
+        h = ctypes.c_uint64(0)
+        err = _err()
+        if key_seed is None:
+            key_seed = int.from_bytes(os.urandom(8), "little")
+        _check(self._lib.efa_engine_create_ex(
+            provider.encode(), rank, world, num_channels, window_ptr, window_bytes, hmem_cuda_device, rings_ptr,
+            ring_slots, ctrl_ptr, counters_ptr, num_slots, max_inflight, spin_us, inject, seed,
+            cpu_base, timeout_ms, recv_off, recv_stride, key_seed, node.encode(), gen,
+            ctypes.byref(h), err, _ERRLEN), err)
+        self.handle = h.value
+
+    def region_info(self, ch: int, src: int) -> Tuple[int, int]:
+        """(key, base) of source ``src``'s receive region in this window on channel ch: what
+        only ``src`` needs to write to us."""
+        key, base = ctypes.c_uint64(), ctypes.c_uint64()
+        err = _err()
+        _check(self._lib.efa_engine_region_info(self.handle, ch, src, ctypes.byref(key),
+                                                ctypes.byref(base), err, _ERRLEN), err)
+        return key.value, base.value
+
+    def expect(self, seq: int) -> None:
+        """The consumer entered round ``seq``: other message ids now fail the engine."""
+        self._lib.efa_engine_expect(self.handle, seq & 0xFFFFFFFF)
+
+    def tamper(self, kind: str) -> None:
+        """Test-only: alters the next data write (TAMPER_KINDS)."""
+        self._lib.efa_engine_tamper(self.handle, TAMPER_KINDS[kind] if kind else 0)
+
+    def local_info(self, ch: int) -> Tuple[bytes, int, int]:
+        """(endpoint name padded to ADDR_MAX bytes, name length, key, base) of channel ch."""
+        name = ctypes.create_string_buffer(ADDR_MAX)
+        n, key, base = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        err = _err()
+        _check(self._lib.efa_engine_local_info(self.handle, ch, name, ctypes.byref(n),
+                                               ctypes.byref(key), ctypes.byref(base), err, _ERRLEN), err)
+        return name.raw, n.value, key.value, base.value
+
+    def set_peers(self, ch: int, names: bytes, name_lens: Sequence[int], keys: Sequence[int],
+                  bases: Sequence[int], timeout_ms: int) -> None:
+        w = self.world
+        names_buf = ctypes.create_string_buffer(names, len(names))
+        lens = (ctypes.c_uint64 * w)(*name_lens)
+        k = (ctypes.c_uint64 * w)(*keys)
+        b = (ctypes.c_uint64 * w)(*bases)
+        err = _err()
+        _check(self._lib.efa_engine_set_peers(self.handle, ch, names_buf, lens, k, b, timeout_ms,
+                                              err, _ERRLEN), err)
+
+    def ring_wait_space(self, ch: int, n: int, timeout_ms: int) -> None:
+        err = _err()
+        _check(self._lib.efa_ring_wait_space(self.handle, ch, n, timeout_ms, err, _ERRLEN), err)
+
+    def ring_publish(self, ch: int, new_tail: int) -> None:
+        self._lib.efa_ring_publish(self.handle, ch, new_tail)
+
+    def ring_push(self, ch: int, descs_ptr: int, n: int, timeout_ms: int) -> None:
+        err = _err()
+        _check(self._lib.efa_ring_push(self.handle, ch, descs_ptr, n, timeout_ms, err, _ERRLEN), err)
+
+    def wait_counters(self, msg: int, srcs_ptr: int, expected_ptr: int, n: int, reset: bool,
+                      timeout_ms: int) -> None:
+        """srcs_ptr: n int32; expected_ptr: n uint64 (addresses of contiguous CPU tensors)."""
+        err = _err()
+        _check(self._lib.efa_wait_counters(self.handle, msg, n, srcs_ptr, expected_ptr, int(reset),
+                                           timeout_ms, err, _ERRLEN), err)
+
+    def wait_idle(self, timeout_ms: int) -> None:
+        err = _err()
+        _check(self._lib.efa_wait_idle(self.handle, timeout_ms, err, _ERRLEN), err)
+
+    def stats(self) -> list:
+        """Per channel dict of counters (see STAT_NAMES)."""
+        n = self.num_channels * NUM_STATS
+        buf = (ctypes.c_uint64 * n)()
+        self._lib.efa_engine_stats(self.handle, buf, n)
+        return [dict(zip(STAT_NAMES, buf[c * NUM_STATS:(c + 1) * NUM_STATS]))
+                for c in range(self.num_channels)]
+
+    def bench_roundtrip(self, ch: int, nbytes: int, msg0: int, iters: int, timeout_ms: int) -> list:
+        """Per-op ns of push -> proxy -> counter visible, the producer being native code."""
+        out = (ctypes.c_uint64 * iters)()
+        err = _err()
+        _check(self._lib.efa_bench_roundtrip(self.handle, ch, nbytes, msg0, iters, out, timeout_ms,
+                                             err, _ERRLEN), err)
+        return list(out)
+
+    def bench_rate(self, nch: int, n: int, nbytes: int, msg: int, timeout_ms: int) -> int:
+        """ns to push and complete n descriptors on each of nch channels."""
+        out = ctypes.c_uint64()
+        err = _err()
+        _check(self._lib.efa_bench_rate(self.handle, nch, n, nbytes, msg, ctypes.byref(out),
+                                        timeout_ms, err, _ERRLEN), err)
+        return out.value
+
+    def stop(self) -> None:
+        if self.handle:
+            self._lib.efa_engine_stop(self.handle)
+
+    def destroy(self) -> None:
+        if self.handle:
+            self._lib.efa_engine_destroy(self.handle)
+            self.handle = 0
