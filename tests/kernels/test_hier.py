@@ -117,9 +117,10 @@ def test_hier_refuses_a_node_size_that_does_not_divide():
         run_ranks(_layout_worker, 4, (), timeout_s=60)
 
 
-def _hier_gpu_worker(rank, world, node_size, topks):
+def _hier_gpu_worker(rank, world, node_size, topks, network):
     """Ranks as processes on the GPU(s): local stage gda (NVLink stores / shared GPU), network
-    stage proxy over shm with host staging; compared with the reference bit for bit."""
+    stage ``network`` (proxy over shm with host staging, or torch); compared with the reference
+    bit for bit."""
     from routes import make_route
 
     from efa_ep.kernels import create_transport
@@ -128,9 +129,10 @@ def _hier_gpu_worker(rank, world, node_size, topks):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     experts, hidden = 64, 256
+    opts = dict(provider="shm", num_channels=2, timeout_s=60) if network == "proxy" else {}
     t = create_transport("hier", None, experts, hidden, 256, torch.bfloat16, node_size=node_size,
-                         network="proxy", provider="shm", num_channels=2, timeout_s=60)
-    assert t.stage_names == ("proxy", "gda"), t.stage_names
+                         network=network, **opts)
+    assert t.stage_names == (network, "gda"), t.stage_names
     checked = 0
     for case, (kind, k) in enumerate([(kind, k) for kind in KINDS for k in topks]):
         data = []
@@ -161,9 +163,17 @@ def _hier_gpu_worker(rank, world, node_size, topks):
     return checked
 
 
+def _network_param(name):
+    from efa_ep.kernels import transport_status
+
+    why = transport_status().get(name) if name == "proxy" else None
+    return pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=str(why)))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_hier_gpu_gda_local_proxy_network():
+@pytest.mark.parametrize("network", [_network_param("torch"), _network_param("proxy")])
+def test_hier_gpu_gda_local(network):
     """EP 4 as 2 emulated nodes x 2 ranks on the GPU (MPS when they share one)."""
-    counts = run_ranks(_hier_gpu_worker, 4, (2, (2, 8)), timeout_s=300,
+    counts = run_ranks(_hier_gpu_worker, 4, (2, (2, 8), network), timeout_s=300,
                        env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FI_TCP_IFACE": "lo"})
     assert counts == [len(KINDS) * 2] * 4
