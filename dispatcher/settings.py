@@ -182,12 +182,28 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     from efa_ep.kernels.options import unavailable_hint
 
     resolved = s.resolved_transport()
-    why = transport_status().get(resolved)
+    why = _status_keeping_sigint(transport_status).get(resolved)
     if why is not None:
         short = why.split(" (needs ")[0]
         raise ConfigError(f"{s.sources[0]}={s.transport!r}: transport {resolved!r} cannot run on "
                           f"this machine: {short}", hint=unavailable_hint(resolved, s.sources[0]))
     return s
+
+
+def _status_keeping_sigint(status_fn):
+    """``status_fn()`` with Python's SIGINT handler put back afterwards: probing the proxy loads
+    libfabric, whose providers install their own SIGINT handler, and that handler ends the
+    process with status 1 and no message on Ctrl-C instead of raising KeyboardInterrupt."""
+    import signal
+    import threading
+
+    try:
+        return status_fn()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.getsignal(signal.SIGINT)
+            if handler is not None:  # None: installed from C, not by Python; leave it
+                signal.signal(signal.SIGINT, handler)
 
 
 __all__ = ["DispatcherSettings", "configure", "reset", "current_settings", "check_environment",
