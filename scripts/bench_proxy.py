@@ -10,8 +10,10 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
 2. ``rate``: descriptors/s with K = 1, 2, 4, 8 channels, ``--rate-n`` descriptors per channel,
    no-op and 64-byte writes (all to self, one process).
 3. ``a2a``: dispatch+combine latency, 2 ranks as processes (gloo group for setup), decode
-   (128 tokens/rank) and prefill profiles, hidden 7168, top-8 of 256 experts, bf16, random route;
-   checked bit-identical against ``torch`` before timing; per iteration the slowest rank's time.
+   (128 tokens/rank) and prefill profiles (``--profiles``), hidden 7168, top-8 of 256 experts,
+   bf16, random route; checked bit-identical against ``torch`` before timing; per iteration the
+   slowest rank's wall time, and the calling thread's CPU time (``*_cpu_ms``, less sensitive to
+   co-tenant load on small shared hosts; it includes the native waits' bounded spinning).
 
     python scripts/bench_proxy.py --out runs/bench_proxy [--providers tcp,shm] [--iters 30]
 
@@ -101,7 +103,7 @@ def bench_gpu_roundtrip(provider: str, iters: int):
     DESIGN floor for this loop with a bare C thread is 3.2 us/op on the H200 host."""
     import triton
     import triton.language as tl
-    from efa_ep.kernels.proxy import _HostPtr
+    from efa_ep.kernels.proxy.ring import HostPtr as _HostPtr
 
     @triton.jit(do_not_specialize=["iters", "w0", "w1", "start"])
     def _rt_kernel(ring_ptr, tail_ptr, cnt_ptr, iters, w0, w1, start, RING: tl.constexpr):
@@ -170,19 +172,22 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
         ok = ok and torch.equal(ref.combine(r[0], r[4]).cpu().view(torch.uint8),
                                 px.combine(p[0], p[4]).cpu().view(torch.uint8))
         times = {"proxy": [], "torch": []}
+        cpu = {"proxy": [], "torch": []}  # this rank's main-thread CPU time (load-robust)
         for it in range(iters):
             # interleave the arms (ratios, not absolutes, on a shared machine)
             for arm, t in (("proxy", px), ("torch", ref)) if it % 2 == 0 else (("torch", ref), ("proxy", px)):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 o = t.dispatch(x, idx, w)
                 t.combine(o[0], o[4])
                 if device != "cpu":
                     torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
+                cpu[arm].append(time.thread_time() - c0)
         stats = px.stats()
         px.close()
-        res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "stats": stats})
+        res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "cpu": cpu,
+                    "stats": stats})
     return res
 
 
@@ -203,6 +208,9 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
         for arm in ("proxy", "torch"):
             slowest = [max(r[i]["times"][arm][j] for r in per_rank) for j in range(iters)]
             rec[arm + "_ms"] = _summary([v * 1e3 for v in slowest])
+            # main-thread CPU time per D+C (includes the native waits' spinning), the larger rank
+            rec[arm + "_cpu_ms"] = _summary([max(r[i]["cpu"][arm][j] for r in per_rank) * 1e3
+                                             for j in range(iters)])
         rec["proxy_stats_rank0"] = per_rank[0][i]["stats"]
         out.append(rec)
     return out
@@ -252,6 +260,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a")
+    ap.add_argument("--profiles", default="decode,prefill",
+                    help="dispatch+combine profiles to run (comma list of decode, prefill)")
     args = ap.parse_args(argv)
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     os.makedirs(args.out, exist_ok=True)
@@ -268,10 +278,11 @@ def main(argv=None):
             records += bench_rate(prov, args.rate_n, args.rate_repeats)
             print(json.dumps(records[-8:]), flush=True)
         if "a2a" not in skip:
-            records += bench_a2a(prov, [("decode", args.decode_tokens), ("prefill", args.prefill_tokens)],
-                                 args.iters, args.num_channels, args.device, args.hmem)
-            print(json.dumps([{k: v for k, v in r.items() if k != "proxy_stats_rank0"} for r in records[-2:]]),
-                  flush=True)
+            sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
+            profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
+            records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem)
+            print(json.dumps([{k: v for k, v in r.items() if k != "proxy_stats_rank0"}
+                              for r in records[-len(profiles):]]), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
             "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

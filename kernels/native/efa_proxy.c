@@ -1099,6 +1099,62 @@ int efa_ring_push(uint64_t handle, int ch, const uint64_t *descs, uint32_t n, in
     return 0;
 }
 
+int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests,
+                      const int64_t *local_offs, const int64_t *remote_offs, const int64_t *sizes,
+                      uint32_t chunk_bytes, uint32_t *next_channel, int timeout_ms, char *err,
+                      size_t errlen) {
+    engine *e = from_handle(handle);
+    int K = e->num_channels;
+    if (chunk_bytes < 16 || chunk_bytes % 16) {
+        set_err(err, errlen, "chunk_bytes=%u must be a positive multiple of 16", chunk_bytes);
+        return -EINVAL;
+    }
+    for (int i = 0; i < n; i++) {
+        if (dests[i] < 0 || dests[i] >= e->world || sizes[i] <= 0 || (local_offs[i] & 15) ||
+            (remote_offs[i] & 15) || (uint64_t)local_offs[i] + (uint64_t)sizes[i] > e->window_bytes) {
+            set_err(err, errlen, "rank %d: message %u, entry %d: dest %lld, local offset %lld, "
+                                 "remote offset %lld, %lld bytes: expected a rank < %d, 16-byte "
+                                 "aligned offsets and 0 < bytes within the %llu-byte window",
+                    e->rank, msg, i, (long long)dests[i], (long long)local_offs[i],
+                    (long long)remote_offs[i], (long long)sizes[i], e->world,
+                    (unsigned long long)e->window_bytes);
+            return -EINVAL;
+        }
+    }
+    uint64_t tail[64];
+    for (int c = 0; c < K; c++) tail[c] = atomic_load_explicit(e->ch[c].tail, memory_order_relaxed);
+    uint32_t j = *next_channel % (uint32_t)K; /* channel of the next descriptor */
+    uint64_t total = 0;
+    int rc = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        for (uint64_t off = 0; off < (uint64_t)sizes[i]; off += chunk_bytes) {
+            channel *c = &e->ch[j];
+            uint64_t head = atomic_load_explicit(c->head, memory_order_acquire);
+            if (tail[j] - head >= e->ring_slots) {
+                /* ring full: let every channel start on what we wrote, then wait for space */
+                for (int k = 0; k < K; k++)
+                    atomic_store_explicit(e->ch[k].tail, tail[k], memory_order_release);
+                rc = efa_ring_wait_space(handle, (int)j, 1, timeout_ms, err, errlen);
+                if (rc) break;
+            }
+            uint64_t rest = (uint64_t)sizes[i] - off;
+            uint32_t len = rest < chunk_bytes ? (uint32_t)rest : chunk_bytes;
+            desc_t *slot = &c->ring[tail[j] % e->ring_slots];
+            slot->w0 = ((uint64_t)dests[i] << 52) |
+                       ((uint64_t)(msg & ((1u << EFA_MSG_BITS) - 1)) << 32) | len;
+            slot->w1 = ((((uint64_t)local_offs[i] + off) >> 4) << 32) |
+                       (((uint64_t)remote_offs[i] + off) >> 4);
+            tail[j]++;
+            total++;
+            j = (j + 1) % (uint32_t)K;
+        }
+    }
+    /* release: the descriptor words above are visible before the channel threads see the tails */
+    for (int k = 0; k < K; k++) atomic_store_explicit(e->ch[k].tail, tail[k], memory_order_release);
+    *next_channel = j;
+    return rc;
+}
+
 int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
                       const uint64_t *expected, int reset, int timeout_ms, char *err, size_t errlen) {
     engine *e = from_handle(handle);

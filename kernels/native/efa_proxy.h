@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 3
+#define EFA_PROXY_ABI_VERSION 4
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -134,6 +134,17 @@ int efa_ring_publish(uint64_t handle, int ch, uint64_t new_tail);
 /* Convenience producer: copies n descriptors (2n words) into ring ch with back-pressure. */
 int efa_ring_push(uint64_t handle, int ch, const uint64_t *descs, uint32_t n, int timeout_ms,
                   char *err, size_t errlen);
+
+/* Producer for whole messages (the host path of a round: no per-chunk work in the caller): cuts
+ * message i (sizes[i] bytes at local_offs[i] of this window, to remote_offs[i] of rank dests[i]'s
+ * window) into chunk_bytes chunks in order; chunk j of the call goes to channel
+ * (*next_channel + j) % num_channels, and *next_channel advances past the last one. Waits (bounded)
+ * for ring space, publishing what it wrote first; publishes every ring's tail (release) at the end.
+ * Offsets 16-byte aligned, sizes > 0. */
+int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests,
+                      const int64_t *local_offs, const int64_t *remote_offs, const int64_t *sizes,
+                      uint32_t chunk_bytes, uint32_t *next_channel, int timeout_ms, char *err,
+                      size_t errlen);
 
 /* Waits until counters[src * num_slots + msg % num_slots] >= expected[i] for every i (srcs[i]),
  * then (reset != 0) stores 0 into those counters so the slot can serve a later message. */

@@ -29,7 +29,7 @@ SOURCE = os.path.join(_NATIVE_DIR, "efa_proxy.c")
 SOURCES = (SOURCE, os.path.join(_NATIVE_DIR, "efa_bench.c"))
 HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -162,6 +162,7 @@ _SIGS = {
     "efa_ring_wait_space": ([_u64, _i32, _u32, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_ring_publish": ([_u64, _i32, _u64], _i32),
     "efa_ring_push": ([_u64, _i32, _vp, _u32, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_post_messages": ([_u64, _u32, _i32, _vp, _vp, _vp, _vp, _u32, _vp, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_wait_counters": ([_u64, _u32, _i32, _vp, _vp, _i32, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_wait_idle": ([_u64, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_engine_stats": ([_u64, _vp, _i32], _i32),
@@ -234,6 +235,8 @@ class Engine:
         None), endpoint bound to ``node`` (tcp), ``gen`` in every immediate. ``recv_stride=0``:
         one region, the whole window (standalone benchmark engines)."""
         self._lib = load()
+        # error text of the per-operation calls (one operation at a time per engine)
+        self._errbuf = _err()
         self.num_channels = num_channels
         self.world = world
         h = ctypes.c_uint64(0)
@@ -285,7 +288,7 @@ class Engine:
                                               err, _ERRLEN), err)
 
     def ring_wait_space(self, ch: int, n: int, timeout_ms: int) -> None:
-        err = _err()
+        err = self._errbuf
         _check(self._lib.efa_ring_wait_space(self.handle, ch, n, timeout_ms, err, _ERRLEN), err)
 
     def ring_publish(self, ch: int, new_tail: int) -> None:
@@ -295,15 +298,25 @@ class Engine:
         err = _err()
         _check(self._lib.efa_ring_push(self.handle, ch, descs_ptr, n, timeout_ms, err, _ERRLEN), err)
 
+    def post_messages(self, msg: int, n: int, dests_ptr: int, local_offs_ptr: int,
+                      remote_offs_ptr: int, sizes_ptr: int, chunk_bytes: int, next_channel_ptr: int,
+                      timeout_ms: int) -> None:
+        """Cuts n messages into chunks and posts them (efa_post_messages). The four arrays are n
+        int64 each, next_channel_ptr one uint32 (addresses of contiguous CPU buffers)."""
+        err = self._errbuf
+        _check(self._lib.efa_post_messages(self.handle, msg, n, dests_ptr, local_offs_ptr,
+                                           remote_offs_ptr, sizes_ptr, chunk_bytes, next_channel_ptr,
+                                           timeout_ms, err, _ERRLEN), err)
+
     def wait_counters(self, msg: int, srcs_ptr: int, expected_ptr: int, n: int, reset: bool,
                       timeout_ms: int) -> None:
         """srcs_ptr: n int32; expected_ptr: n uint64 (addresses of contiguous CPU tensors)."""
-        err = _err()
+        err = self._errbuf
         _check(self._lib.efa_wait_counters(self.handle, msg, n, srcs_ptr, expected_ptr, int(reset),
                                            timeout_ms, err, _ERRLEN), err)
 
     def wait_idle(self, timeout_ms: int) -> None:
-        err = _err()
+        err = self._errbuf
         _check(self._lib.efa_wait_idle(self.handle, timeout_ms, err, _ERRLEN), err)
 
     def stats(self) -> list:

@@ -5,12 +5,16 @@ chunks; every chunk becomes one descriptor (``efa_proxy.h``: ``w0 = dest << 52 |
 length``, ``w1 = local_off/16 << 32 | remote_off/16``) in channel ``c``'s ring, and the ring's tail
 is published with a release store; the channel thread acquires the tail before reading. Two
 producers write the same words: host code (:meth:`Rings.push`) and, for GPU inputs, a Triton
-kernel that stores into the pinned ring (:meth:`Rings.push_triton`).
+kernel that stores into the pinned ring (:meth:`Rings.push_triton`). The host path of a round
+hands whole messages to native code (:meth:`Rings.post`), which cuts and writes the descriptors:
+no per-chunk (or per-message) work in Python. Each ring's tail lives only in its control word
+(the producer is its only writer), so every producer continues where the others stopped.
 """
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from ..base import TransportError
@@ -126,14 +130,39 @@ class Rings:
         self.ring_slots = ring_slots
         self.rings = torch.zeros(num_channels, ring_slots, 2, dtype=torch.int64, pin_memory=pin)
         self.ring_ctrl = torch.zeros(num_channels, native.CTRL_STRIDE, dtype=torch.int64, pin_memory=pin)
-        self.tails = [0] * num_channels
-        self.next_channel = 0
+        self._ctrl_np = self.ring_ctrl.numpy()
+        # channel of the next descriptor, shared by every producer (native code updates it)
+        self._next_channel = np.zeros(1, dtype=np.uint32)
+        self._next_channel_ptr = self._next_channel.ctypes.data
         self.engine = None
         self.timeout_ms = 0
 
     def attach(self, engine, timeout_ms: int) -> None:
         self.engine = engine
         self.timeout_ms = timeout_ms
+
+    @property
+    def next_channel(self) -> int:
+        return int(self._next_channel[0])
+
+    @next_channel.setter
+    def next_channel(self, c: int) -> None:
+        self._next_channel[0] = c
+
+    def tail(self, c: int) -> int:
+        """Ring c's tail (exact: producers are the only writers, one operation at a time)."""
+        return int(self._ctrl_np[c, native.CTRL_TAIL])
+
+    def post(self, msg: int, dests: np.ndarray, local_offs: np.ndarray, remote_offs: np.ndarray,
+             sizes: np.ndarray, chunk_bytes: int) -> None:
+        """Posts whole messages (``[M]`` int64 contiguous arrays each): native code cuts them
+        into chunks, chunk j to channel (r + j) % K as :meth:`push`, and publishes the tails."""
+        n = len(dests)
+        if n == 0:
+            return
+        native_call(self.engine.post_messages, msg, n, dests.ctypes.data, local_offs.ctypes.data,
+                    remote_offs.ctypes.data, sizes.ctypes.data, chunk_bytes,
+                    self._next_channel_ptr, self.timeout_ms)
 
     def push(self, descs: torch.Tensor) -> None:
         """Writes descriptors ``[D, 2]`` int64 into the rings (descriptor j -> channel (j + r) % K,
@@ -154,14 +183,13 @@ class Rings:
         while done < mine.shape[0]:
             cnt = min(mine.shape[0] - done, self.ring_slots)
             native_call(self.engine.ring_wait_space, c, cnt, self.timeout_ms)
-            tail = self.tails[c]
+            tail = self.tail(c)
             s0 = tail % self.ring_slots
             first = min(cnt, self.ring_slots - s0)
             self.rings[c, s0:s0 + first].copy_(mine[done:done + first])
             if cnt > first:  # wrap around
                 self.rings[c, :cnt - first].copy_(mine[done + first:done + cnt])
-            self.tails[c] = tail + cnt
-            self.engine.ring_publish(c, self.tails[c])
+            self.engine.ring_publish(c, tail + cnt)
             done += cnt
 
     def push_triton(self, dests, loffs, roffs, sizes, msg: int, chunk_bytes: int,
@@ -187,7 +215,7 @@ class Rings:
             table = torch.stack([torch.tensor(dests[sel]), torch.tensor(loffs[sel]),
                                  torch.tensor(roffs[sel]), nb, first]).to(dev)
             native_call(self.engine.ring_wait_space, c, total, self.timeout_ms)  # back-pressure
-            tail = self.tails[c]
+            tail = self.tail(c)
             # Under TRITON_INTERPRET (CPU tests) the kernel needs tensors (it copies them back);
             # on a GPU it gets the raw pinned-host address.
             interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -195,7 +223,8 @@ class Rings:
             tail_word = self.ring_ctrl[c, native.CTRL_TAIL:native.CTRL_TAIL + 1]
             describe[(table.shape[1],)](table[0], table[1], table[2], table[3], table[4], ring, tail,
                                         msg, chunk_bytes, self.ring_slots, BLOCK=64)
-            self.tails[c] = tail + total
-            publish[(1,)](tail_word if interp else HostPtr(tail_word), self.tails[c])
+            publish[(1,)](tail_word if interp else HostPtr(tail_word), tail + total)
+        # every channel appears once above; later readers of the tails (any producer) need the
+        # kernels' stores
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()

@@ -40,7 +40,7 @@ from .options import default_provider, resolve_options
 from .ring import Rings, triton_producer
 from .window import (
     HDR_FIXED, H_ROWS, NUM_COUNTER_SLOTS, OP_CACHED, OP_COMBINE, OP_DISPATCH, WindowLayout,
-    align, alloc_window, as_bytes, dense,
+    align, alloc_window, as_bytes, dense, row_format,
 )
 from .wire import GroupError, Wire
 
@@ -144,6 +144,7 @@ class ProxyTransport(Transport):
         self.wire = Wire(self.rank, self.world_size, cfg.max_tokens_per_rank, self.layout, self.window,
                          self.rings, self.timeout_ms, opts.tamper)
         self._broken: Optional[str] = None
+        self._buffers: dict = {}  # float32 work buffers of combine, see _scratch
         self.engine = None
         self.gen = 0
         self.bind_address = ""
@@ -221,7 +222,7 @@ class ProxyTransport(Transport):
             warnings.warn(f"{ex}; hmem='auto' continues with a host window (host-staged)")
             self.hmem = "off"
             self.window, self.hmem_device = alloc_window(self.window_bytes, self.hmem)
-            self.wire.window = self.window
+            self.wire.set_window(self.window)
             self._start_engine()
         w, k = self.world_size, self.num_channels
         mine = [self.engine.local_info(c)[:2] for c in range(k)]
@@ -382,23 +383,33 @@ class ProxyTransport(Transport):
         if error is not None:
             self.wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
         try:
-            packed = self._pack_dispatch(x, topk_idx, topk_weights)
+            prep = self._prepare_dispatch(x, topk_idx, topk_weights)
         except Exception as e:
-            # a local failure while packing still reaches every peer through the status
+            # a local failure while preparing still reaches every peer through the status
             self.wire.round(OP_DISPATCH, {}, [0], None, None,
-                        f"rank {me}: dispatch failed while packing rows: {type(e).__name__}: {e}")
-        planes, widths, extra, layout, send_idx, meta, num_send, starts, k, dev = packed
-        got, recv = self.wire.round(OP_DISPATCH, planes, widths, None, extra, None, k)
-        num_recv = [num_send[me] if r == me else int(got[r, H_ROWS]) for r in range(w)]
+                            f"rank {me}: dispatch failed while packing rows: {type(e).__name__}: {e}")
+        planes, widths, extra, layout, send_idx, meta, num_send, starts, k, dev, pack = prep
+        own = {}
+
+        def local(got):
+            # this rank's own rows go straight into the output while the peers' rows fly
+            num_recv = [num_send[me] if r == me else int(got[r, H_ROWS]) for r in range(w)]
+            recv_x = torch.empty(sum(num_recv), cfg.hidden, dtype=x.dtype, device=dev)
+            row = sum(num_recv[:me])
+            n = num_send[me]
+            torch.index_select(x, 0, send_idx[starts[me]:starts[me] + n], out=recv_x[row:row + n])
+            own.update(num_recv=num_recv, recv_x=recv_x)
+
+        got, recv = self.wire.round(OP_DISPATCH, planes, widths, None, extra, None, k,
+                                    pack=pack, local=local)
+        num_recv, recv_x = own["num_recv"], own["recv_x"]
         n_recv = sum(num_recv)
         # Copy out of the window (reused next round) into x's device; the blocking H2D copies
         # from pinned memory return only once the window has been read.
-        recv_x = torch.empty(n_recv, cfg.hidden, dtype=x.dtype, device=dev)
         mb, row = [], 0
         for r in range(w):
             n = num_recv[r]
             if r == me:
-                torch.index_select(x, 0, send_idx[starts[me]:starts[me] + n], out=recv_x[row:row + n])
                 mb.append(meta[starts[me]:starts[me] + n])
             else:
                 recv_x[row:row + n].copy_(recv[r][0].view(x.dtype).view(n, cfg.hidden))
@@ -423,7 +434,10 @@ class ProxyTransport(Transport):
             state={"send_token_idx_cpu": layout.send_token_idx_S})
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
-    def _pack_dispatch(self, x, topk_idx, topk_weights):
+    def _prepare_dispatch(self, x, topk_idx, topk_weights):
+        """Routing layout and metadata (host), the send-slot views of each destination's planes,
+        and ``pack``, which fills them (run by the round once our previous writes left the slots,
+        while the headers fly)."""
         cfg, w, me = self.cfg, self.world_size, self.rank
         dev = x.device
         self._select_producer(dev)
@@ -445,23 +459,27 @@ class ProxyTransport(Transport):
         extra = layout.num_tokens_per_expert_E.view(w, cfg.num_local_experts)
 
         planes = {}
-        self.wire.quiesce()  # the previous round's writes must have left the send slots
         for d in range(w):
             if d == me:
                 continue
             n = num_send[d]
-            idx = send_idx[starts[d]:starts[d] + n]
-            # pack straight into the registered send slot (one copy; D2H for a GPU input)
             xs = self.wire.send_slot(d, 0, n, row_x)
-            slot_rows = xs.view(x.dtype).view(n, cfg.hidden)
-            if slot_rows.device == x.device:
-                torch.index_select(x, 0, idx, out=slot_rows)
-            else:
-                slot_rows.copy_(x.index_select(0, idx))
             ms = self.wire.send_slot(d, align(n * row_x), n, 16 * k)
-            ms.copy_(as_bytes(meta[starts[d]:starts[d] + n]))
             planes[d] = [xs, ms]
-        return planes, widths, extra, layout, send_idx, meta, num_send, starts, k, dev
+
+        def pack():
+            for d, (xs, ms) in planes.items():
+                n = num_send[d]
+                idx = send_idx[starts[d]:starts[d] + n]
+                # straight into the registered send slot (one copy; D2H for a GPU input)
+                slot_rows = xs.view(x.dtype).view(n, cfg.hidden)
+                if slot_rows.device == x.device:
+                    torch.index_select(x, 0, idx, out=slot_rows)
+                else:
+                    slot_rows.copy_(x.index_select(0, idx))
+                ms.copy_(as_bytes(meta[starts[d]:starts[d] + n]))
+
+        return planes, widths, extra, layout, send_idx, meta, num_send, starts, k, dev, pack
 
     def _check_meta(self, src: int, m: torch.Tensor, k: int, counts_L: torch.Tensor) -> None:
         """A peer's routing rows are untrusted: local ids in [-1, L), at least one per row (a row
@@ -537,11 +555,52 @@ class ProxyTransport(Transport):
         yc = dense(y)  # stays on its device; rows go D2H straight into the send slots
         num_recv = handle.num_recv_per_rank
         starts = [sum(num_recv[:r]) for r in range(w)]
+        idx = self._send_idx(handle, y.device)
         rows_to = {d: yc[starts[d]:starts[d] + num_recv[d]] for d in range(w) if d != me}
         self_rows = yc[starts[me]:starts[me] + num_recv[me]]
-        back = self.wire.exchange_rows(OP_COMBINE, rows_to, self_rows, list(handle.num_send_per_rank))
-        return reduce_rows_by_rank(back, self._send_idx(handle, y.device), handle.num_send_per_rank,
-                                   handle.num_tokens).to(y.dtype)
+        n_send = list(handle.num_send_per_rank)
+        row_bytes = yc.shape[1] * yc.element_size()
+        if row_bytes > self.row_cap:  # column rounds: gather every block, then reduce
+            back = self.wire.exchange_rows(OP_COMBINE, rows_to, self_rows, n_send)
+            return reduce_rows_by_rank(back, idx, handle.num_send_per_rank,
+                                       handle.num_tokens).to(y.dtype)
+        # One round: reduce straight from the receive window (no gathered copy of the rows).
+        # Float32 sum over source ranks in ascending order from +0.0, as reduce_rows_by_rank.
+        acc = {}
+
+        def local(_got):  # zeroed while the rows fly
+            acc["out"] = self._scratch("acc", handle.num_tokens, yc.shape[1], yc.device,
+                                       persistent=y.dtype != torch.float32).zero_()
+
+        planes = {d: [as_bytes(t)] for d, t in rows_to.items()}
+        _, got = self.wire.round(OP_COMBINE, planes, [row_bytes], n_send, None, None,
+                                 row_format(self_rows), local=local)
+        out = acc["out"]
+        start = 0
+        for r in range(w):
+            n = n_send[r]
+            if n:
+                rows = self_rows if r == me else got[r][0].view(yc.dtype).view(n, yc.shape[1])
+                if rows.device != out.device:
+                    rows = rows.to(out.device)
+                if rows.dtype != torch.float32:  # float32 copy in a reused buffer
+                    rows = self._scratch("rows", n, yc.shape[1], out.device).copy_(rows)
+                out.index_add_(0, idx[start:start + n], rows)
+            start += n
+        return out.to(y.dtype) if y.dtype != torch.float32 else out
+
+    def _scratch(self, name: str, rows: int, cols: int, device, persistent: bool = True):
+        """``[rows, cols]`` float32 work buffer on ``device``, reused across calls (grown when
+        too small) unless not ``persistent``; its contents are undefined."""
+        if not persistent:
+            return torch.empty(rows, cols, dtype=torch.float32, device=device)
+        key = (name, str(device), cols)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty(max(rows, 1), cols, dtype=torch.float32, device=device)
+            self._buffers = {k: v for k, v in self._buffers.items() if k[:2] != key[:2]}
+            self._buffers[key] = buf
+        return buf[:rows]
 
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """See :meth:`Transport.combine_topk_weights`; a wrong shape, dtype or device on one rank
