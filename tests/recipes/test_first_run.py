@@ -108,10 +108,15 @@ def test_bad_setting_exits_2_with_one_line_before_ranks_start(args, env, expect,
     assert took < FAST_S, took
 
 
-def _fails_on_rank_1(rank, world):
+def _fails_on_rank_1(rank, world, flag):
     if rank == 1:
+        open(flag, "w").close()
         raise ValueError("boom on rank 1\nsecond line")
-    time.sleep(5)  # rank 0 fails later, as a peer of a dead rank does
+    # rank 0 fails after rank 1, as the peer of a dead rank does
+    deadline = time.time() + 120
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(2)
     raise RuntimeError("peer 1 is gone")
 
 
@@ -122,7 +127,7 @@ def test_rank_failure_reported_once_with_log_file(tmp_path, capsys):
     from efa_ep.recipes.launcher import ERROR_LOG_NAME, _rank_failed
 
     with pytest.raises(RankFailure) as e:
-        run_ranks(_fails_on_rank_1, 2, backend=None, timeout_s=120)
+        run_ranks(_fails_on_rank_1, 2, (str(tmp_path / "flag"),), backend=None, timeout_s=240)
     assert e.value.failures[0][0] == 1
     rc = _rank_failed(e.value, trainer_config(load_recipe("grpo_tiny_moe_efa.yaml",
                                                           [f"logger.log_dir={tmp_path}"])))
