@@ -1,8 +1,7 @@
 """Lets Megatron-Core 0.19's MoE path run on a CPU-only torch (gloo), for CI and laptops.
 
 Used only when no GPU is present (:func:`enable` is a no-op when CUDA is available); GPU runs
-never touch it. Three contained patches, each for a CUDA-only call on Megatron's MoE path
-(``../shared/notes/megatron-core.md`` §5):
+never touch it. Three contained patches, each for a CUDA-only call on Megatron's MoE path:
 
 1. ``torch.cuda.current_device`` returns ``cpu``: Megatron allocates outputs with
    ``device=torch.cuda.current_device()`` (router weight moves, all-gather/all-to-all outputs).

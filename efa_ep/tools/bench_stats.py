@@ -1,7 +1,7 @@
 """Statistics of the benchmark: slowest rank, per-start medians, honest intervals.
 
-Why the interval logic is careful (``../shared/notes/benchmarking.md`` item 3, seed 004 finding
-2): a percentile bootstrap of the median over n starts returns exactly [min, max] whenever the
+Why the interval logic is careful (an EP benchmark's published intervals were [min, max] by
+construction): a percentile bootstrap of the median over n starts returns exactly [min, max] whenever the
 probability that a resampled median equals the sample minimum is at least alpha/2 (for n=3 that
 probability is 7/27 = 0.26). Such an interval carries no confidence information. So a bootstrap
 interval is reported only when n >= ``min_n_for_ci`` *and* that probability is below alpha/2;
