@@ -115,7 +115,7 @@ def _schema(*options: Option) -> Dict[str, Option]:
 
 
 # The transports' own docstrings explain each knob in depth; these lines are what a user sees
-# in an error. Keep them in step with kernels/proxy.py and kernels/gda.py.
+# in an error. Keep them in step with kernels/proxy/ and kernels/gda.py.
 SCHEMAS: Dict[str, Dict[str, Option]] = {
     # torch's only deadline is the process group's timeout (init_process_group(timeout=...)).
     "torch": _schema(),

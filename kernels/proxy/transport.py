@@ -165,6 +165,11 @@ class ProxyTransport(Transport):
 
     # Setup ----------------------------------------------------------------------------------
     def _start_engine(self) -> None:
+        if self.provider.split(";")[0] == "shm":
+            # segments of killed processes (SIGKILL skips the provider's unlink) go first
+            from efa_ep.kernels.shm_segments import remove_stale_segments
+
+            remove_stale_segments()
         rss0 = _rss_bytes()
         try:
             self.engine = native.Engine(
