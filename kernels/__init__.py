@@ -86,19 +86,39 @@ def resolve_transport_name(name: str) -> str:
     return name
 
 
-def _spans_hosts(group) -> bool:
-    """Whether the ranks of ``group`` run on more than one host (collective over ``group``;
-    ``EFA_EP_NODE_SIZE`` below the group size counts as several emulated nodes)."""
+def _ranks_per_node(group) -> int:
+    """Ranks per host of ``group`` (collective over it); ``EFA_EP_NODE_SIZE`` emulates nodes."""
     import os
     import socket
 
     world = dist.get_world_size(group)
     node_size = os.environ.get("EFA_EP_NODE_SIZE")
-    if node_size and node_size.isdigit() and 0 < int(node_size) < world:
-        return True
+    if node_size and node_size.isdigit() and 0 < int(node_size) <= world:
+        return int(node_size)
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) > 1
+    return max(hosts.count(h) for h in set(hosts))
+
+
+def auto_choice(world: int, ranks_per_node: int, options: dict,
+                calibration: Optional[str] = None) -> tuple:
+    """What ``auto`` runs for an EP group of ``world`` ranks, ``ranks_per_node`` per host:
+    ``(name, options, reason)``. Across hosts ``hier``; with a calibration file (written by
+    ``efa-ep-plan calibrate``; env ``EFA_EP_CALIBRATION``) and no ``num_channels`` given, its K
+    is the planner's pick. On one host ``gda`` where usable, else ``torch``."""
+    if world <= ranks_per_node:
+        name = resolve_transport_name("auto")
+        return name, options, f"EP group of {world} ranks on one host: {name}"
+    options = dict(options)
+    reason = f"EP group spans {world // ranks_per_node} hosts: hier"
+    if calibration and "num_channels" not in options:
+        from efa_ep.tools.plan.calibrate import read
+        from efa_ep.tools.plan.model import choose_transport
+
+        _, k, why = choose_transport(world, ranks_per_node, ["proxy"], read(calibration))
+        options["num_channels"] = k
+        reason += f" with num_channels={k} from the calibration ({why})"
+    return "hier", options, reason
 
 
 def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens_per_rank: int,
@@ -120,8 +140,15 @@ def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens
     """
     group = group if group is not None else dist.group.WORLD
     resolved = resolve_transport_name(name)
-    if name == "auto" and _spans_hosts(group):
-        resolved = "hier"  # NVLink (or torch) inside each node, the network across nodes
+    if name == "auto":
+        import logging
+        import os
+
+        resolved, options, reason = auto_choice(
+            dist.get_world_size(group), _ranks_per_node(group), options,
+            os.environ.get("EFA_EP_CALIBRATION") or None)
+        if dist.get_rank(group) == 0:
+            logging.getLogger("efa_ep").info("efa-ep: transport auto -> %s: %s", resolved, reason)
     module = _load(resolved)
     reason = module.availability()
     cfg = TransportConfig(

@@ -177,3 +177,18 @@ def test_hier_gpu_gda_local(network):
     counts = run_ranks(_hier_gpu_worker, 4, (2, (2, 8), network), timeout_s=300,
                        env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FI_TCP_IFACE": "lo"})
     assert counts == [len(KINDS) * 2] * 4
+
+
+def test_auto_choice_uses_hier_across_hosts_and_the_calibration_for_k():
+    import os
+
+    from efa_ep.kernels import auto_choice, resolve_transport_name
+
+    cal = os.path.join(os.path.dirname(__file__), "..", "..", "results", "plan", "calibration.json")
+    name, opts, why = auto_choice(16, 8, {}, cal)
+    assert name == "hier" and 1 <= opts["num_channels"] <= 8, (opts, why)
+    assert "from the calibration" in why and "calibration.json" in why
+    assert auto_choice(16, 8, {"num_channels": 3}, cal)[1] == {"num_channels": 3}  # user wins
+    assert auto_choice(16, 8, {}, None) == ("hier", {}, "EP group spans 2 hosts: hier")
+    one = auto_choice(8, 8, {}, cal)
+    assert one[0] == resolve_transport_name("auto") and one[1] == {}
