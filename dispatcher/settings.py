@@ -116,7 +116,8 @@ def configure(transport: Optional[str] = None, max_tokens_per_rank: Optional[int
     """Sets this process's dispatcher settings (overrides config attributes and environment).
 
     Call before building the model; layers already built keep their transport. Fields not given
-    keep the environment's (or an earlier call's) values.
+    keep the environment's (or an earlier call's) values, except that a new transport name
+    without options starts with none (one transport's knobs do not carry to another).
 
     Raises:
         ConfigError: an unknown transport or option key, or a value of the wrong type.
@@ -124,6 +125,8 @@ def configure(transport: Optional[str] = None, max_tokens_per_rank: Optional[int
     global _override
     base = _override or DispatcherSettings.from_env()
     given_t, given_m, given_o = transport is not None, max_tokens_per_rank is not None, bool(transport_options)
+    if given_t and not given_o and str(transport).strip() != base.transport:
+        given_o = True  # options of the previous transport are not this one's
     _override = DispatcherSettings(
         transport=transport if given_t else base.transport,
         max_tokens_per_rank=max_tokens_per_rank if given_m else base.max_tokens_per_rank,

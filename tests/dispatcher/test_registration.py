@@ -119,3 +119,18 @@ def _replace_worker(rank, world):
 
 def test_replace_dispatcher_keeps_a_legal_type_string():
     assert run_ranks(_replace_worker, 1, timeout_s=60) == [("EfaTokenDispatcher", "alltoall")]
+
+
+def test_configure_does_not_carry_options_to_another_transport(monkeypatch):
+    from efa_ep.dispatcher import settings
+
+    monkeypatch.setenv("EFA_EP_TRANSPORT", "proxy")
+    monkeypatch.setenv("EFA_EP_TRANSPORT_OPTIONS", "num_channels=4")
+    settings.reset()
+    try:
+        assert settings.configure(transport="proxy").transport_options == (("num_channels", 4),)
+        assert settings.configure(transport="torch").transport_options == ()
+        assert settings.configure(transport="proxy", num_channels=2).transport_options == (
+            ("num_channels", 2),)
+    finally:
+        settings.reset()
