@@ -7,7 +7,7 @@ Symbols (used as shape suffixes near the kernels):
     S: rows this rank sends = number of (token, destination rank) pairs.
     N: rows this rank receives = sum over sources of the rows they send here.
 
-Contract (the foundation issue; other code and checks rely on it):
+Contract (other code and checks rely on it):
 
 ``dispatch(x_TH, topk_idx_TK, topk_weights_TK) -> (recv_x_NH, recv_topk_idx_NK,
 recv_topk_weights_NK, tokens_per_expert_L, handle)``
