@@ -397,6 +397,12 @@ class GdaTransport(Transport):
         self._idx_epoch = [0, 0]
         self._done = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._epoch = 0
+        # Op numbers on the device are op_base[0] + a host delta, so a captured CUDA graph
+        # replays with new ones: the graph ends by advancing op_base by its op count.
+        # _dev_base is the value op_base holds, in stream order, when the next op runs.
+        self._op_base = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._dev_base = 0
+        self._capturing = False
         self._broken: Optional[str] = None
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
@@ -406,10 +412,22 @@ class GdaTransport(Transport):
         return dict(timeout_ns=int(self.timeout_s * 1e9), max_spins=2**31 - 1,
                     use_globaltimer=True)
 
-    def _begin_op(self, op: str) -> int:
+    def _op(self, epoch: int) -> dict:
+        """Kernel arguments naming op ``epoch``: the device base and the delta from it."""
+        return dict(epoch=epoch - self._dev_base, op_base=self._op_base)
+
+    def _check_usable(self) -> None:
         if self._broken is not None:
             raise TransportError(f"rank {self.rank}: gda transport unusable after an earlier "
                                  f"failure ({self._broken}); create a new one")
+
+    def _begin_op(self, op: str) -> int:
+        self._check_usable()
+        if not self._capturing and torch.cuda.is_current_stream_capturing():
+            raise TransportError(
+                f"rank {self.rank}: gda {op} inside a CUDA graph capture that the transport "
+                f"does not know of: capture with GdaTransport.capture(fn), which keeps the op "
+                f"numbers of every replay in step across ranks")
         self._epoch += 1
         if self._epoch >= 2**31 - 1:
             raise TransportError(f"rank {self.rank}: gda epoch counter exhausted; recreate")
@@ -424,7 +442,9 @@ class GdaTransport(Transport):
     def _issued(self, epoch: int, kind: str) -> None:
         """Called right after this rank enqueued its stores of op ``epoch``; with the launch
         gate, publishes that and waits until every source did the same (see LaunchGate)."""
-        if self._gate is None:
+        if self._gate is None or self._capturing:
+            # While capturing nothing is launched; a replay then issues every captured store
+            # in one host call, so its waits never depend on a peer's host (see capture()).
             return
         self._gate.publish(epoch)
         try:
@@ -527,6 +547,10 @@ class GdaTransport(Transport):
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
         K, cfg, world = self._k, self.cfg, self.world_size
+        if self._capturing:
+            raise TransportError(
+                f"rank {self.rank}: gda dispatch reads the receive counts on the host and cannot "
+                f"be captured in a CUDA graph; use dispatch_fixed inside capture()")
         error = self._host_check(x, topk_idx, topk_weights)
         epoch = self._begin_op("dispatch")
         offs = self.layout.offsets(epoch % 2)
@@ -544,14 +568,14 @@ class GdaTransport(Transport):
         K.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                          self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
-                         epoch=epoch, with_meta=True, num_programs=self.num_programs)
+                         **self._op(epoch), with_meta=True, num_programs=self.num_programs)
         self._issued(epoch, "dispatch")
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
         info, recv_offsets = K.recv_header(
             self._my_sig, self._hdr_view(offs["hdr_off"]), self._err, num_per_rank,
             self._hw[epoch % 2], num_local=cfg.num_local_experts, t_max=cfg.max_tokens_per_rank,
-            epoch=epoch, kind="dispatch", **self._wait_args())
+            **self._op(epoch), kind="dispatch", **self._wait_args())
         info = info.cpu()  # the one host sync per dispatch
         if int(info[0]):
             self.check_errors()
@@ -583,7 +607,7 @@ class GdaTransport(Transport):
         if n:
             K.gather_rows(self._win_ptr, recv_offsets, recv_x, recv_idx, recv_w, self._my_sig,
                           self._err, data_off=offs["data_off"], idx_off=offs["idx_off"],
-                          w_off=offs["w_off"], t_max=cfg.max_tokens_per_rank, epoch=epoch,
+                          w_off=offs["w_off"], t_max=cfg.max_tokens_per_rank, **self._op(epoch),
                           wait=False, num_programs=self.num_programs, **self._wait_args())
         s_total = int(sum(num_send))
         handle = DispatchHandle(
@@ -635,7 +659,7 @@ class GdaTransport(Transport):
         t_max = cfg.max_tokens_per_rank
         K.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                          self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
-                         t_max=t_max, num_local=cfg.num_local_experts, epoch=epoch,
+                         t_max=t_max, num_local=cfg.num_local_experts, **self._op(epoch),
                          with_meta=True, num_programs=self.num_programs)
         self._issued(epoch, "dispatch")
         full = self._note_idx_width(parity, k)
@@ -647,7 +671,7 @@ class GdaTransport(Transport):
         w_region = self._region(offs["w_off"], rows * k * 4, torch.float32)
         K.recv_header_fixed(self._my_sig, self._hdr_view(offs["hdr_off"]), self._err,
                             self._hw[parity], num_recv, tokens_per_expert, idx_region, w_region,
-                            num_topk=k, t_max=t_max, epoch=epoch, full=full, kind="dispatch",
+                            num_topk=k, t_max=t_max, **self._op(epoch), full=full, kind="dispatch",
                             **self._wait_args())
         if error is not None:
             raise DispatchInputError(error)
@@ -682,10 +706,10 @@ class GdaTransport(Transport):
         K.dispatch_store(x, None, None, st.slot_TW, None, None, None, self._buf_ptrs,
                          self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
-                         epoch=epoch, with_meta=False, num_programs=self.num_programs)
+                         **self._op(epoch), with_meta=False, num_programs=self.num_programs)
         self._issued(epoch, "cached dispatch")
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
-            K.wait_for_sources(self._my_sig, self._err, epoch=epoch, kind="cached dispatch",
+            K.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
                                **self._wait_args())
             rows = handle.num_recv_tokens
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
@@ -693,10 +717,10 @@ class GdaTransport(Transport):
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
         K.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
                       data_off=offs["data_off"], idx_off=0, w_off=0,
-                      t_max=self.cfg.max_tokens_per_rank, epoch=epoch, wait=True,
+                      t_max=self.cfg.max_tokens_per_rank, **self._op(epoch), wait=True,
                       kind="cached dispatch", num_programs=self.num_programs,
                       **self._wait_args())
-        if self.check_every_call:
+        if self.check_every_call and not self._capturing:
             self.check_errors("dispatch_cached")
         return out
 
@@ -743,17 +767,89 @@ class GdaTransport(Transport):
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         K.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, self._buf_ptrs,
                         self._sig_ptrs, self._done[1:2], data_off=offs["data_off"], me=self.rank,
-                        t_max=self.cfg.max_tokens_per_rank, epoch=epoch,
+                        t_max=self.cfg.max_tokens_per_rank, **self._op(epoch),
                         num_programs=self.num_programs, fixed=st.fixed)
         self._issued(epoch, kind)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         K.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,
                          data_off=offs["data_off"], t_max=self.cfg.max_tokens_per_rank,
-                         epoch=epoch, wait=True, kind=kind, num_programs=self.num_programs,
+                         **self._op(epoch), wait=True, kind=kind, num_programs=self.num_programs,
                          **self._wait_args())
-        if self.check_every_call:
+        if self.check_every_call and not self._capturing:
             self.check_errors(kind)
         return out
+
+    def _barrier_op(self) -> None:
+        """An op that moves no data: every rank signals every peer and waits for all of them
+        (one single-program store launch and one wait). Keeps a captured op count even."""
+        K = self._k
+        epoch = self._begin_op("combine")
+        offs = self.layout.offsets(epoch % 2)
+        if getattr(self, "_no_rows", None) is None:  # one row routed nowhere (slot -1)
+            self._no_rows = (torch.zeros(1, 16, dtype=torch.uint8, device=self.device),
+                             torch.full((1, self.world_size), -1, dtype=torch.int64,
+                                        device=self.device))
+        row, nowhere = self._no_rows
+        K.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
+                         self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
+                         t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
+                         **self._op(epoch), with_meta=False, num_programs=1)
+        self._issued(epoch, "combine")
+        K.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="combine",
+                           **self._wait_args())
+
+    def capture(self, fn, *, warmup: int = 1, pool=None) -> "GdaGraph":
+        """Captures ``fn()`` (collective: every rank captures the same sequence of calls) in a
+        CUDA graph and returns a :class:`GdaGraph` whose ``replay()`` reruns it with one host
+        launch; ``GdaGraph.outputs`` is what ``fn`` returned (static tensors, overwritten by
+        every replay).
+
+        Inside ``fn``: :meth:`dispatch_fixed` and :meth:`combine` / :meth:`dispatch_cached` /
+        :meth:`combine_topk_weights` with its handles, plus any other capturable torch work;
+        inputs are read from tensors ``fn`` closes over (fill them before each replay, as with
+        any CUDA graph). The regular :meth:`dispatch` reads counts on the host and raises.
+        ``fn`` first runs ``warmup`` times eagerly (kernel compilation happens there, never
+        during capture). The graph's op numbers come from a device counter that the graph
+        advances by its op count as its last node, so replays interleave freely with eager
+        calls; an odd op count is padded with one data-free barrier op (window parities must
+        repeat on every replay).
+
+        Why no launch gate on replay: one replay enqueues every store and wait of the sequence
+        at once, so a wait depends only on peers' kernels of the same or an earlier replay,
+        which are in their streams as soon as the peer's host called ``replay()``. A peer that
+        never replays is caught by the device deadline (error word, NaN rows, raised by
+        :meth:`check_errors`).
+        Synchronization: capture synchronizes the device once; replay does not block.
+        """
+        self._check_usable()
+        if self._capturing:
+            raise TransportError(f"rank {self.rank}: gda capture() is not re-entrant")
+        for _ in range(max(0, int(warmup))):
+            first = self._epoch
+            fn()
+            if (self._epoch - first) % 2:
+                self._barrier_op()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        first = self._epoch
+        self._capturing = True
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = fn()
+                if (self._epoch - first) % 2:
+                    self._barrier_op()
+                num_ops = self._epoch - first
+                self._op_base.add_(num_ops)  # captured: every replay advances the base
+        except BaseException as e:
+            self._break(f"CUDA graph capture failed ({type(e).__name__}: {e})",
+                        self._epoch, "dispatch")
+            raise
+        finally:
+            self._capturing = False
+        # The captured ops never ran: the first replay must carry the next op numbers.
+        self._op_base.add_(num_ops)
+        self._dev_base += num_ops
+        return GdaGraph(self, graph, num_ops, outputs)
 
     def close(self) -> None:
         """Drops the windows (idempotent). Collective in spirit: peers may still map them."""
@@ -765,3 +861,30 @@ class GdaTransport(Transport):
             self._gate.fail(-1)
             self._gate.close()
             self._gate = None
+
+
+class GdaGraph:
+    """A CUDA graph of one :class:`GdaTransport`'s ops, made by :meth:`GdaTransport.capture`.
+
+    Attributes:
+        outputs: what the captured function returned (static tensors; every replay overwrites
+            them, so copy what must outlive the next replay).
+        num_ops: op numbers one replay consumes (even).
+    """
+
+    def __init__(self, transport: GdaTransport, graph, num_ops: int, outputs):
+        self._transport, self.graph, self.num_ops, self.outputs = transport, graph, num_ops, outputs
+
+    def replay(self) -> None:
+        """Relaunches the captured sequence on the current stream (collective: every rank
+        replays its graph the same number of times, in the same order relative to its eager
+        calls). No host sync; deadline expiries are deferred as for eager calls."""
+        tr = self._transport
+        tr._check_usable()
+        if tr._epoch + self.num_ops >= 2**31 - 1:
+            raise TransportError(f"rank {tr.rank}: gda epoch counter exhausted; recreate")
+        tr._epoch += self.num_ops
+        self.graph.replay()
+        tr._dev_base += self.num_ops
+        if tr.check_every_call:
+            tr.check_errors("graph replay")

@@ -21,7 +21,9 @@ Window of one rank (one parity of the double buffer; byte offsets are kernel arg
 Flag protocol (the only cross-rank synchronisation; DESIGN in ``gda.py``):
 
 1. Every collective call ("op") has an epoch ``e`` (1, 2, 3, ... identical on all ranks, int32)
-   and uses window parity ``e % 2``.
+   and uses window parity ``e % 2``. Kernels compute ``e = op_base[0] + epoch`` from a
+   device-resident base, so a captured CUDA graph replays with new op numbers (the graph's
+   last node advances the base by its op count, an even number, so parities repeat).
 2. A sender stores all its rows (and header) into the peer's window with plain (weak) stores,
    16 bytes per thread. Each program of the grid then does ``__syncthreads`` and an
    ``atom.acq_rel.sys`` increment of a local completion counter; the program that increments
@@ -102,16 +104,27 @@ def _wait_for_sources(sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W:
         tl.atomic_or(err_ptr, bits, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins"])
+@triton.jit
+def _op_epoch(op_base_ptr, epoch_delta, kind):
+    """(epoch, record) of this op: epoch = op_base[0] + epoch_delta (int32), record = epoch * 8
+    + kind (int64). The base lives on the device so that a captured CUDA graph replays with
+    new op numbers (the graph advances it); eager calls pass the whole offset as the delta."""
+    epoch = tl.load(op_base_ptr) + epoch_delta
+    return epoch, epoch.to(tl.int64) * 8 + kind
+
+
+@triton.jit(do_not_specialize=["epoch_delta", "kind", "timeout_ns", "max_spins"])
 def _wait_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
     err_ptr: tl.pointer_type(tl.int64),             # [3] error word: missing bits, first record
-    epoch, record, timeout_ns, max_spins,
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    epoch_delta, kind, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
     """One program: the wait of a combine or cached dispatch, split from the kernel that reads
     the rows so that a spinning wait holds one program slot, never the SMs a peer's store (on
     the same GPU) needs, and the copy/reduce after it runs at full width without spinning."""
+    epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
 
@@ -242,7 +255,7 @@ def _layout_slot_kernel(
 # -------------------------------------------------------------------------------------------
 # 2-3. Dispatch: store rows (+ ids, weights, header) into every destination's window
 # -------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["me", "num_tokens", "epoch"])
+@triton.jit(do_not_specialize=["me", "num_tokens", "epoch_delta"])
 def _dispatch_store_kernel(
     x_ptr,                                          # [T, D] rows (any dtype), row stride stride_x
     topk_idx_ptr: tl.pointer_type(tl.int64),        # [T, K]
@@ -254,8 +267,9 @@ def _dispatch_store_kernel(
     buf_ptrs: tl.pointer_type(tl.int64),            # [W] window base address of every rank
     sig_ptrs: tl.pointer_type(tl.int64),            # [W] signal pad address of every rank
     done_ptr: tl.pointer_type(tl.int32),            # [1] local grid-completion counter (0)
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
     data_off, idx_off, w_off, hdr_off,              # byte offsets of the regions (this parity)
-    me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, epoch,
+    me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, epoch_delta,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr, WITH_META: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -308,10 +322,11 @@ def _dispatch_store_kernel(
                 tl.store(hdr + 1, tl.load(num_per_rank_ptr + r))
                 cnt = tl.load(num_per_expert_ptr + r * num_local + hl, mask=hl < num_local)
                 tl.store(hdr + 2 + hl, cnt, mask=hl < num_local)
+    epoch, _ = _op_epoch(op_base_ptr, epoch_delta, 0)
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
 
-@triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["epoch_delta", "kind", "timeout_ns", "max_spins"])
 def _recv_header_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
@@ -320,13 +335,15 @@ def _recv_header_kernel(
     info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W] for the host
     offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
     hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
-    num_local, T_MAX, epoch, record, timeout_ns, max_spins,
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    num_local, T_MAX, epoch_delta, kind, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
     """One program: wait for every source, then copy the headers (and the error word, and this
     rank's send counts) into ``info`` for one device-to-host copy; offsets = exclusive prefix
     sum of the rows each source sent here. ``hw`` keeps the highest row count of this parity's
     id region per source, so a fixed-capacity dispatch knows which stale rows to clear."""
+    epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
     hdr_len = 2 + num_local
@@ -346,7 +363,7 @@ def _recv_header_kernel(
     tl.store(info_ptr, tl.atomic_add(err_ptr, 0, sem="relaxed"))
 
 
-@triton.jit(do_not_specialize=["epoch", "record", "timeout_ns", "max_spins", "full"])
+@triton.jit(do_not_specialize=["epoch_delta", "kind", "timeout_ns", "max_spins", "full"])
 def _recv_header_fixed_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
@@ -356,7 +373,8 @@ def _recv_header_fixed_kernel(
     tpe_ptr: tl.pointer_type(tl.int64),             # out [L] (token, local expert) pairs received
     idx_ptr: tl.pointer_type(tl.int64),             # [W, T_MAX, K] this parity's id region
     w_ptr: tl.pointer_type(tl.float32),             # [W, T_MAX, K] this parity's weight region
-    num_local, num_topk, T_MAX, epoch, record, timeout_ns, max_spins, full,
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    num_local, num_topk, T_MAX, epoch_delta, kind, timeout_ns, max_spins, full,
     W: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
@@ -367,6 +385,7 @@ def _recv_header_fixed_kernel(
     changed). Counts from peers are clamped to [0, T_MAX]. A source that reported bad input
     (header status != 0) sets bit 62 of ``err[0]`` and its bit in ``err[2]``; then every row is
     marked unused, so no expert computes on it, and combines of this window return NaN."""
+    epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
     hdr_len = 2 + num_local
@@ -467,13 +486,14 @@ def _gather_rows_kernel(
 # -------------------------------------------------------------------------------------------
 # 4. Combine: return rows to their sources, reduce in ascending rank order in float32
 # -------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["me", "num_rows", "epoch"])
+@triton.jit(do_not_specialize=["me", "num_rows", "epoch_delta"])
 def _combine_store_kernel(
     y_ptr,                                          # [N, D] expert outputs, row stride stride_y
     offsets_ptr: tl.pointer_type(tl.int64),         # [W + 1] of the matching dispatch
     buf_ptrs: tl.pointer_type(tl.int64), sig_ptrs: tl.pointer_type(tl.int64),
     done_ptr: tl.pointer_type(tl.int32),
-    data_off, me, num_rows, stride_y, D, T_MAX, epoch,
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    data_off, me, num_rows, stride_y, D, T_MAX, epoch_delta,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
     FIXED: tl.constexpr,
 ):
@@ -510,6 +530,7 @@ def _combine_store_kernel(
                 cols = d0 + offs
                 cm = cols < D
                 tl.store(dst + cols, tl.load(y_ptr + i64 * stride_y + cols, mask=cm), mask=cm)
+    epoch, _ = _op_epoch(op_base_ptr, epoch_delta, 0)
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
 
@@ -616,12 +637,22 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     return slot, send_token_idx, num_per_rank, num_per_expert, status
 
 
+def _base(op_base, device) -> torch.Tensor:
+    """The ``[1]`` int32 device op-number base; None: a zero (``epoch`` is the whole op number)."""
+    if op_base is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    _check("op_base", op_base, torch.int32, 1)
+    return op_base
+
+
 def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                    buf_ptrs, sig_ptrs, done, *, data_off, idx_off, w_off, hdr_off, me, t_max,
-                   num_local, epoch, with_meta, num_programs):
+                   num_local, epoch, with_meta, num_programs, op_base=None):
     """Stores rows (and, ``with_meta``, ids, weights and headers) into every destination's
-    window, then raises ``signal[me] = epoch`` at every rank. ``x``: ``[T, D]`` (row stride
-    ``x.stride(0)``, unit column stride); tables: ``[W]`` int64; ``done``: ``[1]`` int32."""
+    window, then raises ``signal[me] = op_base[0] + epoch`` at every rank. ``x``: ``[T, D]``
+    (row stride ``x.stride(0)``, unit column stride); tables: ``[W]`` int64; ``done``: ``[1]``
+    int32; ``op_base``: ``[1]`` int32 device op-number base (None: 0; the same rule for every
+    ``epoch`` argument of this module)."""
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [T, D] with unit column stride, got {tuple(x.shape)}")
     _check("slot", slot, torch.int64, 2)
@@ -642,7 +673,8 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
     grid = (max(1, min(t, num_programs)),)
     _dispatch_store_kernel[grid](
         x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs,
-        done, data_off, idx_off, w_off, hdr_off, me, t, max(1, x.stride(0)), d, k, t_max,
+        done, _base(op_base, x.device), data_off, idx_off, w_off, hdr_off, me, t,
+        max(1, x.stride(0)), d, k, t_max,
         num_local, epoch, W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)),
         L_PAD=max(2, next_pow2(num_local)), BLOCK_D=bd, WITH_META=with_meta,
         ALIGNED=_aligned16(d, elem, x.stride(0), data_off), num_warps=_warps(bd, elem))
@@ -665,7 +697,7 @@ def _check_err(err: torch.Tensor) -> None:
 
 
 def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
-                max_spins, use_globaltimer, kind="dispatch"):
+                max_spins, use_globaltimer, kind="dispatch", op_base=None):
     """Waits for every source and returns (info [1 + W*(2+L) + W] int64, offsets [W+1] int64)
     on the device. info = [error bits, headers (status, rows, rows per local expert) per
     source, rows this rank sent per destination]. ``err``: ``[3]`` int64 error word; ``hw``:
@@ -676,8 +708,9 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
     world = my_sig.numel()
     info = torch.empty(1 + world * (2 + num_local) + world, dtype=torch.int64, device=hdr.device)
     offsets = torch.empty(world + 1, dtype=torch.int64, device=hdr.device)
-    _recv_header_kernel[(1,)](my_sig, hdr, err, num_per_rank, info, offsets, hw, num_local,
-                              t_max, epoch, wait_record(epoch, kind), timeout_ns, max_spins,
+    _recv_header_kernel[(1,)](my_sig, hdr, err, num_per_rank, info, offsets, hw,
+                              _base(op_base, hdr.device), num_local, t_max, epoch,
+                              KIND_OF[kind], timeout_ns, max_spins,
                               W=world,
                               W_PAD=max(2, next_pow2(world)),
                               HDR_PAD=max(2, next_pow2(2 + num_local)),
@@ -687,7 +720,7 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
 
 def recv_header_fixed(my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
                       *, num_topk, t_max, epoch, full, timeout_ns, max_spins, use_globaltimer,
-                      kind="dispatch"):
+                      kind="dispatch", op_base=None):
     """Fixed-capacity receive (one program, no host copy, see :func:`_recv_header_fixed_kernel`):
     fills ``num_recv`` ``[W]`` and ``tokens_per_expert`` ``[L]`` (int64, device) and marks the
     window rows this op did not fill as unused in ``idx_region`` / ``w_region`` (flat int64 /
@@ -698,27 +731,30 @@ def recv_header_fixed(my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_reg
     world = my_sig.numel()
     num_local = tokens_per_expert.numel()
     _recv_header_fixed_kernel[(1,)](
-        my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region, num_local,
-        num_topk, t_max, epoch, wait_record(epoch, kind), timeout_ns, max_spins, int(full),
+        my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
+        _base(op_base, hdr.device), num_local, num_topk, t_max, epoch, KIND_OF[kind],
+        timeout_ns, max_spins, int(full),
         W=world, W_PAD=max(2, next_pow2(world)), L_PAD=max(2, next_pow2(num_local)),
         K_PAD=max(2, next_pow2(num_topk)), BLOCK_R=64, USE_GLOBALTIMER=use_globaltimer,
         num_warps=4)
 
 
-def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_globaltimer):
+def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_globaltimer,
+                     op_base=None):
     """One-program kernel: waits until every source signalled ``epoch`` (or the deadline, which
     sets the error word ``err`` ``[3]`` int64). Stream-ordered before the op's copy/reduce."""
     _check("my_sig", my_sig, torch.int32, 1)
     _check_err(err)
     world = my_sig.numel()
-    _wait_kernel[(1,)](my_sig, err, epoch, wait_record(epoch, kind), timeout_ns, max_spins,
+    _wait_kernel[(1,)](my_sig, err, _base(op_base, err.device), epoch, KIND_OF[kind], timeout_ns,
+                       max_spins,
                        W=world, W_PAD=max(2, next_pow2(world)), USE_GLOBALTIMER=use_globaltimer,
                        num_warps=1)
 
 
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
                 w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs,
-                kind="cached dispatch"):
+                kind="cached dispatch", op_base=None):
     """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
     ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order. With
     ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`). Float rows are
@@ -729,7 +765,7 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
     _check_err(err)
     if wait:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
-                         max_spins=max_spins, use_globaltimer=use_globaltimer)
+                         max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base)
     world = offsets.numel() - 1
     n, d = out_x.shape
     if n == 0:
@@ -752,7 +788,7 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
-                  num_programs, fixed=False):
+                  num_programs, fixed=False, op_base=None):
     """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank.
     ``fixed``: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets`` is the device count
     ``num_recv [W]``; only rows j < num_recv[s] of each source block are returned."""
@@ -766,14 +802,15 @@ def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, 
     bd = _block_d(d, elem)
     grid = (max(1, min(n if not fixed else t_max, num_programs)),)
     _combine_store_kernel[grid](
-        y, offsets, buf_ptrs, sig_ptrs, done, data_off, me, n, max(1, y.stride(0)), d, t_max,
+        y, offsets, buf_ptrs, sig_ptrs, done, _base(op_base, y.device), data_off, me, n,
+        max(1, y.stride(0)), d, t_max,
         epoch, W=world, W_PAD=max(2, next_pow2(world)), BLOCK_D=bd,
         ALIGNED=_aligned16(d, elem, y.stride(0), data_off), FIXED=fixed,
         num_warps=_warps(bd, elem))
 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
-                   max_spins, use_globaltimer, num_programs, kind="combine"):
+                   max_spins, use_globaltimer, num_programs, kind="combine", op_base=None):
     """``out`` ``[T, D]`` = float32 sum of this rank's returned partials in ascending rank order
     (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype. With ``wait``, a
     one-program wait kernel runs first; rows are NaN if any wait of this window expired."""
@@ -783,7 +820,7 @@ def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, w
     _check_err(err)
     if wait:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
-                         max_spins=max_spins, use_globaltimer=use_globaltimer)
+                         max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base)
     t, d = out.shape
     if t == 0:
         return

@@ -58,6 +58,42 @@ def _empty_kernel():
     return _empty
 
 
+def _first_last(r):
+    return r[0], r[-1]
+
+
+def _time_graph(graph, n, dist):
+    """One CUDA-graph replay of fixed-mode D+C per iteration: CUDA events around each replay
+    (host waits for the GPU between iterations: latency), host time of the replay call alone,
+    and steady state (n replays back to back, one event pair: the GPU-bound time)."""
+    for _ in range(WARMUP):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    lat, host = [], []
+    for _ in range(n):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        h0 = time.perf_counter()
+        graph.replay()
+        host.append((time.perf_counter() - h0) * 1e6)
+        e1.record()
+        e1.synchronize()
+        lat.append(e0.elapsed_time(e1) * 1e3)
+    dist.barrier()
+    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s0.record()
+    for _ in range(n):
+        graph.replay()
+    s1.record()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return dict(dispatch_us=statistics.median(lat), combine_us=0.0,
+                total_us=statistics.median(lat), total_p10_us=_pct(lat, 0.1),
+                total_p90_us=_pct(lat, 0.9), floor_us=0.0, iters=n,
+                steady_us=s0.elapsed_time(s1) * 1e3 / n, host_us=statistics.median(host))
+
+
 def _bench_rank(rank, world, routes, modes=("regular",)):
     out = {}
     for mode in modes:
@@ -84,8 +120,14 @@ def _bench_mode(rank, world, routes, mode):
             x = torch.randn(t, HIDDEN, device=dev, generator=g).to(torch.bfloat16)
             # check: combine(dispatch(x)) == x * (destination ranks), exact in float32
             disp_fn = tr.dispatch if mode == "regular" else tr.dispatch_fixed
-            recv_x, *_, h = disp_fn(x, idx, w)
-            back = tr.combine(recv_x, h)
+            if mode == "graph":
+                graph = tr.capture(lambda: tr.combine(*_first_last(tr.dispatch_fixed(x, idx, w))),
+                                   warmup=2)
+                graph.replay()
+                back = graph.outputs
+            else:
+                recv_x, *_, h = disp_fn(x, idx, w)
+                back = tr.combine(recv_x, h)
             dest = torch.zeros(t, world, dtype=torch.bool, device=dev)
             valid = idx >= 0
             rows = torch.arange(t, device=dev).unsqueeze(1).expand_as(idx)
@@ -93,7 +135,12 @@ def _bench_mode(rank, world, routes, mode):
             want = (x.float() * dest.sum(1, keepdim=True).float()).to(torch.bfloat16)
             ok = bool(torch.equal(back.view(torch.int16), want.view(torch.int16)))
             sent_rows = int(dest.sum())
-            recv_rows = h.num_recv_tokens
+            recv_rows = world * T_MAX if mode == "graph" else h.num_recv_tokens
+            if mode == "graph":
+                out[f"{route}/{prof}"] = dict(ok=ok, tokens=t, sent_rows=sent_rows,
+                                              recv_rows=recv_rows, mode=mode,
+                                              **_time_graph(graph, ITERS[prof], dist))
+                continue
             for _ in range(WARMUP):
                 r = disp_fn(x, idx, w)
                 tr.combine(r[0], r[-1])
@@ -155,7 +202,8 @@ def main():
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--routes", default="random,skewed")
     ap.add_argument("--pytest-args", default="")
-    ap.add_argument("--modes", default="regular", help="regular,fixed (dispatch_fixed)")
+    ap.add_argument("--modes", default="regular",
+                    help="regular,fixed (dispatch_fixed),graph (fixed D+C in a CUDA graph)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", os.path.join(REPO, "outputs"))
     os.makedirs(out_dir, exist_ok=True)
@@ -212,6 +260,7 @@ def main():
                 dispatch_hbm_frac=2 * moved / (d * 1e-6) / COPY_CEILING_BPS,
                 combine_hbm_frac=2 * moved / (c * 1e-6) / COPY_CEILING_BPS,
                 total_hbm_frac=4 * moved / (tot * 1e-6) / COPY_CEILING_BPS,
+                host_us=max(p.get("host_us", 0.0) for p in per),
                 per_rank=per, seconds=round(time.time() - t0, 1)))
     report["cells"] = cells
     with open(os.path.join(out_dir, "gda_gpu_check.json"), "w") as f:
@@ -222,7 +271,7 @@ def main():
         print(f"GPU tests rc={report['tests']['rc']} ({report['tests']['seconds']}s)")
     print(f"{'W':>2} {'cell':<22} {'ok':<3} {'MB':>7} {'disp us':>8} {'comb us':>8} {'D+C us':>8} "
           f"{'p10-p90':>13} {'floor':>6} {'D frac':>6} {'C frac':>6} {'DC frac':>7} "
-          f"{'steady':>7} {'st frac':>7}")
+          f"{'steady':>7} {'st frac':>7} {'host':>6}")
     for c in cells:
         if "error" in c:
             print(f"{c['world']:>2} ERROR {c['error'][-200:]}")
@@ -231,7 +280,8 @@ def main():
               f"{c['bytes_moved'] / 1e6:7.1f} {c['dispatch_us']:8.1f} {c['combine_us']:8.1f} "
               f"{c['total_us']:8.1f} {c['total_p10_us']:6.0f}-{c['total_p90_us']:<6.0f} "
               f"{c['floor_us']:6.1f} {c['dispatch_hbm_frac']:6.2f} {c['combine_hbm_frac']:6.2f} "
-              f"{c['total_hbm_frac']:7.2f} {c['steady_us']:7.1f} {c['steady_hbm_frac']:7.2f}")
+              f"{c['total_hbm_frac']:7.2f} {c['steady_us']:7.1f} {c['steady_hbm_frac']:7.2f} "
+              f"{c['host_us']:6.1f}")
 
 
 if __name__ == "__main__":

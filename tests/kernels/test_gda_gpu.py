@@ -267,3 +267,63 @@ def test_gda_fixed_capacity_equals_regular(world):
     counts = run_ranks(_fixed_equals_regular, world, (CASES,), timeout_s=240, pg_timeout_s=200,
                        env=ENV)
     assert counts == [len(CASES)] * world
+
+
+def _graph_replays_equal_eager(rank, world):
+    """A captured fixed-capacity sequence (dispatch_fixed, an expert stand-in, combine,
+    dispatch_cached: three ops, padded to four by a barrier op) replayed with new inputs
+    written in place equals the regular eager path bit for bit, with eager calls of the same
+    transport between replays (the device op counter and the host's stay in step)."""
+    from efa_ep.kernels import create_transport
+    from tests.routes import make_route
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    h, k = 2048, 4
+    t = 300 - 37 * rank
+    tr = create_transport("gda", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16, timeout_s=60)
+    xs = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    x2s = torch.empty_like(xs)
+    idxs = torch.empty(t, k, dtype=torch.int64, device=dev)
+    ws = torch.empty(t, k, dtype=torch.float32, device=dev)
+
+    def fill(i):
+        g = torch.Generator().manual_seed(500 * i + rank)
+        idx, w = make_route(("random", "skewed", "dropped", "one_rank")[i % 4], t, NUM_EXPERTS,
+                            k, world, seed=31 * i + rank)
+        idxs.copy_(idx)
+        ws.copy_(w)
+        xs.copy_(torch.randn(t, h, generator=g).to(torch.bfloat16))
+        x2s.copy_(torch.randn(t, h, generator=g).to(torch.bfloat16))
+
+    def step():
+        rx, _, _, num_recv, tpe, hf = tr.dispatch_fixed(xs, idxs, ws)
+        out = tr.combine((rx.float() * 1.5).to(torch.bfloat16), hf)
+        cached = tr.dispatch_cached(x2s, hf)
+        return out, cached.clone(), num_recv.clone(), tpe.clone()
+
+    fill(0)
+    graph = tr.capture(step, warmup=1)
+    assert graph.num_ops == 4, graph.num_ops
+    for i in range(6):
+        case = (world, rank, i)
+        fill(i)
+        graph.replay()
+        out, cached, num_recv, tpe = graph.outputs
+        rx, _, _, tpe_ref, hr = tr.dispatch(xs, idxs, ws)
+        _same(out, tr.combine((rx.float() * 1.5).to(torch.bfloat16), hr), "graph combine", case)
+        n = num_recv.tolist()
+        assert n == list(hr.num_recv_per_rank), (case, n, hr.num_recv_per_rank)
+        used = torch.cat([torch.arange(s * T_MAX, s * T_MAX + n[s], device=dev)
+                          for s in range(world)])
+        _same(cached[used], tr.dispatch_cached(x2s, hr), "graph dispatch_cached", case)
+        _same(tpe.cpu(), tpe_ref, "graph tokens_per_expert", case)
+    tr.check_errors()
+    return graph.num_ops
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gda_graph_replay_equals_eager(world):
+    ops = run_ranks(_graph_replays_equal_eager, world, (), timeout_s=240, pg_timeout_s=200,
+                    env=ENV)
+    assert ops == [4] * world

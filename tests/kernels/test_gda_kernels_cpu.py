@@ -19,7 +19,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKS = ["layout", "layout_errors", "dispatch_combine", "dispatch_combine_float32", "wait_timeout",
-          "fixed_capacity"]
+          "fixed_capacity", "device_op_base"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -264,6 +264,35 @@ def _check_wait_timeout():
     assert peers.errs[2].tolist() == [0, 0, 0] and torch.equal(out, torch.zeros(2, 8))
 
 
+def _check_device_op_base():
+    """Op numbers are ``op_base[0] + epoch``: a store signals that sum at every peer, a wait
+    compares against it, and an expired wait records it (what lets a CUDA graph replay with
+    new op numbers by advancing the device base)."""
+    import torch
+    from efa_ep.kernels import gda_kernels as K
+
+    world = 2
+    peers = _Peers(world, 4, 8, torch.float32, 2, 2)
+    offs = peers.layout.offsets(0)
+    base = torch.tensor([40], dtype=torch.int32)
+    x = torch.arange(16, dtype=torch.float32).view(2, 8)
+    slot = torch.tensor([[0, 0], [1, -1]], dtype=torch.int64)
+    for me in range(world):
+        K.dispatch_store(x, None, None, slot, None, None, None, peers.buf_ptrs, peers.sig_ptrs,
+                         peers.dones[me], **offs, me=me, t_max=4, num_local=2, epoch=2,
+                         with_meta=False, num_programs=2, op_base=base)
+    for r in range(world):
+        assert peers.sigs[r].tolist() == [42, 42], (r, peers.sigs[r])
+    # 42 satisfies a wait for op 42 (base 40 + 2) but not for op 43 (base 41 + 2).
+    K.wait_for_sources(peers.sigs[0], peers.errs[0], epoch=2, kind="combine", timeout_ns=0,
+                       max_spins=5, use_globaltimer=False, op_base=base)
+    assert peers.errs[0].tolist() == [0, 0, 0], peers.errs[0]
+    base += 1
+    K.wait_for_sources(peers.sigs[0], peers.errs[0], epoch=2, kind="combine", timeout_ns=0,
+                       max_spins=5, use_globaltimer=False, op_base=base)
+    assert peers.errs[0].tolist() == [0b11, K.wait_record(43, "combine"), 0], peers.errs[0]
+
+
 def _check_fixed_capacity():
     """Fixed-capacity receive (a fresh window is stale everywhere: ``full`` on first use): window
     rows of source s below n_s equal the reference, every
@@ -378,6 +407,7 @@ def _main(check):
         "dispatch_combine_float32": lambda: _run_dispatch_combine("float32"),
         "wait_timeout": _check_wait_timeout,
         "fixed_capacity": _check_fixed_capacity,
+        "device_op_base": _check_device_op_base,
     }[check]()
     print(f"OK {check}")
 
