@@ -32,6 +32,19 @@ Two further operations serve autograd (the Megatron dispatcher's backward passes
   slot, the value held by the row of the rank that owns that slot's expert (dispatch's backward
   for the routing weights). The base class implements it with ``combine``.
 
+Fixed layout (static shapes; drop-and-pad training, decode):
+
+``dispatch_fixed(x_TH, topk_idx_TK, topk_weights_TK) -> (recv_x, recv_topk_idx,
+recv_topk_weights, num_recv_W, tokens_per_expert_L, handle)``: the same rows as ``dispatch``,
+laid out in ``W * T_MAX`` rows (``T_MAX = max_tokens_per_rank``): rows ``s * T_MAX + j`` for
+``j < num_recv_W[s]`` hold source s's rows in its token order; every other row has ids -1 and
+weights 0 (its ``recv_x`` row is unspecified: mask with ids >= 0). ``num_recv_W`` ``[W]`` and
+``tokens_per_expert`` ``[L]`` are int64 **on x's device**. ``combine``, ``dispatch_cached`` and
+``combine_topk_weights`` accept the handle, with rows in the same ``[W * T_MAX, D]`` layout (rows
+of unused slots are ignored). ``gda`` implements it with no host sync (its result is a view of
+its window, valid until its op two calls later); the base class's generic default runs the
+regular ``dispatch`` (one host sync, for the counts) and copies the rows into the layout.
+
 Errors. Every operation is collective, and a rank that finds bad input still takes part in the
 operation's status exchange (:func:`exchange_status`) with its error set, so every rank raises
 the same :class:`DispatchInputError`, naming the offending rank, the tensor and what was
@@ -45,6 +58,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -575,9 +589,49 @@ def int64_to_float_bits(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.int32).view(torch.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedLayoutState:
+    """``DispatchHandle.state`` of the generic :meth:`Transport.dispatch_fixed`.
+
+    Attributes:
+        inner: the handle of the regular dispatch the fixed layout was built from.
+        rows_N: ``[N]`` int64, x's device: fixed-layout row (``s * T_MAX + j``) of received row i.
+        num_recv_W: ``[W]`` int64, x's device: rows received from each source.
+    """
+
+    inner: DispatchHandle
+    rows_N: torch.Tensor
+    num_recv_W: torch.Tensor
+
+
+def _accept_fixed_layout(name: str, fn):
+    """Wraps a subclass's ``combine`` / ``dispatch_cached`` / ``combine_topk_weights`` so that a
+    handle of the generic :meth:`Transport.dispatch_fixed` is translated to its regular handle
+    (rows ``[W * T_MAX, D]`` <-> ``[N, D]``, on the tensors' device, no host sync). Other handles
+    pass through untouched."""
+
+    @functools.wraps(fn)
+    def method(self, t, handle, *args, **kwargs):
+        st = getattr(handle, "state", None)
+        if not isinstance(st, FixedLayoutState):
+            return fn(self, t, handle, *args, **kwargs)
+        if name == "dispatch_cached":
+            out = fn(self, t, st.inner, *args, **kwargs)
+            full = out.new_zeros((handle.num_recv_tokens, out.shape[1]))
+            return full.index_copy_(0, st.rows_N, out)
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == handle.num_recv_tokens:
+            t = t.index_select(0, st.rows_N)
+        # else: passed on as is; the regular op refuses its shape on every rank (status exchange)
+        return fn(self, t, st.inner, *args, **kwargs)
+
+    method._fixed_layout_aware = True
+    return method
+
+
 class Transport(abc.ABC):
     """Base class of every transport. Subclasses implement ``dispatch``, ``combine`` and
-    ``dispatch_cached``; see the module docstring for the contract.
+    ``dispatch_cached``; see the module docstring for the contract. ``dispatch_fixed`` has a
+    generic default (one host sync); a subclass overrides it to avoid the sync.
 
     Synchronization: every call is collective over ``group`` and returns once this rank's outputs
     are ready on the current stream; the host learns the receive counts once per dispatch
@@ -594,6 +648,50 @@ class Transport(abc.ABC):
         if self.world_size != cfg.world_size:
             raise TransportError(
                 f"rank {self.rank}: group has {self.world_size} ranks, config says {cfg.world_size}")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # Every transport accepts handles of the generic dispatch_fixed without knowing of it.
+        for name in ("combine", "dispatch_cached", "combine_topk_weights"):
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_fixed_layout_aware", False):
+                setattr(cls, name, _accept_fixed_layout(name, fn))
+
+    def dispatch_fixed(self, x, topk_idx, topk_weights):
+        """Dispatch into the fixed layout of the module docstring (static shapes).
+
+        Args: as :meth:`dispatch` (``x`` ``[T, H]`` cfg.dtype, ``topk_idx`` ``[T, K]`` int64,
+        ``topk_weights`` ``[T, K]`` float32, one device).
+
+        Returns:
+            recv_x ``[W * T_MAX, H]`` cfg.dtype (unused rows zero here), recv_topk_idx
+            ``[W * T_MAX, K]`` int64 (local ids, -1 unused), recv_topk_weights ``[W * T_MAX, K]``
+            float32, num_recv_W ``[W]`` int64, tokens_per_expert ``[L]`` int64 (both on x's
+            device), handle (for ``combine`` / ``dispatch_cached`` / ``combine_topk_weights``
+            with rows in the same layout).
+
+        Synchronization: this generic default is the regular :meth:`dispatch`, so the host
+        blocks once for the counts; the copy into the layout is device-side. Transports that
+        can fill the layout without the host (``gda``) override it.
+        """
+        recv_x, recv_idx, recv_w, tokens_per_expert, h = self.dispatch(x, topk_idx, topk_weights)
+        world, t_max, dev = self.world_size, self.cfg.max_tokens_per_rank, recv_x.device
+        counts = [int(n) for n in h.num_recv_per_rank]
+        rows = torch.cat([torch.arange(n, dtype=torch.int64) + s * t_max
+                          for s, n in enumerate(counts)]).to(dev)
+        n_rows, k = world * t_max, recv_idx.shape[1]
+        out_x = recv_x.new_zeros((n_rows, recv_x.shape[1])).index_copy_(0, rows, recv_x)
+        out_idx = torch.full((n_rows, k), -1, dtype=torch.int64, device=dev).index_copy_(
+            0, rows, recv_idx)
+        out_w = torch.zeros((n_rows, k), dtype=torch.float32, device=dev).index_copy_(
+            0, rows, recv_w)
+        num_recv = torch.tensor(counts, dtype=torch.int64).to(dev)
+        handle = DispatchHandle(
+            num_tokens=h.num_tokens, num_recv_tokens=n_rows, topk_idx=h.topk_idx,
+            send_token_idx=h.send_token_idx, num_send_per_rank=h.num_send_per_rank,
+            num_recv_per_rank=h.num_recv_per_rank, recv_topk_idx=out_idx,
+            state=FixedLayoutState(inner=h, rows_N=rows, num_recv_W=num_recv))
+        return out_x, out_idx, out_w, num_recv, tokens_per_expert.to(dev), handle
 
     @abc.abstractmethod
     def dispatch(self, x, topk_idx, topk_weights):
@@ -667,7 +765,7 @@ def nbytes_of(dtype: torch.dtype) -> int:
 
 
 __all__ = [
-    "Transport", "TransportConfig", "DispatchHandle", "SendLayout", "TransportError",
+    "Transport", "TransportConfig", "DispatchHandle", "FixedLayoutState", "SendLayout", "TransportError",
     "TransportUnavailable", "DispatchInputError", "compute_send_layout", "count_sends",
     "validate_dispatch_inputs", "value_error_flags", "describe_value_errors", "check_group_agreement", "reduce_rows_by_rank",
     "ProtocolError", "PeerFailure", "TransportBroken", "collective_device", "exchange_status",
