@@ -143,6 +143,68 @@ class TransportConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NetOpCounts:
+    """What one operation on one rank handed to the network (the cross-node stage), counted by
+    the transport on the host while it runs (no extra synchronization; read it after the call).
+
+    Transports that count expose ``last_op_counts`` (``{op: NetOpCounts}``, the most recent call
+    of each op on this rank) and ``op_totals()`` (sums since creation). Counts are this rank's
+    sends only; sum over the ranks for the group's figure.
+
+    Attributes:
+        op: ``dispatch``, ``dispatch_cached``, ``combine`` or ``combine_topk_weights``.
+        messages: destination ranks that got at least one row over the network in this op
+            (count). A rank's rows to one destination are one message; the proxy cuts it into
+            ``chunk_bytes`` writes plus a footer (see ``writes``).
+        rows: rows sent over the network (count).
+        bytes: payload bytes of those rows (bytes): rows x the bytes of the row moved (dispatch,
+            dispatch_cached: D x x's element size; combine: D x y's element size;
+            combine_topk_weights: K x 4). Routing metadata, headers and footers are not in it.
+        writes: libfabric writes (descriptors) the proxy posted for this op, headers and footers
+            included (count); None when no proxy engine carries the network stage.
+        wire_bytes: bytes of those writes (bytes): headers, rows with their routing metadata,
+            footers; None likewise.
+    """
+
+    op: str
+    messages: int = 0
+    rows: int = 0
+    bytes: int = 0
+    writes: Optional[int] = None
+    wire_bytes: Optional[int] = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class NetCounter:
+    """The per-transport record behind ``last_op_counts`` and ``op_totals()`` (host only).
+
+    ``last``: ``{op: NetOpCounts}`` of the most recent call of each op. :meth:`totals`:
+    ``{op: {"calls": n, "messages": .., "rows": .., "bytes": .., "writes": .., "wire_bytes": ..}}``
+    summed over every call since creation (``writes``/``wire_bytes`` None where never counted).
+    """
+
+    _FIELDS = ("messages", "rows", "bytes", "writes", "wire_bytes")
+
+    def __init__(self):
+        self.last: dict = {}
+        self._totals: dict = {}
+
+    def record(self, counts: NetOpCounts) -> None:
+        self.last[counts.op] = counts
+        tot = self._totals.setdefault(counts.op, {"calls": 0, **{f: None for f in self._FIELDS}})
+        tot["calls"] += 1
+        for f in self._FIELDS:
+            v = getattr(counts, f)
+            if v is not None:
+                tot[f] = (tot[f] or 0) + int(v)
+
+    def totals(self) -> dict:
+        return {op: dict(t) for op, t in self._totals.items()}
+
+
+@dataclasses.dataclass(frozen=True)
 class DispatchHandle:
     """What a dispatch leaves for its combine and for both backward passes.
 
@@ -765,7 +827,7 @@ def nbytes_of(dtype: torch.dtype) -> int:
 
 
 __all__ = [
-    "Transport", "TransportConfig", "DispatchHandle", "FixedLayoutState", "SendLayout", "TransportError",
+    "Transport", "TransportConfig", "DispatchHandle", "FixedLayoutState", "NetOpCounts", "NetCounter", "SendLayout", "TransportError",
     "TransportUnavailable", "DispatchInputError", "compute_send_layout", "count_sends",
     "validate_dispatch_inputs", "value_error_flags", "describe_value_errors", "check_group_agreement", "reduce_rows_by_rank",
     "ProtocolError", "PeerFailure", "TransportBroken", "collective_device", "exchange_status",

@@ -166,6 +166,9 @@ SCHEMAS["hier"] = {
                choices=("proxy", "torch")),
         Option("local", str, "auto", "transport inside a node (auto: gda on a GPU, else torch)",
                choices=("auto", "gda", "torch")),
+        Option("aggregate", int, 1, "1 = a token crosses the network once per destination node "
+               "(rail peer forwards over NVLink); 0 = once per destination rank, straight to it",
+               choices=(0, 1)),
     ),
     **{k: v for k, v in SCHEMAS["proxy"].items() if k not in ("hmem",)},
 }

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..base import (
-    DispatchHandle, DispatchInputError, Transport, TransportConfig, TransportError,
-    compute_send_layout, float_bits_to_int64, int64_to_float_bits, nbytes_of,
+    DispatchHandle, DispatchInputError, NetCounter, NetOpCounts, Transport, TransportConfig,
+    TransportError, compute_send_layout, float_bits_to_int64, int64_to_float_bits, nbytes_of,
     reduce_rows_by_rank, validate_dispatch_inputs,
 )
 from . import native
@@ -145,6 +145,7 @@ class ProxyTransport(Transport):
                          self.rings, self.timeout_ms, opts.tamper)
         self._broken: Optional[str] = None
         self._buffers: dict = {}  # float32 work buffers of combine, see _scratch
+        self._net = NetCounter()
         self.engine = None
         self.gen = 0
         self.bind_address = ""
@@ -283,8 +284,25 @@ class ProxyTransport(Transport):
             pass
 
     def stats(self) -> list:
-        """Per-channel native counters (popped, posted, tx_done, arrived, eagain, ...)."""
+        """Per-channel native counters (popped, posted, tx_done, arrived, eagain, ...), cumulative
+        since the engine started (warm-up included). ``posted`` counts writes when a channel
+        thread posts them, which may be after the operation that queued them returned; call
+        ``wire.quiesce()`` first for a settled figure."""
         return self.engine.stats()
+
+    @property
+    def last_op_counts(self) -> dict:
+        """``{op: NetOpCounts}``: what the most recent call of each op on this rank handed to
+        the wire (every peer counts: same-node peers go through libfabric too). ``messages``
+        are data messages (peers with >= 1 row), ``writes``/``wire_bytes`` every descriptor
+        queued (headers, row chunks with their routing metadata, footers): the same writes the
+        engine's ``posted`` counter sums once they are posted. Host counts, no synchronization."""
+        return dict(self._net.last)
+
+    def op_totals(self) -> dict:
+        """Per-op sums of :attr:`last_op_counts` over every call since creation (see
+        :class:`~efa_ep.kernels.base.NetCounter`); warm-up writes are not in them."""
+        return self._net.totals()
 
     def memory_report(self) -> dict:
         """Bytes this transport holds: the registered window (``window``, of which each source's
@@ -312,7 +330,9 @@ class ProxyTransport(Transport):
 
     def _guarded(self, fn, *args):
         """Runs one operation; anything but an error every rank raised in step marks the
-        transport broken (its peers' writes for this round may still land)."""
+        transport broken (its peers' writes for this round may still land). Records what the
+        operation handed to the wire (:attr:`last_op_counts`), also when it raised."""
+        before = dict(self.wire.posted)
         try:
             return fn(*args)
         except (DispatchInputError, GroupError):
@@ -321,6 +341,9 @@ class ProxyTransport(Transport):
             if self._broken is None:
                 self._broken = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            d = {k: v - before[k] for k, v in self.wire.posted.items()}
+            self._net.record(NetOpCounts(fn.__name__.lstrip("_"), **d))
 
 
     # Input checks (local; their result travels in the header) ---------------------------------

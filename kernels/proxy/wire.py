@@ -89,6 +89,10 @@ class Wire:
         self._wait_expected = np.zeros(max(1, w), dtype=np.uint64)
         self._wait_ptrs = (self._wait_srcs.ctypes.data, self._wait_expected.ctypes.data)
         self._hdr_text: Dict[int, bytes] = {}
+        # What this rank handed to the engine since creation (host counts, see count_posted):
+        # writes = descriptors, wire_bytes = their bytes; messages/rows/bytes = data messages,
+        # their rows and the rows' payload bytes (first plane only: no routing metadata).
+        self.posted = {"writes": 0, "wire_bytes": 0, "messages": 0, "rows": 0, "bytes": 0}
 
     def _bind_window(self) -> None:
         """Host views of the window (a host window is read and written through numpy; a device
@@ -113,6 +117,19 @@ class Wire:
         self.engine = engine
         self.gen = gen
         self.rings.attach(engine, self.timeout_ms)
+
+    def count_posted(self, sizes: np.ndarray, messages: int = 0, rows: int = 0,
+                     payload: int = 0) -> None:
+        """Adds messages of ``sizes`` bytes (``[M]`` int64) to :attr:`posted`: each is cut into
+        ceil(size / chunk_bytes) writes, as the native engine and the Triton producer cut them
+        (the engine's ``posted`` counter sums the same writes over its channels)."""
+        cb = self.layout.chunk_bytes
+        p = self.posted
+        p["writes"] += int((-(-sizes // cb)).sum())
+        p["wire_bytes"] += int(sizes.sum())
+        p["messages"] += messages
+        p["rows"] += rows
+        p["bytes"] += payload
 
     def violation(self, msg: str):
         raise ProtocolViolation(f"rank {self.rank}: protocol violation: {msg}")
@@ -163,13 +180,14 @@ class Wire:
             self.rings.push_channel(c, describe_messages(
                 p, lay.off_hdr_send + p * lay.hdr_bytes, torch.full_like(p, hdr_in),
                 torch.full_like(p, 16), msg, lay.chunk_bytes))
+            self.count_posted(np.full(len(peers), 16, dtype=np.int64))
         self.wait(msg, peers, [self.rings.num_channels] * len(peers))
 
     # One round ------------------------------------------------------------------------------
     def round(self, op: int, planes: Dict[int, List[torch.Tensor]], widths: List[int],
               n_recv: Optional[List[int]], extra_WL: Optional[torch.Tensor],
               error: Optional[str], fmt: int = 0, pack: Optional[Callable[[], None]] = None,
-              local: Optional[Callable[[torch.Tensor], None]] = None):
+              local: Optional[Callable[[torch.Tensor], None]] = None, count_rows: bool = True):
         """One header + data exchange with every peer (collective).
 
         Order: wait for our previous writes; post the headers; pack the send slots while the
@@ -188,6 +206,8 @@ class Wire:
             fmt: row format (columns and dtype) every rank must share, 0 when not applicable.
             pack: fills the send-slot planes (runs after our previous writes left the slots).
             local: this rank's own work, given the checked headers, overlapping the data's flight.
+            count_rows: add the rows to :attr:`posted` (False for the later column rounds of
+                the same rows).
         Returns:
             (headers ``[W, F]`` int64 CPU (row ``self.rank`` unset), {src: [plane views into the
             receive window]}). The views are valid until the next round: copy them out. Every
@@ -237,6 +257,7 @@ class Wire:
         if len(peers):
             self.rings.post(msg_hdr, peers, self._hdr_send_offs, self._hdr_recv_offs[seq % 2],
                             self._hdr_lens, lay.chunk_bytes)
+            self.count_posted(self._hdr_lens)
 
         # 2. pack the send slots while the headers fly (each plane, then the footer)
         msgs = None
@@ -263,6 +284,9 @@ class Wire:
                                        sizes.tolist(), msg_data, lay.chunk_bytes, self.triton_device)
             else:
                 self.rings.post(msg_data, dests, loffs, roffs, sizes, lay.chunk_bytes)
+            sent = int(rows_to.sum())
+            self.count_posted(sizes, messages=int(np.count_nonzero(rows_to)),
+                              rows=sent if count_rows else 0, payload=sent * widths[0])
 
         # 4. this rank's own share while the data flies
         if local is not None:
@@ -484,7 +508,8 @@ class Wire:
         for c0 in range(0, row_bytes, row_cap):
             c1 = min(row_bytes, c0 + row_cap)
             planes = {d: [t[:, c0:c1]] for d, t in as_b.items()}  # round copies into the slot
-            _, got = self.round(op, planes, [c1 - c0], n_recv, None, None, fmt)
+            _, got = self.round(op, planes, [c1 - c0], n_recv, None, None, fmt,
+                                count_rows=c0 == 0)
             for r, views in got.items():
                 if n_recv[r]:
                     out_b[starts[r]:starts[r] + n_recv[r], c0:c1].copy_(views[0])
