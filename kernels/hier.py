@@ -1,57 +1,85 @@
-"""The ``hier`` transport: NVLink inside a node, the network across nodes, each token sent over
-the network once per destination node.
+"""The ``hier`` transport: NVLink inside a node, the network across nodes; with ``aggregate=1``
+(the default) each token crosses the network once per destination *node*, with
+``aggregate=0`` once per destination *rank*.
 
 Symbols: W ranks = N nodes x G ranks per node, node-major (rank r is local rank r % G of node
-r // G); E experts, L = E // W per rank; T tokens here; K top-k; H row width; T_MAX =
-``max_tokens_per_rank``.
+r // G); E experts, L = E // W per rank; T tokens here; K top-k; D row width (H for x);
+T_MAX = ``max_tokens_per_rank``.
 
 It composes two transports of the same contract (it forks neither):
 
-* ``network``: one per *rail*, the N ranks with the same local index (``proxy`` by default,
-  K channels over libfabric; ``torch`` for tests), with the E experts split over the N nodes.
-  Its dispatch sends a token once to each node that owns one of its experts, to that node's
-  rank with this rank's local index (DeepEP's normal-kernel route: RDMA once per node, then
-  NVLink), with its ids made local to the node.
+* ``network``: the transport across nodes (``proxy`` by default, K channels over libfabric;
+  ``torch`` for tests).
 * ``local``: one per node, the node's G ranks (``gda`` when usable, else ``torch``), with the
-  node's E / N experts split over them. It forwards what the rail brought (up to N * T_MAX
-  rows) to the ranks that own the experts.
+  node's E / N experts split over them.
 
-Dispatch = network dispatch, then local dispatch of the received rows, then one permutation
-from (local source, source node, token) order to the contract's (source rank, token) order;
-the per-(local source, node) counts come from one small count exchange inside the node.
-Combine runs the reverse: inverse permutation, local combine (per token and node: a float32
-sum over the node's destination ranks in ascending order, rounded to y's dtype), network
-combine (a float32 sum over nodes in ascending order, rounded once). With at most two
-destination ranks per token, or with all of a token's destinations on one node, that is the
-``torch`` transport's sum bit for bit; otherwise it equals it to rounding (the sums are
-grouped by node). ``dispatch``, ``dispatch_cached`` and ``combine_topk_weights`` are exact.
+``aggregate=1`` (DeepEP's normal-kernel route: RDMA once per node, then NVLink). The network
+stage runs on each *rail*, the N ranks with the same local index, with the E experts split over
+the N nodes: a token goes once to each node that owns one of its experts, to that node's rank
+with this rank's local index, with its ids made local to the node. The local stage forwards
+what the rail brought (up to N * T_MAX rows) to the ranks that own the experts. Dispatch =
+network dispatch, then local dispatch of the received rows, then one permutation from (local
+source, source node, token) order to the contract's (source rank, token) order; the
+per-(local source, node) counts come from one small count exchange inside the node. Combine
+runs the reverse: inverse permutation, local combine, network combine.
+
+``aggregate=0`` (no aggregation, DeepEP's low-latency route: every remote destination rank is
+written directly, nothing is forwarded). The network stage runs on the whole EP group and
+carries only the slots whose expert lives on another node, straight to the rank that owns it;
+the local stage carries the slots of this node's experts from this rank's own tokens (T_MAX
+rows). A token with experts on several ranks of one remote node crosses the network once per
+such rank. Dispatch = both stages' dispatches, their rows merged into (source rank, token)
+order (the sources of each stage are disjoint); no count exchange, no permutation.
+
+Combine sums (both modes accumulate in float32 from +0.0 and round to y's dtype):
+
+* ``aggregate=1``: per token and node, the local stage sums the node's destination ranks in
+  ascending order (rounded to y's dtype); the network stage then sums those per-node partials
+  over nodes in ascending order (rounded once).
+* ``aggregate=0``: the network stage sums the token's remote destination ranks in ascending
+  order (rounded to y's dtype), the local stage this node's destination ranks in ascending
+  order (rounded to y's dtype); the two partials are added in float32 and rounded once.
+
+With at most two destination ranks per token, or with all of a token's destinations in one
+group (one node for ``aggregate=1``; this node, or only other nodes, for ``aggregate=0``), that
+is the ``torch`` transport's sum bit for bit; otherwise it equals it to rounding (the sums are
+grouped). ``dispatch``, ``dispatch_cached`` and ``combine_topk_weights`` are exact in both
+modes. With one node (N = 1) the modes are the same: everything goes through the local stage.
+
+Network accounting: every operation records what this rank handed to the network stage for
+rows that cross nodes (:class:`~efa_ep.kernels.base.NetOpCounts`: messages, rows, payload
+bytes; with a ``proxy`` network also the libfabric writes and bytes its wire queued, headers
+included) in :attr:`HierTransport.last_op_counts`; :meth:`HierTransport.op_totals` sums them.
 
 Every operation starts with one small status exchange over the whole group, so a bad input on
 any rank raises on every rank (each stage's own exchange covers only its rail or node).
 
 Options: ``node_size`` (G; env ``EFA_EP_NODE_SIZE``; default: ranks grouped by host name,
 which must give equal, contiguous blocks), ``network`` (``proxy``|``torch``), ``local``
-(``auto``|``gda``|``torch``); other options (``num_channels``, ``provider``, ``timeout_s``,
-...) go to the network transport, and ``timeout_s`` also to the local one.
+(``auto``|``gda``|``torch``), ``aggregate`` (1|0, default 1); other options (``num_channels``,
+``provider``, ``timeout_s``, ...) go to the network transport, and ``timeout_s`` also to the
+local one. A bad value raises :class:`~efa_ep.kernels.base.TransportError` in one line.
 
-Synchronization: as the stages (host syncs: one per stage dispatch, the count exchange).
+Synchronization: every call is collective over the EP group and returns when this rank's
+outputs are ready; the stages synchronize as they do alone (host syncs: one per stage
+dispatch, plus, with ``aggregate=1``, the count exchange inside the node).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import socket
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from efa_ep.kernels.base import (
-    DispatchHandle, DispatchInputError, Transport, TransportError, collective_device,
-    compute_send_layout, validate_dispatch_inputs,
+    DispatchHandle, DispatchInputError, NetCounter, NetOpCounts, Transport, TransportError,
+    collective_device, compute_send_layout, validate_dispatch_inputs,
 )
 
-_OWN_OPTIONS = ("node_size", "network", "local")
+_OWN_OPTIONS = ("node_size", "network", "local", "aggregate")
 _SHARED_OPTIONS = ("timeout_s",)
 
 
@@ -92,18 +120,40 @@ class HierDispatchState:
 
     Attributes:
         net: the network stage's handle. local: the local stage's handle.
-        perm: ``[N]`` int64 (x's device): row i of the result is row ``perm[i]`` of the local
-            stage's output. owner: ``id()`` of the transport that made it.
+        perm: ``aggregate=1``: ``[N]`` int64 (x's device), row i of the result is row
+            ``perm[i]`` of the local stage's output; None with ``aggregate=0``.
+        split: ``aggregate=0``: ``(a, b)``, the result is the network stage's first ``a`` rows
+            (sources on lower nodes), the local stage's ``b`` rows, then the network stage's
+            other rows; None with ``aggregate=1``.
+        owner: ``id()`` of the transport that made it.
     """
 
     net: DispatchHandle
     local: DispatchHandle
-    perm: torch.Tensor
+    perm: Optional[torch.Tensor]
     owner: int
+    split: Optional[Tuple[int, int]] = None
+
+
+def _hier_option(key: str, value, where: str):
+    """``value`` checked against the hier schema (kernels/options.py); one-line TransportError."""
+    from efa_ep.kernels.options import SCHEMAS, ConfigError
+
+    try:
+        return SCHEMAS["hier"][key].convert(value, where)
+    except ConfigError as e:
+        raise TransportError(f"{e} ({e.hint})" if e.hint else str(e)) from None
 
 
 class HierTransport(Transport):
-    """Hierarchical transport (module docstring); contract in ``efa_ep.kernels.base``."""
+    """Hierarchical transport (module docstring); contract in ``efa_ep.kernels.base``.
+
+    Attributes:
+        num_nodes, node_size: N and G. node, local_rank: this rank's node and index in it.
+        aggregate: 1 or 0 (module docstring). stage_names: (network, local) transport names.
+        last_op_counts: ``{op: NetOpCounts}`` of the most recent call of each op (this rank's
+            rows that crossed nodes; see :class:`~efa_ep.kernels.base.NetOpCounts` for units).
+    """
 
     name = "hier"
 
@@ -112,42 +162,82 @@ class HierTransport(Transport):
         from efa_ep.kernels import create_transport
 
         opts = dict(cfg.options)
-        node_size = opts.get("node_size") or os.environ.get("EFA_EP_NODE_SIZE") or None
+        who = f"rank {self.rank}: hier option"
+        if opts.get("node_size") is not None:
+            node_size = _hier_option("node_size", opts["node_size"], who)
+        elif os.environ.get("EFA_EP_NODE_SIZE"):
+            node_size = _hier_option("node_size", os.environ["EFA_EP_NODE_SIZE"],
+                                     f"rank {self.rank}: EFA_EP_NODE_SIZE")
+        else:
+            node_size = None
         self.num_nodes, self.node_size = node_layout(group, node_size)
         n, g = self.num_nodes, self.node_size
         self.node, self.local_rank = divmod(self.rank, g)
-        net_name = str(opts.get("network", "proxy"))
-        local_name = str(opts.get("local", "auto"))
-        if net_name not in ("proxy", "torch"):
-            raise TransportError(f"rank {self.rank}: hier option network must be proxy or "
-                                 f"torch, got {net_name!r}")
-        if local_name not in ("auto", "gda", "torch"):
-            raise TransportError(f"rank {self.rank}: hier option local must be auto, gda or "
-                                 f"torch, got {local_name!r}")
+        net_name = _hier_option("network", opts.get("network", "proxy"), who)
+        local_name = _hier_option("local", opts.get("local", "auto"), who)
+        self.aggregate = _hier_option("aggregate", opts.get("aggregate", 1), who)
         if local_name == "auto":
             from efa_ep.kernels import gda
             local_name = "gda" if gda.availability() is None else "torch"
         ranks = [dist.get_global_rank(group, i) for i in range(self.world_size)]
         backend = dist.get_backend(group)
         node_ranks = ranks[self.node * g:(self.node + 1) * g]
-        rail_ranks = ranks[self.local_rank::g]
         # Only the members create each subgroup (the EP group may be one of many in WORLD).
         self.node_group = dist.new_group(node_ranks, backend=backend,
                                          use_local_synchronization=True)
-        self.rail_group = dist.new_group(rail_ranks, backend=backend,
-                                         use_local_synchronization=True)
         net_opts = {k: v for k, v in opts.items() if k not in _OWN_OPTIONS}
         local_opts = {k: v for k, v in opts.items() if k in _SHARED_OPTIONS}
-        if n == 1 or net_name == "torch":
-            net_name, net_opts = "torch", {}  # one node: the rail is this rank alone
-        self.network = create_transport(net_name, self.rail_group, cfg.num_experts, cfg.hidden,
-                                        cfg.max_tokens_per_rank, cfg.dtype, **net_opts)
-        self.local = create_transport(local_name, self.node_group, cfg.num_experts // n,
-                                      cfg.hidden, n * cfg.max_tokens_per_rank, cfg.dtype,
-                                      **local_opts)
+        # aggregate=0 across nodes: the network stage spans the whole group, direct to ranks.
+        self._direct = self.aggregate == 0 and n > 1
+        if self._direct:
+            self.rail_group = None
+            self.network = create_transport(net_name, group, cfg.num_experts, cfg.hidden,
+                                            cfg.max_tokens_per_rank, cfg.dtype, **net_opts)
+            self.local = create_transport(local_name, self.node_group, cfg.num_experts // n,
+                                          cfg.hidden, cfg.max_tokens_per_rank, cfg.dtype,
+                                          **local_opts)
+        else:
+            rail_ranks = ranks[self.local_rank::g]
+            self.rail_group = dist.new_group(rail_ranks, backend=backend,
+                                             use_local_synchronization=True)
+            if n == 1 or net_name == "torch":
+                net_name, net_opts = "torch", {}  # one node: the rail is this rank alone
+            self.network = create_transport(net_name, self.rail_group, cfg.num_experts,
+                                            cfg.hidden, cfg.max_tokens_per_rank, cfg.dtype,
+                                            **net_opts)
+            self.local = create_transport(local_name, self.node_group, cfg.num_experts // n,
+                                          cfg.hidden, n * cfg.max_tokens_per_rank, cfg.dtype,
+                                          **local_opts)
         self.stage_names = (self.network.name, self.local.name)
+        # the network stage's index of this rank, whose own rows never cross nodes
+        self._net_self = self.rank if self._direct else self.node
         self._ctl = collective_device(group)
         self._broken: Optional[str] = None
+        self._net = NetCounter()
+
+    @property
+    def last_op_counts(self) -> Dict[str, NetOpCounts]:
+        """``{op: NetOpCounts}``: what the most recent call of each op on this rank handed to
+        the network stage for other nodes (messages = destination ranks with >= 1 row, rows,
+        payload bytes; with a ``proxy`` network also its wire's writes and bytes, headers to
+        every network peer included). Host counts, read after the call; no synchronization."""
+        return dict(self._net.last)
+
+    def op_totals(self) -> dict:
+        """Per-op sums of :attr:`last_op_counts` since creation
+        (:class:`~efa_ep.kernels.base.NetCounter`)."""
+        return self._net.totals()
+
+    def _count(self, op: str, per_peer, row_bytes: int) -> None:
+        """Records ``op``: ``per_peer`` = rows this rank handed the network stage per network
+        peer (its own entry never crosses nodes), ``row_bytes`` = payload bytes per row."""
+        rows = [int(v) for i, v in enumerate(per_peer) if i != self._net_self]
+        wire = getattr(self.network, "last_op_counts", {}).get(op)
+        sent = sum(rows)
+        self._net.record(NetOpCounts(
+            op, messages=sum(1 for v in rows if v), rows=sent, bytes=sent * int(row_bytes),
+            writes=None if wire is None else wire.writes,
+            wire_bytes=None if wire is None else wire.wire_bytes))
 
     # ------------------------------------------------------------------------------------
     def _agree(self, op: str, error: Optional[str]) -> None:
@@ -191,10 +281,15 @@ class HierTransport(Transport):
 
     # ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights):
-        """See ``efa_ep.kernels.base``; returns rows in (source rank, token) order."""
+        """See ``efa_ep.kernels.base``: ``x`` ``[T, H]`` (the transport's dtype), ``topk_idx``
+        ``[T, K]`` int64, ``topk_weights`` ``[T, K]`` float32, one device; returns rows in
+        (source rank, token) order."""
         self._agree("dispatch", validate_dispatch_inputs(self.cfg, self.rank, x, topk_idx,
                                                          topk_weights))
+        if self._direct:
+            return self._dispatch_direct(x, topk_idx, topk_weights)
         x1, i1, w1, _, h1 = self._stage(self.network.dispatch, x, topk_idx, topk_weights)
+        self._count("dispatch", h1.num_send_per_rank, self.cfg.hidden * x.element_size())
         x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
         n, g = self.num_nodes, self.node_size
         # Rows this rank forwards to each local rank d, split by the node they came from.
@@ -225,6 +320,39 @@ class HierTransport(Transport):
             state=HierDispatchState(net=h1, local=h2, perm=perm, owner=id(self)))
         return x2.index_select(0, perm), recv_idx, w2.index_select(0, perm), tpe, handle
 
+    def _dispatch_direct(self, x, topk_idx, topk_weights):
+        """``aggregate=0``: slots of other nodes' experts go to the network stage (whole group,
+        global ids), slots of this node's experts to the local stage (ids local to the node);
+        the two results are merged in (source rank, token) order."""
+        n, g, cfg = self.num_nodes, self.node_size, self.cfg
+        per_node = cfg.num_experts // n
+        used = topk_idx >= 0
+        here = used & (torch.div(topk_idx, per_node, rounding_mode="floor") == self.node)
+        none = torch.full_like(topk_idx, -1)
+        net_idx = torch.where(used & ~here, topk_idx, none)
+        loc_idx = torch.where(here, topk_idx - self.node * per_node, none)
+        x1, i1, w1, tpe1, h1 = self._stage(self.network.dispatch, x, net_idx, topk_weights)
+        self._count("dispatch", h1.num_send_per_rank, cfg.hidden * x.element_size())
+        x2, i2, w2, tpe2, h2 = self._stage(self.local.dispatch, x, loc_idx, topk_weights)
+        lo = self.node * g
+        a = sum(h1.num_recv_per_rank[:lo])
+        b = x2.shape[0]
+
+        def merge(net, loc):
+            return torch.cat([net[:a], loc, net[a:]], 0)
+
+        num_recv = tuple(h2.num_recv_per_rank[s - lo] if lo <= s < lo + g
+                         else h1.num_recv_per_rank[s] for s in range(self.world_size))
+        flat = compute_send_layout(topk_idx, cfg.num_experts, self.world_size)
+        recv_idx = merge(i1, i2)
+        handle = DispatchHandle(
+            num_tokens=x.shape[0], num_recv_tokens=int(recv_idx.shape[0]), topk_idx=topk_idx,
+            send_token_idx=flat.send_token_idx_S,
+            num_send_per_rank=tuple(int(v) for v in flat.num_tokens_per_rank_W.tolist()),
+            num_recv_per_rank=num_recv, recv_topk_idx=recv_idx,
+            state=HierDispatchState(net=h1, local=h2, perm=None, owner=id(self), split=(a, b)))
+        return merge(x1, x2), recv_idx, merge(w1, w2), tpe1 + tpe2, handle
+
     def _exchange_counts(self, counts_GN: torch.Tensor) -> torch.Tensor:
         """All-to-all inside the node: row d of ``counts_GN`` goes to local rank d; returns
         ``[G, N]`` int64 (CPU): what each local source forwards here, per source node."""
@@ -239,11 +367,18 @@ class HierTransport(Transport):
         return recv
 
     def dispatch_cached(self, x, handle):
-        """Replays ``handle``'s route for ``x`` ``[T, D]``: returns ``[N, D]``."""
+        """Replays ``handle``'s route for ``x`` ``[T, D]`` (any float dtype): returns ``[N, D]``."""
         err = self._state(handle) or self._rows_check(x, handle.num_tokens, "cached dispatch x")
         self._agree("dispatch_cached", err)
         st = handle.state
+        if st.split is not None:
+            x1 = self._stage(self.network.dispatch_cached, x, st.net)
+            self._count("dispatch_cached", st.net.num_send_per_rank, x.shape[1] * x.element_size())
+            x2 = self._stage(self.local.dispatch_cached, x, st.local)
+            a = st.split[0]
+            return torch.cat([x1[:a], x2, x1[a:]], 0)
         x1 = self._stage(self.network.dispatch_cached, x, st.net)
+        self._count("dispatch_cached", st.net.num_send_per_rank, x.shape[1] * x.element_size())
         x2 = self._stage(self.local.dispatch_cached, x1, st.local)
         return x2.index_select(0, st.perm)
 
@@ -252,13 +387,29 @@ class HierTransport(Transport):
         y2.index_copy_(0, st.perm, y)
         return y2
 
+    def _split_rows(self, y, st):
+        """``aggregate=0``: ``y`` ``[N, D]`` -> (network stage's rows, local stage's rows)."""
+        a, b = st.split
+        return torch.cat([y[:a], y[a + b:]], 0), y[a:a + b]
+
     def combine(self, y, handle):
-        """``y`` ``[N, D]`` -> ``[T, D]`` in y's dtype; sums grouped by node (module docstring)."""
+        """``y`` ``[N, D]`` -> ``[T, D]`` in y's dtype; sums grouped (module docstring)."""
         err = self._state(handle) or self._rows_check(y, handle.num_recv_tokens, "combine y")
         self._agree("combine", err)
         st = handle.state
+        row_bytes = y.shape[1] * y.element_size()
+        if st.split is not None:
+            y_net, y_loc = self._split_rows(y.contiguous(), st)
+            z1 = self._stage(self.network.combine, y_net, st.net)
+            self._count("combine", st.net.num_recv_per_rank, row_bytes)
+            z2 = self._stage(self.local.combine, y_loc.contiguous(), st.local)
+            # float32 from +0.0: 0 + z1 == z1 exactly (a stage's sum is never -0.0), + z2,
+            # rounded once to y's dtype
+            return (z1.float() + z2.float()).to(y.dtype)
         z1 = self._stage(self.local.combine, self._unpermute(y.contiguous(), st), st.local)
-        return self._stage(self.network.combine, z1, st.net)
+        out = self._stage(self.network.combine, z1, st.net)
+        self._count("combine", st.net.num_recv_per_rank, row_bytes)
+        return out
 
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """``[N, K]`` float32 -> ``[T, K]`` float32 (exact: one non-zero source per slot)."""
@@ -267,9 +418,18 @@ class HierTransport(Transport):
             g, handle.num_recv_tokens, "combine_topk_weights input", handle.recv_topk_idx.shape[1])
         self._agree("combine_topk_weights", err)
         st = handle.state
+        row_bytes = 4 * g.shape[1]
+        if st.split is not None:
+            g_net, g_loc = self._split_rows(g.float().contiguous(), st)
+            z1 = self._stage(self.network.combine_topk_weights, g_net.contiguous(), st.net)
+            self._count("combine_topk_weights", st.net.num_recv_per_rank, row_bytes)
+            z2 = self._stage(self.local.combine_topk_weights, g_loc.contiguous(), st.local)
+            return z1 + z2  # every slot is non-zero in at most one of them: exact
         z1 = self._stage(self.local.combine_topk_weights,
                          self._unpermute(g.float().contiguous(), st), st.local)
-        return self._stage(self.network.combine_topk_weights, z1, st.net)
+        out = self._stage(self.network.combine_topk_weights, z1, st.net)
+        self._count("combine_topk_weights", st.net.num_recv_per_rank, row_bytes)
+        return out
 
     def after_backward(self) -> None:
         self.network.after_backward()

@@ -1,44 +1,98 @@
 """The ``hier`` transport (local stage inside emulated nodes, network stage across them) against
 the brute-force contract reference and the ``torch`` transport, on CPU: ranks are gloo
 processes, nodes are emulated with ``node_size``; the network stage runs ``proxy`` over tcp on
-loopback (EP 4) or ``torch`` (EP 8, to keep CI short). Dispatch, cached dispatch and the
-weight combine must be bit-identical; combine bit-identical when every token has at most two
-destination ranks, else equal to rounding (sums grouped by node)."""
+loopback (EP 4) or ``torch`` (EP 8, to keep CI short), with ``aggregate=1`` (once per node) and
+``aggregate=0`` (once per destination rank). Dispatch, cached dispatch and the weight combine
+must be bit-identical; combine bit-identical when every token has at most two destination
+ranks or all of them on one node, else equal to rounding (sums grouped). The network counts
+(``last_op_counts``) must equal a brute-force count from the routes, and with a proxy network
+the writes it reports must equal the native engine's own counter."""
 import pytest
 import torch
 
 from efa_ep.distributed import RankFailure, run_ranks
 
-KINDS = ("random", "skewed", "one_rank", "dropped")
+# one_node: every token's experts on one node (a different node per token), over several ranks
+KINDS = ("random", "skewed", "one_rank", "dropped", "one_node")
+ENV = {"FI_TCP_IFACE": "lo"}
 
 
 def _tokens(rank, case):
     return 0 if (rank == 1 and case % 3 == 1) else 2 + 3 * rank + 2 * case
 
 
-def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_name):
+def _route(kind, n, experts, k, world, node_size, seed):
     from routes import make_route
 
+    if kind != "one_node":
+        return make_route(kind, n, experts, k, world, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    per_node = experts // (world // node_size)
+    node = torch.randint(0, world // node_size, (n, 1), generator=g)
+    kk = min(k, per_node)
+    idx = torch.rand(n, per_node, generator=g).topk(kk, dim=1).indices + node * per_node
+    idx = torch.cat([idx, torch.full((n, k - kk), -1, dtype=torch.int64)], 1)
+    w = torch.where(idx >= 0, torch.rand(n, k, generator=g), torch.zeros(n, k))
+    return idx, w
+
+
+def _expected_counts(data, rank, world, node_size, experts, aggregate, row_bytes):
+    """Brute force from every rank's route: (dispatch messages, rows, bytes) this rank sends
+    across nodes, and the rows it sends back across nodes in combine."""
+    n_nodes = world // node_size
+    per_rank = experts // world
+    node = rank // node_size
+
+    def dests(idx):  # [T, W] bool: token t has an expert on rank r
+        out = torch.zeros(idx.shape[0], world, dtype=torch.bool)
+        for j in range(idx.shape[1]):
+            ok = idx[:, j] >= 0
+            out[ok.nonzero().flatten(), idx[ok, j] // per_rank] = True
+        return out
+
+    if aggregate or n_nodes == 1:  # rail peers: same local index on other nodes
+        def sends(src):
+            d = dests(data[src][1]).view(-1, n_nodes, node_size).any(2)
+            return [int(d[:, m].sum()) for m in range(n_nodes) if m != src // node_size]
+        back = [sends(rank % node_size + m * node_size)[node - (node > m)]
+                for m in range(n_nodes) if m != node]
+    else:
+        def sends(src):
+            d = dests(data[src][1])
+            return [int(d[:, r].sum()) for r in range(world) if r // node_size != src // node_size]
+        back = [int(dests(data[s][1])[:, rank].sum()) for s in range(world)
+                if s // node_size != node]
+    out = sends(rank)
+    return (sum(1 for v in out if v), sum(out), sum(out) * row_bytes), sum(back)
+
+
+def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_name, aggregate):
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
 
     dtype = getattr(torch, dtype_name)
-    opts = dict(node_size=node_size, network=network)
+    opts = dict(node_size=node_size, network=network, aggregate=aggregate)
     if network == "proxy":
         opts.update(provider="tcp", num_channels=2, timeout_s=30)
     t = create_transport("hier", None, experts, hidden, 64, dtype, **opts)
-    assert t.name == "hier" and t.num_nodes == world // node_size
+    assert t.name == "hier" and t.num_nodes == world // node_size and t.aggregate == aggregate
     assert t.stage_names == (network if world > node_size else "torch", "torch")
     checked = 0
     for case, (kind, k) in enumerate([(kind, k) for kind in KINDS for k in topks]):
         data = []
         for r in range(world):
             n = _tokens(r, case)
-            idx, w = make_route(kind, n, experts, k, world, seed=1000 * case + r)
+            idx, w = _route(kind, n, experts, k, world, node_size, seed=1000 * case + r)
             g = torch.Generator().manual_seed(case * 31 + r)
             data.append((torch.randn(n, hidden, generator=g).to(dtype), idx, w))
         x, idx, w = data[rank]
         rx, ri, rw, tpe, handle = t.dispatch(x, idx, w)
+        row_bytes = hidden * x.element_size()
+        want_d, want_back = _expected_counts(data, rank, world, node_size, experts, aggregate,
+                                             row_bytes)
+        got_d = t.last_op_counts["dispatch"]
+        assert (got_d.messages, got_d.rows, got_d.bytes) == want_d, (kind, k, got_d, want_d)
+        assert (got_d.writes is None) == (network != "proxy" or world == node_size), got_d
         ref = reference_dispatch(*zip(*data), num_experts=experts)
         exp_x, exp_i, exp_w, exp_c, sources = ref[rank]
         assert torch.equal(rx, exp_x), (kind, k, rank)
@@ -51,9 +105,11 @@ def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_
                           generator=torch.Generator().manual_seed(9 + d + case)).to(dtype)
               for d in range(world)]
         out = t.combine(ys[rank], handle)
+        got_c = t.last_op_counts["combine"]
+        assert (got_c.rows, got_c.bytes) == (want_back, want_back * row_bytes), (kind, k, got_c)
         exp_out = reference_combine(ys, [ref[d][4] for d in range(world)],
                                     [d[0].shape[0] for d in data])[rank]
-        if k <= 2:
+        if k <= 2 or kind in ("one_node", "one_rank"):
             assert torch.equal(out, exp_out), (kind, k, (out - exp_out).abs().max())
         else:
             tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -68,20 +124,113 @@ def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_
         back = t.combine_topk_weights(rw, handle)
         assert torch.equal(back, w), (kind, k)
         checked += 1
+    if network == "proxy" and world > node_size:
+        # every write the counts name was posted by the native engine, and nothing else
+        # (its counter also has the warm-up round: one 16-byte write per channel and peer)
+        net = t.network
+        net.wire.quiesce()
+        posted = sum(c["posted"] for c in net.stats())
+        warm = net.num_channels * (net.world_size - 1)
+        assert posted == net.wire.posted["writes"], (posted, net.wire.posted)
+        ops = t.op_totals()
+        assert sum(v["writes"] for v in ops.values()) + warm == posted, (ops, posted, warm)
+        assert ops["dispatch"]["calls"] == checked and ops["dispatch_cached"]["calls"] == 2 * checked
     t.close()
     return checked
 
 
+@pytest.mark.parametrize("aggregate", [1, 0])
 @pytest.mark.parametrize("world,node_size,network,topks,dtype", [
     (4, 2, "proxy", (1, 2, 8), "float32"),
     (8, 4, "torch", (2, 4), "bfloat16"),
     (8, 2, "torch", (1, 8), "float32"),
     (4, 4, "torch", (2,), "float32"),
 ])
-def test_hier_matches_reference(world, node_size, network, topks, dtype):
-    counts = run_ranks(_hier_worker, world, (node_size, network, 32, 8, topks, dtype),
-                       timeout_s=240)
+def test_hier_matches_reference(world, node_size, network, topks, dtype, aggregate):
+    counts = run_ranks(_hier_worker, world, (node_size, network, 32, 8, topks, dtype, aggregate),
+                       timeout_s=300, env=ENV)
     assert counts == [len(KINDS) * len(topks)] * world
+
+
+def _fewer_ops_worker(rank, world, node_size, network):
+    """The same route through aggregate=1 and aggregate=0: every token has experts on several
+    ranks of one remote node (and none elsewhere)."""
+    from efa_ep.kernels import create_transport
+
+    experts, hidden, k = 32, 8, 4
+    n_nodes, per_rank = world // node_size, experts // world
+    node = rank // node_size
+    far = (node + 1) % n_nodes
+    t_tok = 6 + rank
+    # expert j of the far node's rank j % node_size: k experts over min(k, G) ranks of it
+    first = far * node_size * per_rank
+    idx = torch.tensor([[first + (j % node_size) * per_rank + (j // node_size) % per_rank
+                         for j in range(k)]] * t_tok)
+    w = torch.rand(t_tok, k, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(t_tok, hidden, generator=torch.Generator().manual_seed(7 + rank))
+    got = {}
+    opts = dict(provider="tcp", num_channels=1, timeout_s=30) if network == "proxy" else {}
+    for agg in (1, 0):
+        t = create_transport("hier", None, experts, hidden, 16, torch.float32, node_size=node_size,
+                             network=network, aggregate=agg, **opts)
+        rx, _, _, _, h = t.dispatch(x, idx, w)
+        out = t.combine(rx, h)
+        got[agg] = {op: t.last_op_counts[op].as_dict() for op in ("dispatch", "combine")}
+        got[agg]["out"] = out
+        t.close()
+    assert torch.equal(got[0].pop("out"), got[1].pop("out"))  # one remote node: exact in both
+    return got
+
+
+@pytest.mark.parametrize("world,node_size,network", [(4, 2, "proxy"), (8, 4, "torch")])
+def test_aggregation_sends_fewer_network_ops(world, node_size, network):
+    res = run_ranks(_fewer_ops_worker, world, (node_size, network), timeout_s=300, env=ENV)
+    for rank, got in enumerate(res):
+        for op in ("dispatch", "combine"):
+            a1, a0 = got[1][op], got[0][op]
+            # one message to the rail peer vs one per destination rank of the far node
+            assert a1["messages"] == 1 and a0["messages"] == min(4, node_size), (rank, op, a1, a0)
+            assert a1["rows"] == 6 + rank if op == "dispatch" else a1["rows"] > 0
+            assert a0["rows"] == a0["messages"] * a1["rows"] if op == "dispatch" else True
+            for key in ("messages", "rows", "bytes"):
+                assert a1[key] < a0[key], (rank, op, key, a1, a0)
+            if network == "proxy":
+                assert a1["writes"] < a0["writes"] and a1["wire_bytes"] < a0["wire_bytes"], (a1, a0)
+            else:
+                assert a1["writes"] is None and a0["writes"] is None
+
+
+def _bad_option_worker(rank, world, key, value):
+    from efa_ep.kernels import create_transport
+
+    try:
+        create_transport("hier", None, 8, 4, 16, torch.float32,
+                         **{"node_size": 2, "network": "torch", key: value})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("key,value,expect", [
+    ("aggregate", 2, "aggregate=2 is not one of 0, 1"),
+    ("aggregate", "yes", "aggregate='yes' is not an integer"),
+    ("network", "nccl", "network='nccl' is not one of proxy, torch"),
+    ("node_size", 0, "node_size=0 must be >= 1"),
+])
+def test_hier_bad_option_is_one_line(key, value, expect):
+    msgs = run_ranks(_bad_option_worker, 2, (key, value), timeout_s=120)
+    for m in msgs:
+        assert m.startswith("TransportError") and expect in m and "\n" not in m, m
+
+
+def test_hier_schema_refuses_bad_aggregate_in_the_launcher():
+    from efa_ep.kernels.options import ConfigError, validate_options
+
+    assert validate_options("hier", {"aggregate": "0"}, where="X") == {"aggregate": 0}
+    with pytest.raises(ConfigError, match=r"X: aggregate='2' is not one of 0, 1"):
+        validate_options("hier", {"aggregate": "2"}, where="X")
+    with pytest.raises(ConfigError, match="did you mean 'aggregate'"):
+        validate_options("hier", {"agregate": "1"}, where="X")
 
 
 def _bad_input_worker(rank, world):
