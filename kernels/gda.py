@@ -811,8 +811,8 @@ class GdaTransport(Transport):
         ``fn`` first runs ``warmup`` times eagerly (kernel compilation happens there, never
         during capture). The graph's op numbers come from a device counter that the graph
         advances by its op count as its last node, so replays interleave freely with eager
-        calls; an odd op count is padded with one data-free barrier op (window parities must
-        repeat on every replay).
+        calls (see :meth:`GdaGraph.replay`); an odd op count is padded with one data-free barrier
+        op (window parities must repeat on every replay).
 
         Why no launch gate on replay: one replay enqueues every store and wait of the sequence
         at once, so a wait depends only on peers' kernels of the same or an earlier replay,
@@ -832,6 +832,8 @@ class GdaTransport(Transport):
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         first = self._epoch
+        # captured op i (1-based) carries the number op_base[0] + first - dev_base + i
+        offset = first - self._dev_base
         self._capturing = True
         try:
             with torch.cuda.graph(graph, pool=pool):
@@ -846,10 +848,8 @@ class GdaTransport(Transport):
             raise
         finally:
             self._capturing = False
-        # The captured ops never ran: the first replay must carry the next op numbers.
-        self._op_base.add_(num_ops)
-        self._dev_base += num_ops
-        return GdaGraph(self, graph, num_ops, outputs)
+        # The captured add never ran: replay() moves the base to what the replay needs.
+        return GdaGraph(self, graph, num_ops, outputs, first, offset)
 
     def close(self) -> None:
         """Drops the windows (idempotent). Collective in spirit: peers may still map them."""
@@ -872,17 +872,30 @@ class GdaGraph:
         num_ops: op numbers one replay consumes (even).
     """
 
-    def __init__(self, transport: GdaTransport, graph, num_ops: int, outputs):
+    def __init__(self, transport: GdaTransport, graph, num_ops: int, outputs, first: int,
+                 offset: int):
         self._transport, self.graph, self.num_ops, self.outputs = transport, graph, num_ops, outputs
+        self._first, self._offset = first, offset
 
     def replay(self) -> None:
         """Relaunches the captured sequence on the current stream (collective: every rank
         replays its graph the same number of times, in the same order relative to its eager
-        calls). No host sync; deadline expiries are deferred as for eager calls."""
+        calls). No host sync; deadline expiries are deferred as for eager calls.
+
+        The replay's ops take the next op numbers: when eager calls (or another graph) ran
+        since this graph's last replay, one small kernel first moves the device base; when an
+        odd number of them ran, one barrier op first restores the window parities the graph
+        was captured with (so no op writes the window half a peer may still be reading)."""
         tr = self._transport
         tr._check_usable()
-        if tr._epoch + self.num_ops >= 2**31 - 1:
+        if tr._epoch + self.num_ops + 1 >= 2**31 - 1:
             raise TransportError(f"rank {tr.rank}: gda epoch counter exhausted; recreate")
+        if (tr._epoch - self._first) % 2:
+            tr._barrier_op()
+        base = tr._epoch - self._offset  # captured op i then runs as op tr._epoch + i
+        if base != tr._dev_base:
+            tr._op_base.add_(base - tr._dev_base)
+            tr._dev_base = base
         tr._epoch += self.num_ops
         self.graph.replay()
         tr._dev_base += self.num_ops

@@ -258,7 +258,7 @@ def main():
                 / COPY_CEILING_BPS,
                 floor_us=max(p["floor_us"] for p in per),
                 dispatch_hbm_frac=2 * moved / (d * 1e-6) / COPY_CEILING_BPS,
-                combine_hbm_frac=2 * moved / (c * 1e-6) / COPY_CEILING_BPS,
+                combine_hbm_frac=2 * moved / (c * 1e-6) / COPY_CEILING_BPS if c else 0.0,
                 total_hbm_frac=4 * moved / (tot * 1e-6) / COPY_CEILING_BPS,
                 host_us=max(p.get("host_us", 0.0) for p in per),
                 per_rank=per, seconds=round(time.time() - t0, 1)))
