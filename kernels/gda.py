@@ -74,9 +74,14 @@ Fixed-capacity mode (:meth:`GdaTransport.dispatch_fixed`; inference and decode):
     layout and returns only rows ``j < n_s`` (counts read on the device). The views are
     overwritten two ops later (window parity): hold at most one fixed dispatch result while its
     combine runs, as in DeepEP's low-latency mode; training keeps the regular ``dispatch``
-    (activations saved for backward must outlive that). Not CUDA-graph capturable yet: op
-    numbers (epochs) are host arguments baked into a capture; moving them to a device counter
-    is the next step.
+    (activations saved for backward must outlive that).
+
+CUDA graphs (:meth:`GdaTransport.capture`, :class:`GdaGraph`): fixed-capacity ops have static
+grids and no host sync, so a sequence of them is captured once and replayed with one host
+call (decode D+C on one H200: ~7 us of host time instead of ~500). Kernels take op numbers as
+``op_base[0] + delta`` with the base on the device; the graph's last node advances it, and a
+replay first moves it past any eager call made since (and restores the window parity with a
+barrier op when needed), so graphs and eager calls interleave freely.
 """
 from __future__ import annotations
 
