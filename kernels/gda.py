@@ -340,10 +340,10 @@ class GdaTransport(Transport):
             raise TransportUnavailable(f"rank {self.rank}: gda is not available: {why}")
         if self.world_size > _MAX_WORLD:
             raise TransportError(f"gda supports up to {_MAX_WORLD} ranks, got {self.world_size}")
-        from efa_ep.kernels import gda_kernels as K  # triton import stays lazy
+        from efa_ep.kernels import gda_kernels  # triton import stays lazy
         symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
 
-        self._k = K
+        self._kern = gda_kernels
         opts = dict(cfg.options)
         self.max_topk = int(opts.get("max_topk", 16))
         self.timeout_s = float(opts.get("timeout_s", 60.0))
@@ -442,7 +442,7 @@ class GdaTransport(Transport):
         """Marks the transport unusable here and, through the launch gate, for waiting peers."""
         self._broken = self._broken or msg
         if self._gate is not None:
-            self._gate.fail(self._k.wait_record(max(epoch, 1), kind))
+            self._gate.fail(self._kern.wait_record(max(epoch, 1), kind))
 
     def _issued(self, epoch: int, kind: str) -> None:
         """Called right after this rank enqueued its stores of op ``epoch``; with the launch
@@ -463,7 +463,7 @@ class GdaTransport(Transport):
         if not bits:
             return
         epoch, kind = divmod(int(record), 8)
-        what = self._k.OP_KINDS.get(kind, "op")
+        what = self._kern.OP_KINDS.get(kind, "op")
         missing = [s for s in range(self.world_size) if (bits >> s) & 1]
         msg = (f"rank {self.rank}: gda {what} (op {epoch}) gave up after {self.timeout_s:g}s "
                f"waiting for source rank(s) {missing}: they never signalled (crashed, hung, or "
@@ -551,7 +551,7 @@ class GdaTransport(Transport):
             recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64 (local ids, -1 elsewhere),
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
-        K, cfg, world = self._k, self.cfg, self.world_size
+        kern, cfg, world = self._kern, self.cfg, self.world_size
         if self._capturing:
             raise TransportError(
                 f"rank {self.rank}: gda dispatch reads the receive counts on the host and cannot "
@@ -566,18 +566,18 @@ class GdaTransport(Transport):
         x = x.contiguous() if x.stride(-1) != 1 else x
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
-        slot, send_idx, num_per_rank, num_per_expert, status = K.layout(
+        slot, send_idx, num_per_rank, num_per_expert, status = kern.layout(
             topk_idx, topk_weights, cfg.num_experts, world)
         if error is not None:
             status.fill_(STATUS_BAD_INPUT)
-        K.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
+        kern.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                          self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
                          **self._op(epoch), with_meta=True, num_programs=self.num_programs)
         self._issued(epoch, "dispatch")
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
-        info, recv_offsets = K.recv_header(
+        info, recv_offsets = kern.recv_header(
             self._my_sig, self._hdr_view(offs["hdr_off"]), self._err, num_per_rank,
             self._hw[epoch % 2], num_local=cfg.num_local_experts, t_max=cfg.max_tokens_per_rank,
             **self._op(epoch), kind="dispatch", **self._wait_args())
@@ -610,7 +610,7 @@ class GdaTransport(Transport):
         recv_idx = torch.empty(n, k, dtype=torch.int64, device=self.device)
         recv_w = torch.empty(n, k, dtype=torch.float32, device=self.device)
         if n:
-            K.gather_rows(self._win_ptr, recv_offsets, recv_x, recv_idx, recv_w, self._my_sig,
+            kern.gather_rows(self._win_ptr, recv_offsets, recv_x, recv_idx, recv_w, self._my_sig,
                           self._err, data_off=offs["data_off"], idx_off=offs["idx_off"],
                           w_off=offs["w_off"], t_max=cfg.max_tokens_per_rank, **self._op(epoch),
                           wait=False, num_programs=self.num_programs, **self._wait_args())
@@ -643,7 +643,7 @@ class GdaTransport(Transport):
         next ``dispatch`` / ``after_backward``), and later combines return NaN.
         Synchronization: none with the host; all work on the current stream.
         """
-        K, cfg, world = self._k, self.cfg, self.world_size
+        kern, cfg, world = self._kern, self.cfg, self.world_size
         error = self._host_check(x, topk_idx, topk_weights)
         epoch = self._begin_op("dispatch")
         parity = epoch % 2
@@ -657,12 +657,12 @@ class GdaTransport(Transport):
         x = x.contiguous() if x.stride(-1) != 1 else x
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
-        slot, send_idx, num_per_rank, num_per_expert, status = K.layout(
+        slot, send_idx, num_per_rank, num_per_expert, status = kern.layout(
             topk_idx, topk_weights, cfg.num_experts, world)
         if error is not None:
             status.fill_(STATUS_BAD_INPUT)
         t_max = cfg.max_tokens_per_rank
-        K.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
+        kern.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                          self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=t_max, num_local=cfg.num_local_experts, **self._op(epoch),
                          with_meta=True, num_programs=self.num_programs)
@@ -674,7 +674,7 @@ class GdaTransport(Transport):
                                         device=self.device)
         idx_region = self._region(offs["idx_off"], rows * k * 8, torch.int64)
         w_region = self._region(offs["w_off"], rows * k * 4, torch.float32)
-        K.recv_header_fixed(self._my_sig, self._hdr_view(offs["hdr_off"]), self._err,
+        kern.recv_header_fixed(self._my_sig, self._hdr_view(offs["hdr_off"]), self._err,
                             self._hw[parity], num_recv, tokens_per_expert, idx_region, w_region,
                             num_topk=k, t_max=t_max, **self._op(epoch), full=full, kind="dispatch",
                             **self._wait_args())
@@ -704,23 +704,23 @@ class GdaTransport(Transport):
             self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
         except DispatchInputError as e:
             self._refuse(str(e), "cached dispatch")
-        K = self._k
+        kern = self._kern
         epoch = self._begin_op("dispatch_cached")
         offs = self.layout.offsets(epoch % 2)
         x = x.contiguous() if (x.shape[1] > 1 and x.stride(1) != 1) else x
-        K.dispatch_store(x, None, None, st.slot_TW, None, None, None, self._buf_ptrs,
+        kern.dispatch_store(x, None, None, st.slot_TW, None, None, None, self._buf_ptrs,
                          self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
                          **self._op(epoch), with_meta=False, num_programs=self.num_programs)
         self._issued(epoch, "cached dispatch")
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
-            K.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
+            kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
                                **self._wait_args())
             rows = handle.num_recv_tokens
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
-        K.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
+        kern.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
                       data_off=offs["data_off"], idx_off=0, w_off=0,
                       t_max=self.cfg.max_tokens_per_rank, **self._op(epoch), wait=True,
                       kind="cached dispatch", num_programs=self.num_programs,
@@ -766,17 +766,17 @@ class GdaTransport(Transport):
             self._check_row_fits(y.shape[1], y.dtype, kind)
         except DispatchInputError as e:
             self._refuse(str(e), kind)
-        K = self._k
+        kern = self._kern
         epoch = self._begin_op(kind)
         offs = self.layout.offsets(epoch % 2)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
-        K.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, self._buf_ptrs,
+        kern.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, self._buf_ptrs,
                         self._sig_ptrs, self._done[1:2], data_off=offs["data_off"], me=self.rank,
                         t_max=self.cfg.max_tokens_per_rank, **self._op(epoch),
                         num_programs=self.num_programs, fixed=st.fixed)
         self._issued(epoch, kind)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        K.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,
+        kern.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,
                          data_off=offs["data_off"], t_max=self.cfg.max_tokens_per_rank,
                          **self._op(epoch), wait=True, kind=kind, num_programs=self.num_programs,
                          **self._wait_args())
@@ -787,7 +787,7 @@ class GdaTransport(Transport):
     def _barrier_op(self) -> None:
         """An op that moves no data: every rank signals every peer and waits for all of them
         (one single-program store launch and one wait). Keeps a captured op count even."""
-        K = self._k
+        kern = self._kern
         epoch = self._begin_op("combine")
         offs = self.layout.offsets(epoch % 2)
         if getattr(self, "_no_rows", None) is None:  # one row routed nowhere (slot -1)
@@ -795,12 +795,12 @@ class GdaTransport(Transport):
                              torch.full((1, self.world_size), -1, dtype=torch.int64,
                                         device=self.device))
         row, nowhere = self._no_rows
-        K.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
+        kern.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
                          self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
                          **self._op(epoch), with_meta=False, num_programs=1)
         self._issued(epoch, "combine")
-        K.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="combine",
+        kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="combine",
                            **self._wait_args())
 
     def capture(self, fn, *, warmup: int = 1, pool=None) -> "GdaGraph":

@@ -1,4 +1,4 @@
-"""Loss-match regression (issue 3), CPU.
+"""Loss-match regression, CPU.
 
 - The short config (conf/loss_match/ci.yaml: fp32, EP 2, 20 steps, every available transport)
   passes its tolerances: efa == alltoall bit for bit, == allgather within 1e-5, ep1 within the

@@ -37,7 +37,7 @@ def test_gda_kernels_interpreted(check):
 # ------------------------------------------------------------------------------------------
 def _check_layout():
     import torch
-    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.base import compute_send_layout
     from tests.routes import make_route
 
@@ -51,7 +51,7 @@ def _check_layout():
                     for kind in ("random", "skewed", "dropped", "one_rank"):
                         seed = hash((world, num_experts, topk, t, kind)) % 10_000
                         idx, w = make_route(kind, t, num_experts, topk, world, seed)
-                        slot, send_idx, per_rank, per_expert, status = K.layout(
+                        slot, send_idx, per_rank, per_expert, status = kern.layout(
                             idx, w, num_experts, world)
                         ref = compute_send_layout(idx, num_experts, world)
                         s = int(ref.num_tokens_per_rank_W.sum())
@@ -66,23 +66,23 @@ def _check_layout():
 
 def _check_layout_errors():
     import torch
-    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels import gda_kernels as kern
 
     idx = torch.tensor([[0, 3], [1, -1], [2, 2]], dtype=torch.int64)
     w = torch.ones(3, 2)
-    slot, send_idx, per_rank, per_expert, status = K.layout(idx, w, 4, 2)
+    slot, send_idx, per_rank, per_expert, status = kern.layout(idx, w, 4, 2)
     # The docstring example of _layout_count_kernel, written by hand.
     assert per_rank.tolist() == [2, 2] and per_expert.tolist() == [1, 1, 2, 1]
     assert slot.tolist() == [[0, 0], [1, -1], [-1, 1]]
     assert send_idx[:4].tolist() == [0, 1, 0, 2]
     bad = torch.tensor([[0, 9], [-3, 1]], dtype=torch.int64)
-    *_, status = K.layout(bad, torch.ones(2, 2), 4, 2)
+    *_, status = kern.layout(bad, torch.ones(2, 2), 4, 2)
     assert int(status) == 1, int(status)
     nan_w = torch.tensor([[0.5, float("nan")], [1.0, 0.0]])
-    *_, status = K.layout(torch.zeros(2, 2, dtype=torch.int64), nan_w, 4, 2)
+    *_, status = kern.layout(torch.zeros(2, 2, dtype=torch.int64), nan_w, 4, 2)
     assert int(status) == 2, int(status)
     try:
-        K.layout(idx.int(), w, 4, 2)
+        kern.layout(idx.int(), w, 4, 2)
         raise AssertionError("expected a dtype error")
     except ValueError as e:
         assert "torch.int64" in str(e)
@@ -118,7 +118,7 @@ WAIT = dict(timeout_ns=0, max_spins=1000, use_globaltimer=False)
 
 def _run_dispatch_combine(row_dtype_name):
     import torch
-    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
     from tests.routes import make_route
 
@@ -145,10 +145,10 @@ def _run_dispatch_combine(row_dtype_name):
         epoch, offs = 1, peers.layout.offsets(1)
         lays = []
         for me in range(world):
-            lay = K.layout(idxs[me], ws[me], num_experts, world)
+            lay = kern.layout(idxs[me], ws[me], num_experts, world)
             lays.append(lay)
             slot, send_idx, per_rank, per_expert, status = lay
-            K.dispatch_store(xs[me], idxs[me], ws[me], slot, per_rank, per_expert, status,
+            kern.dispatch_store(xs[me], idxs[me], ws[me], slot, per_rank, per_expert, status,
                              peers.buf_ptrs, peers.sig_ptrs, peers.dones[me], **offs, me=me,
                              t_max=t_max, num_local=num_local, epoch=epoch, with_meta=True,
                              num_programs=progs)
@@ -156,7 +156,7 @@ def _run_dispatch_combine(row_dtype_name):
         recv = []
         for me in range(world):
             assert peers.sigs[me].tolist() == [epoch] * world
-            info, offsets = K.recv_header(peers.sigs[me], peers.hdr(me, offs["hdr_off"]),
+            info, offsets = kern.recv_header(peers.sigs[me], peers.hdr(me, offs["hdr_off"]),
                                           peers.errs[me], lays[me][2], peers.hws[me][1],
                                           num_local=num_local, t_max=t_max, epoch=epoch, **WAIT)
             hl = 2 + num_local
@@ -168,7 +168,7 @@ def _run_dispatch_combine(row_dtype_name):
             rx = torch.full((n, hidden), float("nan"), dtype=dtype)
             ri = torch.full((n, topk), -7, dtype=torch.int64)
             rw = torch.full((n, topk), float("nan"))
-            K.gather_rows(peers.win_ptrs[me], offsets, rx, ri, rw, peers.sigs[me], peers.errs[me],
+            kern.gather_rows(peers.win_ptrs[me], offsets, rx, ri, rw, peers.sigs[me], peers.errs[me],
                           data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"],
                           t_max=t_max, epoch=epoch, wait=False, num_programs=progs, **WAIT)
             ref_x, ref_i, ref_w, ref_tpe, _ = ref[me]
@@ -181,13 +181,13 @@ def _run_dispatch_combine(row_dtype_name):
         epoch, offs = 2, peers.layout.offsets(0)
         ys = [torch.randn(n, hidden, generator=g).to(dtype) for n, _ in recv]
         for d in range(world):
-            K.combine_store(ys[d], recv[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
+            kern.combine_store(ys[d], recv[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
                             data_off=offs["data_off"], me=d, t_max=t_max, epoch=epoch,
                             num_programs=progs)
         ref_out = reference_combine(ys, [r[4] for r in ref], ts)
         for s in range(world):
             out = torch.full((ts[s], hidden), float("nan"), dtype=dtype)
-            K.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
+            kern.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
                              data_off=offs["data_off"], t_max=t_max, epoch=epoch, wait=True,
                              num_programs=progs, **WAIT)
             assert peers.errs[s].tolist() == [0, 0, 0]
@@ -198,12 +198,12 @@ def _run_dispatch_combine(row_dtype_name):
         d2 = max(1, hidden * torch.empty((), dtype=dtype).element_size() // 4 - 1)
         x2 = [torch.randn(t, d2, generator=g) for t in ts]
         for me in range(world):
-            K.dispatch_store(x2[me], None, None, lays[me][0], None, None, None, peers.buf_ptrs,
+            kern.dispatch_store(x2[me], None, None, lays[me][0], None, None, None, peers.buf_ptrs,
                              peers.sig_ptrs, peers.dones[me], **offs, me=me, t_max=t_max,
                              num_local=num_local, epoch=epoch, with_meta=False, num_programs=progs)
         for me in range(world):
             out = torch.full((recv[me][0], d2), float("nan"))
-            K.gather_rows(peers.win_ptrs[me], recv[me][1], out, None, None, peers.sigs[me],
+            kern.gather_rows(peers.win_ptrs[me], recv[me][1], out, None, None, peers.sigs[me],
                           peers.errs[me], data_off=offs["data_off"], idx_off=0, w_off=0,
                           t_max=t_max, epoch=epoch, wait=True, num_programs=progs, **WAIT)
             want = torch.stack([x2[s][t] for s, t in ref[me][4]]) if ref[me][4] else out
@@ -217,39 +217,39 @@ def _check_wait_timeout():
     """An expired wait sets the missing-source bits and records the first expired op (epoch and
     kind); every later reduce/gather of the window writes NaN rows, never a partial sum."""
     import torch
-    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels import gda_kernels as kern
 
     world = 4
     peers = _Peers(world, 4, 8, torch.bfloat16, 2, 2)
     offs = peers.layout.offsets(1)
     peers.sigs[0][:] = torch.tensor([1, 0, 1, 1], dtype=torch.int32)  # rank 1 never signalled
-    info, _ = K.recv_header(peers.sigs[0], peers.hdr(0, offs["hdr_off"]), peers.errs[0],
+    info, _ = kern.recv_header(peers.sigs[0], peers.hdr(0, offs["hdr_off"]), peers.errs[0],
                             torch.zeros(world, dtype=torch.int64), peers.hws[0][1],
                             num_local=2, t_max=4, epoch=1, timeout_ns=0, max_spins=5,
                             use_globaltimer=False)
     assert int(info[0]) == 0b0010, int(info[0])
-    assert peers.errs[0].tolist() == [0b0010, K.wait_record(1, "dispatch"), 0]
+    assert peers.errs[0].tolist() == [0b0010, kern.wait_record(1, "dispatch"), 0]
     # Sticky: a later wait that misses rank 3 adds its bit, but the record keeps the first op.
     peers.sigs[0][:] = torch.tensor([2, 2, 2, 1], dtype=torch.int32)
     slot = torch.tensor([[0, -1, -1, -1], [-1, -1, 0, 0]], dtype=torch.int64)
     out = torch.zeros(2, 8, dtype=torch.bfloat16)
-    K.combine_reduce(peers.win_ptrs[0], slot, out, peers.sigs[0], peers.errs[0],
+    kern.combine_reduce(peers.win_ptrs[0], slot, out, peers.sigs[0], peers.errs[0],
                      data_off=offs["data_off"], t_max=4, epoch=2, wait=True, kind="combine",
                      timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
-    assert peers.errs[0].tolist() == [0b1010, K.wait_record(1, "dispatch"), 0], peers.errs[0]
+    assert peers.errs[0].tolist() == [0b1010, kern.wait_record(1, "dispatch"), 0], peers.errs[0]
     assert torch.isnan(out.float()).all(), out
     # A fresh window whose combine wait expires: record names the combine, rows are NaN.
     peers = _Peers(world, 4, 8, torch.float32, 2, 2)
     peers.sigs[2][:] = torch.tensor([5, 5, 5, 4], dtype=torch.int32)
     out = torch.zeros(2, 8)
-    K.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
+    kern.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
                      data_off=offs["data_off"], t_max=4, epoch=5, wait=True,
                      kind="weight combine", timeout_ns=0, max_spins=5, use_globaltimer=False,
                      num_programs=1)
-    assert peers.errs[2].tolist() == [0b1000, K.wait_record(5, "weight combine"), 0]
+    assert peers.errs[2].tolist() == [0b1000, kern.wait_record(5, "weight combine"), 0]
     assert torch.isnan(out).all()
     rows = torch.zeros(3, 8)
-    K.gather_rows(peers.win_ptrs[2], torch.tensor([0, 3, 3, 3, 3]), rows, None, None,
+    kern.gather_rows(peers.win_ptrs[2], torch.tensor([0, 3, 3, 3, 3]), rows, None, None,
                   peers.sigs[2], peers.errs[2], data_off=offs["data_off"], idx_off=0, w_off=0,
                   t_max=4, epoch=6, wait=False, timeout_ns=0, max_spins=5,
                   use_globaltimer=False, num_programs=2)
@@ -258,7 +258,7 @@ def _check_wait_timeout():
     peers = _Peers(world, 4, 8, torch.float32, 2, 2)
     peers.bufs[2].zero_()
     peers.sigs[2][:] = 5
-    K.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
+    kern.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
                      data_off=offs["data_off"], t_max=4, epoch=5, wait=True, kind="combine",
                      timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
     assert peers.errs[2].tolist() == [0, 0, 0] and torch.equal(out, torch.zeros(2, 8))
@@ -269,7 +269,7 @@ def _check_device_op_base():
     compares against it, and an expired wait records it (what lets a CUDA graph replay with
     new op numbers by advancing the device base)."""
     import torch
-    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels import gda_kernels as kern
 
     world = 2
     peers = _Peers(world, 4, 8, torch.float32, 2, 2)
@@ -278,19 +278,19 @@ def _check_device_op_base():
     x = torch.arange(16, dtype=torch.float32).view(2, 8)
     slot = torch.tensor([[0, 0], [1, -1]], dtype=torch.int64)
     for me in range(world):
-        K.dispatch_store(x, None, None, slot, None, None, None, peers.buf_ptrs, peers.sig_ptrs,
+        kern.dispatch_store(x, None, None, slot, None, None, None, peers.buf_ptrs, peers.sig_ptrs,
                          peers.dones[me], **offs, me=me, t_max=4, num_local=2, epoch=2,
                          with_meta=False, num_programs=2, op_base=base)
     for r in range(world):
         assert peers.sigs[r].tolist() == [42, 42], (r, peers.sigs[r])
     # 42 satisfies a wait for op 42 (base 40 + 2) but not for op 43 (base 41 + 2).
-    K.wait_for_sources(peers.sigs[0], peers.errs[0], epoch=2, kind="combine", timeout_ns=0,
+    kern.wait_for_sources(peers.sigs[0], peers.errs[0], epoch=2, kind="combine", timeout_ns=0,
                        max_spins=5, use_globaltimer=False, op_base=base)
     assert peers.errs[0].tolist() == [0, 0, 0], peers.errs[0]
     base += 1
-    K.wait_for_sources(peers.sigs[0], peers.errs[0], epoch=2, kind="combine", timeout_ns=0,
+    kern.wait_for_sources(peers.sigs[0], peers.errs[0], epoch=2, kind="combine", timeout_ns=0,
                        max_spins=5, use_globaltimer=False, op_base=base)
-    assert peers.errs[0].tolist() == [0b11, K.wait_record(43, "combine"), 0], peers.errs[0]
+    assert peers.errs[0].tolist() == [0b11, kern.wait_record(43, "combine"), 0], peers.errs[0]
 
 
 def _check_fixed_capacity():
@@ -299,7 +299,7 @@ def _check_fixed_capacity():
     other row has ids -1 / weights 0 (also rows a larger earlier dispatch or another top-k
     width left behind), device counts are right, and the fixed combine equals the reference."""
     import torch
-    from efa_ep.kernels import gda_kernels as K
+    from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
     from tests.routes import make_route
 
@@ -318,10 +318,10 @@ def _check_fixed_capacity():
                   for r, t in enumerate(ts)]
         lays = []
         for me in range(world):
-            lay = K.layout(routes[me][0], routes[me][1], num_experts, world)
+            lay = kern.layout(routes[me][0], routes[me][1], num_experts, world)
             lays.append(lay)
             slot, _, per_rank, per_expert, status = lay
-            K.dispatch_store(xs[me], routes[me][0], routes[me][1], slot, per_rank, per_expert,
+            kern.dispatch_store(xs[me], routes[me][0], routes[me][1], slot, per_rank, per_expert,
                              status, peers.buf_ptrs, peers.sig_ptrs, peers.dones[me], **offs,
                              me=me, t_max=t_max, num_local=num_local, epoch=epoch,
                              with_meta=True, num_programs=2)
@@ -334,7 +334,7 @@ def _check_fixed_capacity():
             b = peers.bufs[me]
             idx_region = b[offs["idx_off"]:offs["idx_off"] + rows * topk * 8].view(torch.int64)
             w_region = b[offs["w_off"]:offs["w_off"] + rows * topk * 4].view(torch.float32)
-            K.recv_header_fixed(peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me],
+            kern.recv_header_fixed(peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me],
                                 peers.hws[me][epoch % 2], num_recv, tpe, idx_region, w_region,
                                 num_topk=topk, t_max=t_max, epoch=epoch, full=(step in (0, 2)),
                                 timeout_ns=0, max_spins=1000, use_globaltimer=False)
@@ -362,7 +362,7 @@ def _check_fixed_capacity():
             y = views[d][0].float().mul(2).to(torch.bfloat16)
             y[torch.isnan(y.float())] = 0
             ys.append(y)
-            K.combine_store(y, views[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
+            kern.combine_store(y, views[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
                             data_off=offs_c["data_off"], me=d, t_max=t_max, epoch=epoch,
                             num_programs=3, fixed=True)
         compact = [torch.cat([ys[d][src * t_max: src * t_max + int(views[d][1][src])]
@@ -370,7 +370,7 @@ def _check_fixed_capacity():
         ref_out = reference_combine(compact, [r[4] for r in ref], ts)
         for s in range(world):
             out = torch.full((ts[s], hidden), float("nan"), dtype=torch.bfloat16)
-            K.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
+            kern.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
                              data_off=offs_c["data_off"], t_max=t_max, epoch=epoch, wait=True,
                              timeout_ns=0, max_spins=1000, use_globaltimer=False,
                              num_programs=2)
@@ -388,7 +388,7 @@ def _check_fixed_capacity():
     b = peers.bufs[0]
     idx_region = b[offs["idx_off"]:offs["idx_off"] + world * t_max * 2 * 8].view(torch.int64)
     w_region = b[offs["w_off"]:offs["w_off"] + world * t_max * 2 * 4].view(torch.float32)
-    K.recv_header_fixed(peers.sigs[0], hdr, peers.errs[0], peers.hws[0][epoch % 2], num_recv,
+    kern.recv_header_fixed(peers.sigs[0], hdr, peers.errs[0], peers.hws[0][epoch % 2], num_recv,
                         tpe, idx_region, w_region, num_topk=2, t_max=t_max, epoch=epoch,
                         full=False, timeout_ns=0, max_spins=1000, use_globaltimer=False)
     assert num_recv.tolist() == [0, 0, 0] and tpe.tolist() == [0] * num_local
