@@ -490,7 +490,7 @@ class GdaTransport(Transport):
         raising :class:`PeerTimeoutError` if any wait of the layer (forward combine included)
         expired. Without it a deadline expiry in a layer's backward would leave wrong rows in
         the gradients and be raised only by the next dispatch, after the optimizer step."""
-        if self.check_backward:
+        if self.check_backward and not self._capturing:  # no host sync inside a capture
             self.check_errors("backward")
 
     def _note_idx_width(self, parity: int, k: int) -> bool:
