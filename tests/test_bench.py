@@ -319,3 +319,53 @@ def test_gloo_run_of_the_raw_arm_in_both_timing_modes(tmp_path):
     assert all(c["collective_arm"] == "a2a:gloo" for c in cells)
     assert all(c["vs_collective"] == 1.0 for c in cells if c["arm"] == "a2a:gloo")
     assert "vs a2a:gloo" in summary["table"] and "| steady |" in summary["table"]
+
+
+def test_hier_arms_and_their_options():
+    cfg = compose("bench", "quick", ["arms.transports=[torch,proxy,hier]", "node_size=2", "ep_size=4"])
+    arms, _ = bench.resolve_arms(cfg, ["torch", "proxy", "hier"])
+    hier = {a.name: dict(a.options) for a in arms if a.transport == "hier"}
+    want = {"aggregate": 1, "node_size": 2}, {"aggregate": 0, "node_size": 2}
+    assert hier == {"hier:agg1": want[0], "hier:agg0": want[1], "efa:hier:agg1": want[0],
+                    "efa:hier:agg0": want[1]}
+    # "*" stays the flat transports (hier needs a layout)
+    assert not [a for a in bench.resolve_arms(compose("bench", "quick"), ["torch", "hier"])[0] if a.transport == "hier"]
+    with pytest.raises(ValueError, match="arms.hier_aggregate: aggregate=2 is not one of 0, 1"):
+        bench.resolve_arms(compose("bench", "quick", ["arms.transports=[torch,hier]", "arms.hier_aggregate=[2]"]),
+                           ["torch", "hier"])
+    with pytest.raises(ValueError, match="node_size=3 must be a positive integer dividing ep_size=4"):
+        bench.validate_config(compose("bench", "quick", ["node_size=3", "ep_size=4"]))
+
+
+def test_network_counts_of_hier_and_proxy_at_an_emulated_layout(tmp_path):
+    """EP 4 as 2 emulated nodes: hier with and without aggregation and the flat proxy, each
+    checked against torch, then their network counts (all ranks, one op) in records and table."""
+    out = tmp_path / "bh"
+    cfg = compose("bench", "quick", [
+        f"out_dir={out}", "progress=false", "plots=false", "arms.transports=[torch,proxy,hier]",
+        "arms.proxy_channels=[1]", "ep_size=4", "node_size=2", "layer.enabled=false", "starts=1",
+        "warmup=0", "iters=1", "routes=[uniform]", "~profiles.decode"])
+    summary = bench.run(cfg, log=lambda *a, **k: None)
+    assert not summary["failed_starts"], summary["failed_starts"]
+    recs = {r["arm"]: r for r in (json.loads(l) for l in (out / "bench_records.jsonl").read_text().splitlines())}
+    assert set(recs) == {"torch", "proxy:k1", "hier:agg1", "hier:agg0"}
+    assert all(r["check"]["status"] in ("reference", "pass") and not r["void"] for r in recs.values())
+    assert recs["torch"]["net_counts"]["dispatch"] is None   # torch does not count
+    nc = {a: recs[a]["net_counts"] for a in ("proxy:k1", "hier:agg1", "hier:agg0")}
+    cross = nc["hier:agg0"]["per_rank_cross_node"]
+    assert all(n["node_size"] == 2 and n["num_nodes"] == 2 and n["per_rank_cross_node"] == cross
+               for n in nc.values())
+    d1, d0, dp = (nc[a]["dispatch"] for a in ("hier:agg1", "hier:agg0", "proxy:k1"))
+    # no aggregation: exactly the flat route's cross-node rows; aggregation: fewer of everything
+    assert (d0["messages"], d0["rows"], d0["bytes"]) == (cross["messages"], cross["rows"], cross["bytes"])
+    assert d0["messages"] == 8 and d1["messages"] == 4 and dp["messages"] == 12   # 64 tokens/rank
+    for key in ("messages", "rows", "bytes", "writes", "wire_bytes"):
+        assert d1[key] < d0[key] < dp[key], key
+    assert dp["rows"] < recs["proxy:k1"]["dispatch_rows"]   # rows to the rank itself stay off the wire
+    for a in nc:
+        c = nc[a]["combine"]
+        assert c["rows"] == nc[a]["dispatch"]["rows"] and c["writes"] > 0, a  # the rows come back
+    table = summary["table"]
+    assert "### Network operations per op" in table and "| hier:agg0 | 2 x 2 | 8 |" in table
+    cell = next(c for c in summary["cells"] if c["arm"] == "hier:agg1")
+    assert cell["net_counts"]["dispatch"] == d1

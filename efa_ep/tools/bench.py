@@ -86,7 +86,7 @@ RECORD_FIELDS = (
     "ranks_per_node", "device", "collective_backend", "scaled", "scale_note", "warmup", "iters",
     "timing", "steady_iters", "clock", "timing_boundary", "check", "void", "void_reason",
     "slowest_us", "start_median_us", "per_rank_median_us", "dispatch_rows", "dispatch_bytes",
-    "collective_bytes", "sm_budget", "transport_info", "provenance",
+    "collective_bytes", "net_counts", "sm_budget", "transport_info", "provenance",
 )
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
@@ -159,6 +159,8 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
             for k in channels:
                 opts = tuple(sorted({**dict(base), "num_channels": int(k)}.items()))
                 arms.append(Arm(f"proxy:k{k}", "transport", "proxy", opts))
+        elif t == "hier":
+            arms.extend(hier_arms(cfg, dict(base)))
         else:
             arms.append(Arm(t, "transport", t, base))
     raw = collective_arm(cfg)
@@ -174,10 +176,39 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
     if cfg.get("layer", {}).get("enabled"):
         arms.append(Arm("alltoall", "layer", None))
         for t in names:
-            arms.append(Arm(f"efa:{t}", "layer", t, tuple(sorted((per_opts.get(t) or {}).items()))))
+            base = tuple(sorted((per_opts.get(t) or {}).items()))
+            if t == "hier":
+                arms.extend(Arm(f"efa:{h.name}", "layer", "hier", h.options)
+                            for h in hier_arms(cfg, dict(base)))
+            else:
+                arms.append(Arm(f"efa:{t}", "layer", t, base))
     if "torch" not in names:
         raise ValueError("the torch transport must be available: it is the correctness reference")
     return arms, not_run
+
+
+def hier_arms(cfg: Dict[str, Any], base: Dict[str, Any]) -> List[Arm]:
+    """``hier:agg1`` / ``hier:agg0`` arms (``arms.hier_aggregate``), each with ``node_size``
+    (the emulated ranks per node; None = from host names) and ``base`` options.
+
+    Raises:
+        ValueError: an ``arms.hier_aggregate`` value or ``node_size`` the hier schema refuses.
+    """
+    from efa_ep.kernels.options import ConfigError, SCHEMAS
+
+    node_size = cfg.get("node_size")
+    arms = []
+    for agg in cfg["arms"].get("hier_aggregate") or [1]:
+        opts = dict(base)
+        try:
+            opts["aggregate"] = SCHEMAS["hier"]["aggregate"].convert(agg, "arms.hier_aggregate")
+            if node_size is not None:
+                opts["node_size"] = SCHEMAS["hier"]["node_size"].convert(node_size, "node_size")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        arms.append(Arm(f"hier:agg{opts['aggregate']}", "transport", "hier",
+                        tuple(sorted(opts.items()))))
+    return arms
 
 
 def collective_arm(cfg: Dict[str, Any]):
@@ -224,6 +255,10 @@ def validate_config(cfg: Dict[str, Any]) -> None:
                          f"cuda:r % num_gpus); device={device} puts every rank on one GPU, which "
                          f"NCCL refuses (use backend=gloo for ranks sharing a GPU)")
     timing_modes(cfg)
+    ns = cfg.get("node_size")
+    if ns is not None and (not isinstance(ns, int) or ns < 1 or int(cfg["ep_size"]) % ns):
+        raise ValueError(f"node_size={ns!r} must be a positive integer dividing ep_size="
+                         f"{cfg['ep_size']} (the emulated ranks per node)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +327,8 @@ def make_route(kind: str, num_tokens: int, num_experts: int, topk: int, rank: in
       permutation P shared by all ranks: K distinct experts, spread over ranks).
     - ``skewed``: K distinct experts per token sampled without replacement with Zipf weights
       1/(i+1)^skew over a seeded expert order (same on all ranks): a few experts are hot.
+    - ``uniform``: K distinct experts per token, every K-subset equally likely (the planner's
+      routing assumption: its predicted network counts are checked against this route).
     """
     import torch
 
@@ -309,8 +346,10 @@ def make_route(kind: str, num_tokens: int, num_experts: int, topk: int, rank: in
         probs[perm] = w / w.sum()
         idx = torch.multinomial(probs.float().expand(num_tokens, -1), topk, replacement=False,
                                 generator=gr)
+    elif kind == "uniform":
+        idx = torch.rand(num_tokens, num_experts, generator=gr).topk(topk, dim=1).indices
     else:
-        raise ValueError(f"route {kind!r}: expected balanced or skewed")
+        raise ValueError(f"route {kind!r}: expected balanced, skewed or uniform")
     weights = torch.rand(num_tokens, topk, generator=gr)
     weights = weights / weights.sum(1, keepdim=True)
     return idx.to(torch.int64).contiguous(), weights.float().contiguous()
@@ -381,6 +420,7 @@ TRANSPORT_KNOBS = {
     "gda": ("num_programs", "launch_gate", "ranks_per_device", "max_topk", "timeout_s",
             "check_every_call", "check_backward"),
     "proxy": ("num_channels", "provider", "hmem", "chunk_bytes", "timeout_s"),
+    "hier": ("aggregate", "num_nodes", "node_size", "stage_names"),
 }
 
 
@@ -613,7 +653,9 @@ def _run_transport_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
     rec: Dict[str, Any] = {"check": {"status": check if ok else "fail", "detail": err},
                            "dispatch_rows": sum(total_rows),
                            "dispatch_bytes": sum(total_rows) * cell.hidden * x.element_size(),
-                           "collective_bytes": None, "sm_budget": budget, "transport_info": info}
+                           "collective_bytes": None,
+                           "net_counts": net_counts(ctx, t, r_handle, cell.hidden * x.element_size()),
+                           "sm_budget": budget, "transport_info": info}
     if not ok:
         return _void(rec, err or "a peer rank's check failed")
 
@@ -622,6 +664,58 @@ def _run_transport_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
         t.combine(rx, h)
 
     return _finish(rec, _time_iters(ctx, once, cell))
+
+
+NET_COUNT_FIELDS = ("messages", "rows", "bytes", "writes", "wire_bytes")
+
+
+def emulated_node_size(ctx: "_RankContext") -> int:
+    """Ranks per node of this run's layout: ``node_size`` when set (emulated nodes), else the
+    ranks per host measured at start."""
+    return int(ctx.cfg.get("node_size") or ctx.ranks_per_node)
+
+
+def net_counts(ctx: "_RankContext", t, ref_handle, row_bytes: int) -> Dict[str, Any]:
+    """Network operations and bytes of one dispatch and one combine, summed over the ranks
+    (collective: every rank calls it after the arm's checked dispatch + combine).
+
+    ``dispatch``/``combine``: the arm's own counts (``last_op_counts`` of a counting transport:
+    proxy, hier; :class:`~efa_ep.kernels.base.NetOpCounts` for the units), each field summed
+    over ranks, plus ``messages_max_rank`` (the busiest rank's messages); None for arms that
+    do not count. ``per_rank_cross_node``: what a flat design without aggregation sends to
+    ranks of other nodes in one dispatch at this layout (from the torch reference's route:
+    destination ranks on other nodes with >= 1 row, rows, payload bytes), the figure hier with
+    ``aggregate=0`` must equal. ``node_size``: ranks per node of the layout (emulated or
+    measured). Units: messages, rows and writes are counts; bytes and wire_bytes are bytes.
+    """
+    import torch.distributed as dist
+
+    g = emulated_node_size(ctx)
+    me = ctx.rank // g
+    cross = [int(v) for r, v in enumerate(ref_handle.num_send_per_rank) if r // g != me]
+    mine = {"cross": (sum(1 for v in cross if v), sum(cross), sum(cross) * row_bytes)}
+    last = getattr(t, "last_op_counts", None)
+    for op in ("dispatch", "combine"):
+        c = last.get(op) if isinstance(last, dict) else None
+        mine[op] = None if c is None else {f: getattr(c, f) for f in NET_COUNT_FIELDS}
+    parts: List[Any] = [None] * ctx.world
+    dist.all_gather_object(parts, mine)
+    out: Dict[str, Any] = {"node_size": g, "num_nodes": ctx.world // g}
+    for op in ("dispatch", "combine"):
+        if any(p[op] is None for p in parts):
+            out[op] = None
+            continue
+        out[op] = {f: (None if any(p[op][f] is None for p in parts)
+                       else sum(p[op][f] for p in parts)) for f in NET_COUNT_FIELDS}
+        out[op]["messages_max_rank"] = max(p[op]["messages"] for p in parts)
+    out["per_rank_cross_node"] = {f: sum(p["cross"][i] for p in parts)
+                                  for i, f in enumerate(("messages", "rows", "bytes"))}
+    out["note"] = ("all ranks, one op; messages = (source, destination rank) pairs with >= 1 "
+                   "row over the network; bytes = rows x payload row bytes; writes/wire_bytes = "
+                   "libfabric writes the proxy queued (headers, rows with routing metadata, "
+                   "footers); flat proxy counts every peer (same-node peers go through "
+                   "libfabric too), hier only rows that cross nodes")
+    return out
 
 
 def pack_rows(x_SD, topk_idx_SK, topk_weights_SK):
@@ -696,6 +790,7 @@ def _run_collective_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
         "check": {"status": "pass" if ok else "fail", "detail": err},
         "dispatch_rows": sum(t[0] for t in totals),
         "dispatch_bytes": sum(t[0] for t in totals) * cell.hidden * x.element_size(),
+        "net_counts": None,
         "collective_bytes": {"dispatch": sum(t[1] for t in totals),
                              "combine": sum(t[2] for t in totals),
                              "row_bytes_dispatch": int(send_rows.shape[1]),
@@ -810,7 +905,7 @@ def _run_layer_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
     ok = _agree(err is None)
     check = "reference" if cell.arm.name == "alltoall" and err is None else ("pass" if ok else "fail")
     rec: Dict[str, Any] = {"check": {"status": check, "detail": err}, "dispatch_rows": None,
-                           "dispatch_bytes": None, "collective_bytes": None,
+                           "dispatch_bytes": None, "collective_bytes": None, "net_counts": None,
                            "sm_budget": _sm_budget(ctx, None, "layer view: not measured"),
                            "transport_info": _layer_transport_info(cell)}
     if not ok:
@@ -881,7 +976,9 @@ def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats,
         "view": cell.arm.view, "arm": cell.arm.name, "transport": cell.arm.transport,
         "options": dict(cell.arm.options), "num_channels": cell.arm.num_channels,
         "profile": cell.profile, "shape": cell.shape, "route": cell.route,
-        "route_skew": (f"zipf s={cfg['skew']}" if cell.route == "skewed" else "none (every expert equal load)"),
+        "route_skew": (f"zipf s={cfg['skew']}" if cell.route == "skewed" else
+                       "none (uniform random top-k)" if cell.route == "uniform" else
+                       "none (every expert equal load)"),
         "route_stats": rstats, "dtype": cell.dtype, "tokens_per_rank": cell.tokens_per_rank,
         "hidden": cell.hidden, "num_experts": cell.num_experts, "topk": cell.topk,
         "ep_size": world, "ranks_per_gpu": ctx.ranks_per_gpu if ctx.ranks_per_gpu else cfg.get("ranks_per_gpu"),
@@ -923,7 +1020,10 @@ def summarize_records(records: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Lis
                      "ep_size": r0["ep_size"], "n_void": sum(1 for r in recs if r["void"]),
                      "void_reasons": sorted({(r["void_reason"] or "")[:200] for r in recs if r["void"]}),
                      "latency_us": st, "tokens_per_s": tok_s, "route_stats": r0["route_stats"],
-                     "collective": r0["arm"] in COLLECTIVE_ARM_NAMES})
+                     "collective": r0["arm"] in COLLECTIVE_ARM_NAMES,
+                     # deterministic per cell (same route every start): the first record's
+                     "net_counts": next((r.get("net_counts") for r in recs
+                                         if not r["void"] and r.get("net_counts")), None)})
     ref_of = {"transport": "torch", "layer": "alltoall"}
     by_key = {(r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["timing"], r["arm"]): r
               for r in rows}
@@ -976,9 +1076,41 @@ def markdown_table(rows: List[Dict[str, Any]], cfg: Dict[str, Any], meta: Dict[s
             vc = (f" {r['vs_collective']:.3f} |" if r.get("vs_collective") else " - |") if vs_coll else ""
             lines.append(f"| {r['timing']} | {r['profile']} | {shape} | {r['route']} | {r['arm']} | "
                          f"{bench_stats.format_stats(r['latency_us'])} | {tps} | {vs} |{vc} {r['n_void']} |")
+    lines += net_counts_table(rows)
     if meta.get("not_run"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["not_run"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _n(v) -> str:
+    return "-" if v is None else (f"{v / 1e3:.1f}k" if v >= 1e4 else str(v))
+
+
+def net_counts_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """Markdown lines: network operations and bytes per dispatch and combine of every counting
+    arm (all ranks, one op), next to the cross-node figure of a flat design at the same layout;
+    empty when no arm counted."""
+    counted = [r for r in rows if r["view"] == "transport" and (r.get("net_counts") or {}).get("dispatch")]
+    if not counted:
+        return []
+    lines = ["", "### Network operations per op (all ranks, one dispatch / one combine)", "",
+             "messages = (source, destination rank) pairs with >= 1 row on the network; "
+             "writes = libfabric writes queued (headers and footers included); bytes = row "
+             "payload, wire bytes = everything written. Flat proxy: every peer goes through "
+             "libfabric; hier: only rows that cross nodes. `flat x-node` = destination ranks on "
+             "other nodes with >= 1 row, rows (what no aggregation sends across nodes).", "",
+             "| timing | profile | shape | route | arm | nodes x G | D msgs | D rows | D bytes | "
+             "D writes | D wire bytes | C msgs | C writes | C wire bytes | flat x-node msgs / rows |",
+             "|" + "---|" * 15]
+    for r in counted:
+        nc = r["net_counts"]
+        d, c, x = nc["dispatch"], nc.get("combine") or {}, nc["per_rank_cross_node"]
+        lines.append(f"| {r['timing']} | {r['profile']} | {r['shape']} | {r['route']} | {r['arm']} | "
+                     f"{nc['num_nodes']} x {nc['node_size']} | {_n(d['messages'])} | {_n(d['rows'])} | "
+                     f"{_n(d['bytes'])} | {_n(d['writes'])} | {_n(d['wire_bytes'])} | "
+                     f"{_n(c.get('messages'))} | {_n(c.get('writes'))} | {_n(c.get('wire_bytes'))} | "
+                     f"{_n(x['messages'])} / {_n(x['rows'])} |")
+    return lines
 
 
 def box_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
