@@ -262,3 +262,94 @@ def test_cli_errors_and_help(capsys):
     assert e.value.code == 0 and "calibration file" in capsys.readouterr().out
     assert cli.main(["calibrate", "/nonexistent/records.jsonl", "--out", "/tmp/never.json"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# --- hier: both designs, and the bench's network counts ----------------------------------------
+def _p5en(ep, tokens):
+    from efa_ep.tools.config import compose
+
+    cfg = compose("plan", "default", ["model=qwen3_30b_a3b", "fabric=p5en", f"nodes={ep // 8}",
+                                      "gpus_per_node=8", f"ep={ep}", f"tokens_per_rank={tokens}"])
+    return make_plan(cli.inputs_from_config(cfg), cal_mod.read(SHIPPED))
+
+
+def test_hier_designs_predicted_for_ep16_and_ep32_on_p5en():
+    plans = {(ep, t): _p5en(ep, t) for ep in (16, 32) for t in (128, 1024, 4096)}
+    for (ep, t), plan in plans.items():
+        tr = plan.traffic
+        for name in ("hier:agg1", "hier:agg0"):
+            p = plan.paths[name]
+            assert p.applicable and 1 <= p.num_channels <= 8 and p.dc_us.tag == "derived"
+            assert math.isclose(p.dc_us.value, p.d_us.value + p.c_us.value) and p.dc_us.value > 0
+            assert set(p.by_channels) == set(range(1, 9))
+            assert plan.shares[name].value < 1 and plan.step[name].value > 0
+        a1, a0 = "hier:agg1", "hier:agg0"
+        # aggregation: fewer EFA messages, rows, bytes and descriptors; more NVLink forwarding
+        for key in ("efa_messages_op", "efa_rows_op", "efa_bytes_op", "descriptors_op"):
+            assert tr[f"{a1}_{key}"].value < tr[f"{a0}_{key}"].value, (ep, t, key)
+        assert tr[f"{a1}_nvlink_bytes_op"].value > tr[f"{a0}_nvlink_bytes_op"].value
+        # peers: N-1 rail peers vs P-L remote ranks (messages approach them as T grows)
+        n = ep // 8
+        assert tr[f"{a1}_efa_messages_op"].value <= n - 1 and tr[f"{a0}_efa_messages_op"].value <= ep - 8
+        # no aggregation moves exactly the flat dispatcher's cross-node rows
+        assert math.isclose(tr[f"{a0}_efa_bytes_op"].value, tr["efa_bytes_efa_op"].value)
+        line = report.tables(plan, cal_mod.read(SHIPPED))
+        assert "hier:agg1" in line and "hier:agg0" in line
+    for name in ("hier:agg1", "hier:agg0"):
+        for ep in (16, 32):   # more tokens: more time
+            dc = [plans[(ep, t)].paths[name].dc_us.value for t in (128, 1024, 4096)]
+            assert dc == sorted(dc) and dc[0] < dc[-1], (name, ep, dc)
+        for t in (128, 1024, 4096):   # more nodes: more EFA bytes per rank and op
+            b16 = plans[(16, t)].traffic[f"{name}_efa_bytes_op"].value
+            b32 = plans[(32, t)].traffic[f"{name}_efa_bytes_op"].value
+            assert b16 < b32, (name, t)
+    # one node: hier is its local stage, not predicted as a network design
+    one = make_plan(_inp(nodes=1, gpus_per_node=4, ep=4), _cal())
+    assert not one.paths["hier:agg1"].applicable and "one node" in one.paths["hier:agg0"].why_not
+
+
+def test_hier_designs_in_plan_json(tmp_path):
+    out = tmp_path / "p"
+    assert cli.main(["model=qwen3_30b_a3b", "fabric=p5en", "nodes=4", "gpus_per_node=8", "ep=32",
+                     "tokens_per_rank=4096", f"out_dir={out}", "token_sweep=[128,4096]"]) == 0
+    doc = json.loads((out / "plan.json").read_text())
+    for name in ("hier:agg1", "hier:agg0"):
+        assert doc["paths"][name]["applicable"] and doc["paths"][name]["dc_us"]["tag"] == "derived"
+        assert doc["traffic"][f"{name}_efa_messages_op"]["source"]
+        assert all(name in row for row in doc["sweep"])
+
+
+def test_counts_model_against_the_bench_counts():
+    """The planner's per-op network traffic against what efa-ep-bench counted at EP 4 (2 x 2) and
+    EP 8 (2 x 4, 4 x 2) as emulated nodes (results/plan/hier_counts_cpu.json)."""
+    from efa_ep.tools.plan import counts
+
+    rows = counts.compare(counts.load([cli.shipped_counts()]))
+    layouts = {(r["ep"], r["node_size"]) for r in rows}
+    assert layouts == {(4, 2), (8, 4), (8, 2)}
+    assert {r["arm"] for r in rows} >= {"hier:agg1", "hier:agg0"} and any(r["arm"].startswith("proxy") for r in rows)
+    uni = [r for r in rows if r["comparable"]]
+    assert len(uni) >= 24
+    for r in uni:   # uniform route: the model's assumption
+        m, p = r["measured"], r["predicted"]
+        assert abs(m["messages"] - p["messages"]) <= 0.05 * p["messages"] + 1e-9, r
+        assert abs(r["rel_err"]["rows"]) <= 0.15, r
+        assert math.isclose(m["bytes"], m["rows"] * r["row_bytes"])
+    # measured: aggregation never sends more, and strictly fewer messages whenever G > 1
+    by_cell = {}
+    for r in rows:
+        by_cell.setdefault((r["source"], r["profile"], r["route"], r["op"]), {})[r["arm"].split(":k")[0]] = r["measured"]
+    for key, arms in by_cell.items():
+        a1, a0, flat = arms["hier:agg1"], arms["hier:agg0"], arms["proxy"]
+        assert a1["messages"] < a0["messages"] < flat["messages"], key
+        assert a1["rows"] <= a0["rows"] < flat["rows"], key
+
+
+def test_counts_cli(capsys, tmp_path):
+    assert cli.main(["counts"]) == 0
+    out = capsys.readouterr().out
+    assert "hier:agg0" in out and "uniform route: rows |error|" in out
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"schema": "efa_ep.bench/2-summary", "cells": []}))
+    assert cli.main(["counts", str(bad)]) == 2
+    assert "no net_counts" in capsys.readouterr().err

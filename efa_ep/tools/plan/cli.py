@@ -5,6 +5,7 @@ Usage::
     efa-ep-plan model=qwen3_30b_a3b fabric=p5en nodes=2 gpus_per_node=8 ep=16 tokens_per_rank=128
     efa-ep-plan model=deepseek_v3 fabric=p6-b200 nodes=4 ep=32 micro_batches_per_step=16
     efa-ep-plan calibrate results/h200/bench_proxy.json results/plan/measured_h200x2.jsonl ...
+    efa-ep-plan counts results/plan/hier_counts_cpu.json   # network counts: bench vs model
 
 The plan prints its tables and ends with one line
 ``plan: verdict=<dense|capacity|efa> transport=<name> num_channels=<K> dc_us=<D+C per layer> bound=<...>``
@@ -128,16 +129,49 @@ def calibrate_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def shipped_counts() -> str:
+    return os.path.join(repo_root(), "results", "plan", "hier_counts_cpu.json")
+
+
+def counts_main(argv: Sequence[str]) -> int:
+    from efa_ep.tools.plan import counts as counts_mod
+
+    p = argparse.ArgumentParser(
+        prog="efa-ep-plan counts",
+        description="Network messages and rows per rank and op that efa-ep-bench counted (proxy and "
+                    "hier arms, net_counts) next to the planner's prediction at the same layout.",
+        epilog="Files: efa-ep-bench bench_summary.json or bench_records.jsonl of a run with "
+               "arms.transports=[torch,proxy,hier] node_size=G routes=[uniform]; default: the "
+               "shipped results/plan/hier_counts_cpu.json. Exit codes: 0 ok, 2 bad input.")
+    p.add_argument("files", nargs="*")
+    p.add_argument("--collect", default=None, metavar="OUT",
+                   help="also write the counting cells of the given summaries into OUT (one file)")
+    a = p.parse_args(list(argv))
+    files = a.files or [shipped_counts()]
+    try:
+        rows = counts_mod.compare(counts_mod.load(files))
+        if a.collect:
+            counts_mod.write_collection(files, a.collect, note="efa-ep-plan counts --collect")
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"efa-ep-plan counts: {e}", file=sys.stderr)
+        return 2
+    print(counts_mod.table(rows))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
         return calibrate_main(argv[1:])
+    if argv and argv[0] == "counts":
+        return counts_main(argv[1:])
     p = argparse.ArgumentParser(
         prog="efa-ep-plan", description=__doc__.split("\n\n")[0],
         epilog="Positional arguments are Hydra overrides: model=<qwen3_30b_a3b|moonlight_16b_a3b|"
                "deepseek_v3|kimi_k2> fabric=<p5|p5en|p6-b200|p6-b300> nodes=N gpus_per_node=G ep=P "
                "tokens_per_rank=T, any key of conf/plan/default.yaml, or model.<key>=... "
-               "`efa-ep-plan calibrate --help` fits a calibration from bench records.")
+               "`efa-ep-plan calibrate --help` fits a calibration from bench records; "
+               "`efa-ep-plan counts --help` compares the network counts of bench runs with the model.")
     p.add_argument("--config-name", default="default", help="conf/plan/<name>.yaml (default: default)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)

@@ -27,7 +27,21 @@ Time of one op on each path (microseconds; bytes / (GB/s x 1e3) = us):
 - Megatron ``alltoall`` on NCCL: ``fixed_nccl + max(nvl / (nvlink x eff_nccl), efa /
   (efa_per_gpu x eff_nccl_efa))`` with its bytes per (token, expert) pair (no dedup);
 - Megatron ``allgather``: every rank receives every other rank's T rows (and reduce-scatters
-  them back), same link terms as ``alltoall``.
+  them back), same link terms as ``alltoall``;
+- ``hier`` (the transport ``auto`` picks across nodes), two designs, network stage then local
+  stage: ``fixed_proxy + max(issue(K), wire) + fixed_gda + NVLink bytes / (nvlink x eff_gda)``
+  with the network terms of its own traffic (:func:`hier_net`):
+
+  * ``hier:agg1`` (``aggregate=1``): a token crosses EFA once per destination *node*, to the
+    rail peer (same local index), which forwards it over NVLink: ``N - 1`` EFA peers,
+    ``T (N - 1) p_n`` EFA rows with ``p_n = 1 - C(E - E/N, k) / C(E, k)`` (N = P / L nodes),
+    ``N T (L - 1) p_r`` NVLink rows (the rail brought N sources' tokens);
+  * ``hier:agg0`` (``aggregate=0``): once per destination *rank*, straight to it: ``P - L``
+    EFA peers, ``T (P - L) p_r`` EFA rows, ``T (L - 1) p_r`` NVLink rows.
+
+  EFA messages per op (peers with >= 1 row) = peers x (1 - (1 - p)^T), what the transports
+  count (``last_op_counts``) and ``efa-ep-bench`` reports; ``efa-ep-plan counts`` compares the
+  two (:mod:`efa_ep.tools.plan.counts`).
 
 Every figure is a :class:`Fig` carrying value, unit, provenance tag and source.
 """
@@ -39,7 +53,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 TAGS = ("measured", "derived", "assumed")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
-PATHS = ("gda", "proxy", "alltoall", "allgather")
+PATHS = ("gda", "proxy", "alltoall", "allgather", "hier:agg1", "hier:agg0")
+HIER_DESIGNS = {"hier:agg1": 1, "hier:agg0": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +329,88 @@ def path_proxy(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig]) -> PathResu
     return r
 
 
+def hier_net(ep: int, node_size: int, tokens: float, num_experts: int, topk: int, row_bytes: float,
+             aggregate: int, chunk_bytes: int = 262144) -> Dict[str, float]:
+    """One rank's traffic in one hier op (dispatch; a combine returns the same rows), uniform
+    routing, for ``aggregate`` 1 (once per node via the rail peer) or 0 (once per rank).
+
+    Returns (expected values, floats): ``peers`` network peers a rank may send to,
+    ``messages`` peers that get >= 1 row (peers x (1 - (1 - p)^T)), ``rows`` and ``bytes``
+    over the network (rows x ``row_bytes``), ``bytes_per_peer``, ``descriptors``
+    (peers x ceil(bytes per peer / chunk), the proxy model's post count), ``nvlink_rows`` and
+    ``nvlink_bytes`` the local stage moves. A flat design (the ``proxy`` transport) is
+    ``aggregate=0`` with ``node_size=1`` (every peer is a network peer).
+    """
+    P, L = int(ep), int(node_size)
+    n = max(1, P // L)
+    pr = p_rank(num_experts, topk, P)
+    if aggregate:
+        peers, p = n - 1, p_rank(num_experts, topk, n) if n > 1 else 1.0
+        nvl_rows = n * tokens * (L - 1) * pr
+    else:
+        peers, p = P - L, pr
+        nvl_rows = tokens * (L - 1) * pr
+    per_peer = tokens * p * row_bytes
+    return {"peers": float(peers), "p": p, "messages": peers * (1.0 - (1.0 - p) ** tokens),
+            "rows": tokens * peers * p, "bytes": tokens * peers * p * row_bytes,
+            "bytes_per_peer": per_peer,
+            "descriptors": float(peers * max(1, math.ceil(per_peer / chunk_bytes))) if peers else 0.0,
+            "nvlink_rows": nvl_rows, "nvlink_bytes": nvl_rows * row_bytes}
+
+
+def hier_traffic(inp: Inputs) -> Dict[str, Fig]:
+    """:func:`hier_net` of both designs as figures (``hier:agg1_*``, ``hier:agg0_*``)."""
+    out: Dict[str, Fig] = {}
+    for name, agg in HIER_DESIGNS.items():
+        h = hier_net(inp.ep, inp.ranks_per_node, inp.tokens_per_rank, inp.num_experts, inp.topk,
+                     inp.row_bytes, agg, inp.chunk_bytes)
+        how = ("once per destination node, to the rail peer: N-1 peers, p_n = 1 - C(E-E/N,k)/C(E,k)"
+               if agg else "once per destination rank: P-L peers, p_r")
+        out[f"{name}_efa_messages_op"] = derived(h["messages"], "messages", f"peers x (1-(1-p)^T); {how}")
+        out[f"{name}_efa_rows_op"] = derived(h["rows"], "rows", f"T x peers x p; {how}")
+        out[f"{name}_efa_bytes_op"] = derived(h["bytes"], "B", "EFA rows x H x b")
+        out[f"{name}_descriptors_op"] = derived(h["descriptors"], "descriptors",
+                                                "peers x ceil(bytes per peer / chunk_bytes)")
+        out[f"{name}_nvlink_bytes_op"] = derived(
+            h["nvlink_bytes"], "B", "N T (L-1) p_r x H x b (forward what the rail brought)" if agg
+            else "T (L-1) p_r x H x b (this rank's own tokens)")
+    return out
+
+
+def path_hier(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], name: str) -> PathResult:
+    """The hier transport of design ``name`` (``hier:agg1`` | ``hier:agg0``), best K."""
+    if inp.group_nodes < 2:
+        return PathResult(name, False, "the EP group lives on one node: hier is its local stage (gda)")
+    h = hier_net(inp.ep, inp.ranks_per_node, inp.tokens_per_rank, inp.num_experts, inp.topk,
+                 inp.row_bytes, HIER_DESIGNS[name], inp.chunk_bytes)
+    fixed = _cal(cal, "proxy_fixed_us")
+    post = _cal(cal, "proxy_post_us")
+    alpha = _cal(cal, "proxy_channel_alpha")
+    rate = _cal(cal, "proxy_channel_gbps")
+    local = _cal(cal, "gda_fixed_us") + _us(h["nvlink_bytes"], inp.nvlink_gbps * _cal(cal, "gda_link_eff"))
+    wire = _us(h["bytes"], inp.efa_gbps_per_node / inp.gpus_per_node)
+    by_k, terms_k = {}, {}
+    for k in range(1, inp.max_channels + 1):
+        issue = (h["descriptors"] * post + _us(h["bytes"], rate)) / k ** alpha if h["bytes"] else 0.0
+        t = fixed + max(issue, wire) + local
+        by_k[k] = 2 * t
+        terms_k[k] = {"fixed": fixed, "issue": issue, "wire": wire, "local": local,
+                      "msgs": h["descriptors"], "efa_messages": h["messages"]}
+    best = min(by_k.values())
+    k = min(kk for kk, v in by_k.items() if v <= best * 1.02)
+    terms = terms_k[k]
+    t = by_k[k] / 2
+    bound = max((("issue", terms["fixed"] + terms["issue"]), ("wire", terms["wire"]),
+                 ("local", terms["local"])), key=lambda kv: kv[1])[0]
+    src = (f"proxy_fixed_us + max(issue(K={k}), EFA wire) + gda_fixed_us + NVLink bytes / "
+           f"(NVLink x gda_link_eff); network traffic of {name} (hier_net)")
+    r = PathResult(name, True, num_channels=k, d_us=_op("d", t, src), c_us=_op("c", t, src),
+                   dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_k)
+    r.extra["efa_messages_op"] = derived(h["messages"], "messages", "EFA peers with >= 1 row per op")
+    r.extra["efa_bytes_op"] = derived(h["bytes"], "B", "EFA bytes per op")
+    return r
+
+
 def _nccl(inp: Inputs, name: str, nvl_b: float, efa_b: float, cal: Dict[str, Fig], what: str) -> PathResult:
     fixed = _cal(cal, "nccl_fixed_us")
     eff = _cal(cal, "nccl_link_eff")
@@ -394,7 +491,10 @@ class Plan:
 
 
 def _path_fns():
-    return {"gda": path_gda, "proxy": path_proxy, "alltoall": path_alltoall, "allgather": path_allgather}
+    fns = {"gda": path_gda, "proxy": path_proxy, "alltoall": path_alltoall, "allgather": path_allgather}
+    for name in HIER_DESIGNS:
+        fns[name] = (lambda n: lambda inp, tr, cal: path_hier(inp, tr, cal, n))(name)
+    return fns
 
 
 def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
@@ -406,7 +506,7 @@ def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
     take the fastest path; else ``dense``: the all-to-all buys nothing, use Megatron's
     ``allgather`` dispatcher (or no EP).
     """
-    tr = traffic(inp)
+    tr = {**traffic(inp), **hier_traffic(inp)}
     paths = {n: f(inp, tr, cal) for n, f in _path_fns().items()}
     comp = expert_gemm_us(inp)
     gemm_train = comp["gemm_train_us"].value

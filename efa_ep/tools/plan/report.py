@@ -78,7 +78,7 @@ def tables(plan: Plan, cal: Dict[str, Fig]) -> str:
             continue
         sh = plan.shares[name]
         st = plan.step[name]
-        k = str(p.num_channels) if name == "proxy" else "-"
+        k = str(p.num_channels) if name == "proxy" or name.startswith("hier") else "-"
         L.append(f"  {name:10s} {k:>2s} {_f(p.d_us):>14s} {_f(p.c_us):>14s} {_f(p.dc_us):>14s} "
                  f"{_f(sh, '{:.3f}'):>12s} {st.value / 1e3:>10.2f} [D]  {p.bound}")
     px = plan.paths["proxy"]
@@ -89,6 +89,7 @@ def tables(plan: Plan, cal: Dict[str, Fig]) -> str:
                  f"(posts {t['post']:.1f}, channel copy {t['channel_copy']:.1f}, {t['msgs']:.0f} descriptors), "
                  f"wire {t['wire']:.1f}, NVLink {t['nvlink']:.1f}) us; EFA NIC "
                  f"{100 * px.extra['nic_utilisation'].value:.1f}% used, scale-out {px.extra['so_gbps'].value:.1f} GB/s [D]")
+    L += hier_lines(plan)
     L.append(f"  step totals: expert GEMM {plan.step['gemm'].value / 1e3:.2f} ms per step [D] "
              f"({inp.moe_layers} MoE layers x {inp.micro_batches_per_step} micro-batches)")
     L.append("")
@@ -100,6 +101,26 @@ def tables(plan: Plan, cal: Dict[str, Fig]) -> str:
     L.append("")
     L.append(f"Verdict: {plan.verdict} - {plan.reason}")
     return "\n".join(L)
+
+
+def hier_lines(plan: Plan) -> List[str]:
+    """The hier designs side by side: EFA messages, rows, bytes, descriptors and NVLink bytes
+    per rank and op, and D+C (empty when the group lives on one node)."""
+    tr = plan.traffic
+    if not all(plan.paths.get(n) is not None and plan.paths[n].applicable for n in ("hier:agg1", "hier:agg0")):
+        return []
+    L = ["  hier per rank and op (agg1: once per destination node via the rail peer, then NVLink; "
+         "agg0: once per destination rank, no forwarding) [D]:",
+         f"    {'design':10s} {'EFA msgs':>9s} {'EFA rows':>10s} {'EFA bytes':>10s} {'descs':>6s} "
+         f"{'NVLink bytes':>12s} {'D+C us':>9s}  K"]
+    for n in ("hier:agg1", "hier:agg0"):
+        p = plan.paths[n]
+        L.append(f"    {n:10s} {tr[n + '_efa_messages_op'].value:>9.2f} {tr[n + '_efa_rows_op'].value:>10.1f} "
+                 f"{_b(tr[n + '_efa_bytes_op'].value):>10s} {tr[n + '_descriptors_op'].value:>6.0f} "
+                 f"{_b(tr[n + '_nvlink_bytes_op'].value):>12s} {p.dc_us.value:>9.1f}  {p.num_channels}")
+    L.append("    (the verdict compares gda/proxy with Megatron; the hier rows are what `auto` runs "
+             "across nodes, for comparison)")
+    return L
 
 
 def final_line(plan: Plan) -> str:
@@ -157,7 +178,8 @@ def plot(plan: Plan, sweep_rows, path: str) -> Optional[str]:
         hi = math.sqrt(xs[i] * xs[i + 1]) if i + 1 < len(xs) else xs[-1] * 1.2
         ax.axvspan(lo, hi, color=colors[r["verdict"]], alpha=0.6, lw=0)
     styles = {"gda": ("gda (NVLink)", "-"), "proxy": ("proxy, best K", "-"), "proxy_k1": ("proxy K=1", ":"),
-              "alltoall": ("Megatron alltoall (NCCL)", "--"), "allgather": ("Megatron allgather (NCCL)", "-.")}
+              "alltoall": ("Megatron alltoall (NCCL)", "--"), "allgather": ("Megatron allgather (NCCL)", "-."),
+              "hier:agg1": ("hier, once per node", "-"), "hier:agg0": ("hier, once per rank", ":")}
     for key, (label, ls) in styles.items():
         ys = [r.get(key) for r in sweep_rows]
         if any(y is not None for y in ys):
