@@ -9,12 +9,35 @@ never touch it. Three contained patches, each for a CUDA-only call on Megatron's
    its splits D2H on it; on CPU the splits only need to become host lists.
 3. The CUDA RNG tracker is replaced by Megatron's inference tracker (fork = no-op), since
    ``torch.cuda.get_rng_state`` does not exist on CPU (attention dropout forks it).
+4. Shared-expert overlap (``moe_shared_expert_overlap``) runs the shared expert on
+   ``SharedExpertMLP.stream`` and joins it with ``torch.cuda.current_stream()``: both become a
+   stand-in stream whose waits are no-ops (on CPU everything runs in program order).
 """
 from __future__ import annotations
 
 import torch
 
 _enabled = False
+
+
+class NoStream:
+    """CPU stand-in for a CUDA stream: work runs in program order, so waits do nothing.
+    ``torch.cuda.stream(NoStream())`` is already a no-op context on a CPU-only torch."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+NO_STREAM = NoStream()
 
 
 def enable() -> bool:
@@ -40,6 +63,12 @@ def enable() -> bool:
         return tokens_per_expert
 
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_splits
+
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    torch.cuda.current_stream = lambda device=None: NO_STREAM
+    if SharedExpertMLP.stream is None:
+        SharedExpertMLP.stream = NO_STREAM  # skips torch.cuda.Stream() in its __init__
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _enabled = True
     return True

@@ -6,9 +6,14 @@ the cheap ``allgather`` dispatcher as a placeholder (it creates no streams and c
 nothing at construction), restores the type on the config, and installs
 :class:`~efa_ep.dispatcher.token_dispatcher.EfaTokenDispatcher`. Every other type is untouched.
 
-``import efa_ep`` only installs an import hook: the wrap happens when Megatron's ``moe_layer``
-module is first imported (or immediately, if it already was), so importing efa_ep does not
-import Megatron.
+``TransformerConfig.__post_init__`` is wrapped too: its checks run for ``"efa"`` as for
+``"alltoall"`` (the efa dispatcher is a drop-in for it), so options Megatron only allows with
+``alltoall``/``flex`` (``moe_shared_expert_overlap``) pass its validation; the type string stays
+``"efa"``.
+
+``import efa_ep`` only installs an import hook: each wrap happens when its Megatron module
+(``moe_layer``, ``transformer_config``) is first imported (or immediately, if it already was),
+so importing efa_ep does not import Megatron.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import threading
 
 EFA_DISPATCHER_TYPE = "efa"
 _MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
+_CONFIG_MODULE = "megatron.core.transformer.transformer_config"
 _lock = threading.Lock()
 
 
@@ -68,42 +74,84 @@ def register_with_megatron(moe_layer_module=None) -> None:
             self.token_dispatcher = EfaTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config,
                 pg_collection=pg_collection)
+            if self.shared_experts is not None and self.shared_expert_overlap:
+                self.token_dispatcher.set_shared_experts(self.shared_experts)
 
         __init__._efa_ep_wrapped = True
         layer_cls.__init__ = __init__
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds Megatron's moe_layer through the other finders, runs it, then registers."""
+def register_config_validation(config_module=None) -> None:
+    """Wraps ``TransformerConfig.__post_init__`` so that a config with an efa dispatcher type is
+    validated as ``"alltoall"`` (the type is restored afterwards, also when validation raises).
+    Idempotent."""
+    if config_module is None:
+        config_module = importlib.import_module(_CONFIG_MODULE)
+    cls = config_module.TransformerConfig
+    with _lock:
+        if getattr(cls.__post_init__, "_efa_ep_wrapped", False):
+            return
+        original = cls.__post_init__
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != _MOE_LAYER_MODULE:
-            return None
-        sys.meta_path.remove(self)  # let the real finders locate it
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        self._inner = spec.loader
-        spec.loader = self
-        return spec
+        @functools.wraps(original)
+        def __post_init__(self, *args, **kwargs):
+            requested = getattr(self, "moe_token_dispatcher_type", None)
+            if not (uses_efa(requested) and requested != "alltoall"):
+                return original(self, *args, **kwargs)
+            self.moe_token_dispatcher_type = "alltoall"
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.moe_token_dispatcher_type = requested
+
+        __post_init__._efa_ep_wrapped = True
+        cls.__post_init__ = __post_init__
+
+
+_HOOKS = {_MOE_LAYER_MODULE: register_with_megatron, _CONFIG_MODULE: register_config_validation}
+
+
+class _HookLoader(importlib.abc.Loader):
+    """Runs a module with its real loader, then its registration hook."""
+
+    def __init__(self, inner, hook):
+        self._inner, self._hook = inner, hook
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        register_with_megatron(module)
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
+        self._hook(module)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds Megatron's moe_layer / transformer_config through the other finders and gives them
+    a loader that registers after running them; leaves sys.meta_path once both are done."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        hook = _HOOKS.get(fullname)
+        if hook is None:
+            return None
+        sys.meta_path.remove(self)  # let the real finders locate it
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if any(m not in sys.modules and m != fullname for m in _HOOKS):
+                sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _HookLoader(spec.loader, hook)
+        return spec
 
 
 def install_import_hook() -> None:
-    """Registers now if Megatron's moe_layer is imported, else when it is. Idempotent."""
-    if _MOE_LAYER_MODULE in sys.modules:
-        register_with_megatron(sys.modules[_MOE_LAYER_MODULE])
-        return
-    if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+    """Registers now what of Megatron is imported, the rest when it is. Idempotent."""
+    pending = False
+    for name, hook in _HOOKS.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterOnImport())

@@ -167,6 +167,33 @@ def current_settings(config=None) -> DispatcherSettings:
                  where_o if o else s.sources[2]))
 
 
+ENV_CAPACITY_OVERFLOW = "EFA_EP_CAPACITY_OVERFLOW"
+CAPACITY_OVERFLOW_POLICIES = ("drop", "error")
+
+
+def capacity_overflow_policy(config=None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """What the drop-and-pad mode (``moe_pad_expert_input_to_capacity``) does with a (source
+    rank, expert) pair holding more than ``capacity`` tokens: ``drop`` (default; Megatron's
+    semantics: the first ``capacity`` in token order are kept, no host sync) or ``error`` (one
+    all-gather of the per-expert counts and a host read per dispatch; every EP rank raises one
+    line naming the rank, the expert, the count and the capacity).
+
+    From ``config.efa_ep_capacity_overflow`` if set, else ``EFA_EP_CAPACITY_OVERFLOW``.
+
+    Raises:
+        ConfigError: any other value, naming where it came from.
+    """
+    value = getattr(config, "efa_ep_capacity_overflow", None) if config is not None else None
+    where = "config.efa_ep_capacity_overflow"
+    if not value:
+        env = os.environ if environ is None else environ
+        value, where = (env.get(ENV_CAPACITY_OVERFLOW) or "").strip() or "drop", ENV_CAPACITY_OVERFLOW
+    value = str(value).strip().lower()
+    if value not in CAPACITY_OVERFLOW_POLICIES:
+        raise ConfigError(f"{where}={value!r}: expected one of {', '.join(CAPACITY_OVERFLOW_POLICIES)}")
+    return value
+
+
 def check_environment(environ: Optional[Mapping[str, str]] = None,
                       names: Optional[Mapping[str, str]] = None,
                       check_available: bool = True) -> DispatcherSettings:
@@ -210,4 +237,4 @@ def _status_keeping_sigint(status_fn):
 
 
 __all__ = ["DispatcherSettings", "configure", "reset", "current_settings", "check_environment",
-           "parse_options", "ConfigError"]
+           "parse_options", "ConfigError", "capacity_overflow_policy"]

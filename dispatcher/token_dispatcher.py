@@ -23,24 +23,41 @@ Numerics: for top-2 (and any routing whose experts on one rank are contiguous in
 order, e.g. top-1) forward and backward are bitwise equal to ``alltoall``. For K > 2 with two
 or more experts on one rank, the per-token sum is grouped by rank ((a+b)+(c+d) vs ((a+b)+c)+d),
 so results agree to rounding, not bitwise.
+
+Drop-and-pad (``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity``), static
+shapes end to end: Megatron's router then marks exactly ``C = ceil(T * K / E * factor)`` tokens
+per expert (``min(C, T)``: tokens that chose the expert, topped up with tokens that did not,
+with probability 0), so a token may carry any number of experts. Each token goes once per
+destination rank with one slot per expert (``topk_idx [T, E]``, -1 = not routed) through
+``Transport.dispatch_fixed``; the received window ``[W * T_MAX, H]`` is gathered, on the device,
+into Megatron's expert input layout: per local expert a block of ``W * C`` rows, source-rank
+major, each source's rows in its token order, rows beyond its count zeros; ``tokens_per_expert``
+is ``[W * C] * L`` from the config (CPU, no host read of counts). Experts therefore see exactly
+the rows of Megatron's ``alltoall`` dispatcher in this mode, and with ``gda`` (whose
+``dispatch_fixed`` never waits on the host) nothing in the layer's dispatch or combine blocks
+the host. Overflow (more than C tokens of one source for one expert) cannot come from Megatron's
+router; ``EFA_EP_CAPACITY_OVERFLOW`` says what happens if a routing map has it anyway
+(:func:`~efa_ep.dispatcher.settings.capacity_overflow_policy`).
+
+Shared-expert overlap (``moe_shared_expert_overlap``): as Megatron's ``alltoall`` dispatcher,
+the shared expert's pieces run around the transport calls on ``SharedExpertMLP.stream``
+(all-gather/copy in dispatch_preprocess, fc1 after the dispatch, fc2 and the reduce after the
+combine, its output added in combine_postprocess). On CPU the streams are no-ops.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Tuple
 
 import torch
-from megatron.core.transformer.moe.moe_utils import permute, unpermute
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import get_capacity, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from efa_ep.dispatcher.settings import current_settings
+from efa_ep.dispatcher.settings import capacity_overflow_policy, current_settings
 from efa_ep.kernels import Transport, create_transport
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
 _UNSUPPORTED = (
-    ("moe_pad_expert_input_to_capacity", False,
-     "capacity padding (drop-and-pad) is not implemented by the efa dispatcher yet"),
-    ("moe_shared_expert_overlap", False,
-     "shared-expert overlap needs the alltoall/flex stream machinery; set it False"),
     ("overlap_moe_expert_parallel_comm", False,
      "1F1B EP-communication overlap is not supported by the efa dispatcher yet"),
     ("moe_router_padding_for_quantization", False,
@@ -110,6 +127,142 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return topk_idx, topk_weights
 
 
+def routing_map_to_slots(routing_map: torch.Tensor, probs: torch.Tensor):
+    """Drop-and-pad routing: ``routing_map [T, E]`` bool, ``probs [T, E]`` -> ``topk_idx [T, E]``
+    int64 (slot e holds expert e where routed, else -1) and ``topk_weights [T, E]`` float32
+    (differentiable w.r.t. probs; 0 where not routed). One slot per expert because Megatron's
+    capacity padding routes a token to any number of experts. Device-side, no host sync."""
+    num_experts = routing_map.shape[1]
+    routed = routing_map.bool()
+    ids = torch.arange(num_experts, dtype=torch.int64, device=routing_map.device).expand_as(routed)
+    topk_idx = torch.where(routed, ids, torch.full_like(ids, -1))
+    topk_weights = torch.where(routed, probs, torch.zeros((), dtype=probs.dtype,
+                                                          device=probs.device)).float()
+    return topk_idx, topk_weights
+
+
+class PaddedLayout(NamedTuple):
+    """Where each row of the padded expert input comes from in a fixed-layout window.
+
+    P = L * W * C rows (per local expert l a block of W * C rows; inside it, source s's rows at
+    ``s * C + c`` in its token order). All tensors on the window's device.
+
+    Attributes:
+        src_row_P: ``[P]`` int64, window row (``s * T_MAX + j``) of each padded row; 0 where
+            ``valid_P`` is False (a pad row).
+        slot_P: ``[P]`` int64, top-k slot of the window row that holds this row's local expert.
+        valid_P: ``[P]`` bool, a real row (False: a pad row, all zeros).
+        scatter_row_P: ``[P]`` int64, ``src_row_P`` where valid, else ``W * T_MAX`` (a dummy row
+            one past the window, for index_add).
+    """
+
+    src_row_P: torch.Tensor
+    slot_P: torch.Tensor
+    valid_P: torch.Tensor
+    scatter_row_P: torch.Tensor
+
+
+def padded_layout(recv_topk_idx: torch.Tensor, num_local: int, world: int, t_max: int,
+                  capacity: int) -> PaddedLayout:
+    """Drop-and-pad layout from a fixed-layout dispatch's ``recv_topk_idx [W * T_MAX, K]`` int64
+    (local expert ids, -1 unused; unused window rows all -1). Rows of source s for local expert
+    l beyond ``capacity`` are dropped (Megatron's drop-and-pad keeps the first C in token
+    order). Static shapes, device-side only: no host sync on any device."""
+    dev = recv_topk_idx.device
+    rows, k = recv_topk_idx.shape
+    used = recv_topk_idx >= 0
+    cols = torch.where(used, recv_topk_idx, num_local)  # column L collects the unused slots
+    member = torch.zeros(rows, num_local + 1, dtype=torch.bool, device=dev).scatter_(1, cols, True)
+    slots = torch.arange(k, dtype=torch.int64, device=dev).expand(rows, k).contiguous()
+    slot_of = torch.zeros(rows, num_local + 1, dtype=torch.int64, device=dev).scatter_(1, cols, slots)
+    # count[s, l, j]: rows of source s up to window row j (inclusive) that hold local expert l
+    count = member[:, :num_local].reshape(world, t_max, num_local).permute(0, 2, 1).to(
+        torch.int64).cumsum(2).contiguous()
+    want = torch.arange(1, capacity + 1, dtype=torch.int64, device=dev).expand(
+        world, num_local, capacity).contiguous()
+    j = torch.searchsorted(count, want)  # [W, L, C]: first row whose count reaches c + 1
+    valid = j < t_max
+    src = torch.arange(world, dtype=torch.int64, device=dev).view(world, 1, 1) * t_max \
+        + j.clamp(max=max(t_max - 1, 0))
+    src = torch.where(valid, src, torch.zeros((), dtype=torch.int64, device=dev))
+    local = torch.arange(num_local, dtype=torch.int64, device=dev).view(1, num_local, 1)
+    # [W, L, C] -> [L, W, C]: Megatron's expert-major order
+    src_p = src.permute(1, 0, 2).reshape(-1)
+    valid_p = valid.permute(1, 0, 2).reshape(-1)
+    local_p = local.expand(world, num_local, capacity).permute(1, 0, 2).reshape(-1)
+    slot_p = slot_of[src_p, local_p]
+    scatter_p = torch.where(valid_p, src_p, torch.full_like(src_p, rows))
+    return PaddedLayout(src_p, slot_p, valid_p, scatter_p)
+
+
+def _rows_where(valid_P: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` where valid, exact zeros elsewhere (stale window rows may hold anything)."""
+    mask = valid_P.view(-1, *([1] * (rows.dim() - 1)))
+    return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def _scatter_rows(layout: PaddedLayout, rows_PD: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Padded rows ``[P, D]`` -> window rows ``[num_rows, D]``: each window row the sum, from
+    +0.0 in local-expert order (index order on CPU), of its rows; pad rows go nowhere."""
+    out = rows_PD.new_zeros((num_rows + 1, rows_PD.shape[1]))
+    out.index_add_(0, layout.scatter_row_P, rows_PD)
+    return out[:num_rows]
+
+
+class _DispatchPadded(torch.autograd.Function):
+    """x [T, H], topk_weights [T, E] -> padded expert input [L * W * C, H] and its weights
+    [L * W * C] float32, through ``transport.dispatch_fixed`` and device-side gathers only."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, transport, capacity, num_local, out_meta):
+        recv_x, recv_idx, recv_w, _num_recv, _tpe, handle = transport.dispatch_fixed(
+            x.contiguous(), topk_idx, topk_weights.detach().contiguous())
+        world, t_max = transport.world_size, transport.cfg.max_tokens_per_rank
+        layout = padded_layout(recv_idx, num_local, world, t_max, capacity)
+        # Copies out of the window at once (gda's window is reused two ops later).
+        padded_x = _rows_where(layout.valid_P, recv_x.index_select(0, layout.src_row_P))
+        padded_w = _rows_where(layout.valid_P, recv_w[layout.src_row_P, layout.slot_P])
+        ctx.transport, ctx.handle, ctx.layout = transport, handle, layout
+        ctx.num_rows, ctx.k = recv_x.shape[0], recv_idx.shape[1]
+        out_meta.update(handle=handle, layout=layout, num_rows=recv_x.shape[0])
+        return padded_x, padded_w
+
+    @staticmethod
+    def backward(ctx, grad_padded_x, grad_padded_w):
+        layout, rows, k = ctx.layout, ctx.num_rows, ctx.k
+        grad_window = _scatter_rows(layout, grad_padded_x.contiguous(), rows)
+        grad_x = ctx.transport.combine(grad_window, ctx.handle)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # One value per (row, slot) of a real row, 0 elsewhere: the masked input that
+            # combine_topk_weights would build, without reading the window's ids again (gda's
+            # window has been reused by now).
+            flat = torch.where(layout.valid_P, layout.src_row_P * k + layout.slot_P,
+                               torch.full_like(layout.src_row_P, rows * k))
+            g = torch.zeros(rows * k + 1, dtype=torch.float32, device=grad_padded_w.device)
+            g.index_add_(0, flat, grad_padded_w.float().contiguous())
+            grad_w = ctx.transport.combine(g[: rows * k].view(rows, k), ctx.handle)
+        ctx.transport.after_backward()
+        return grad_x, grad_w, None, None, None, None, None
+
+
+class _CombinePadded(torch.autograd.Function):
+    """Padded expert output [L * W * C, H] -> [T, H]: rows summed per window row (local experts
+    ascending), then ``transport.combine``; backward replays the dispatch (``dispatch_cached``)
+    and gathers the padded layout again."""
+
+    @staticmethod
+    def forward(ctx, y, transport, handle, layout, num_rows):
+        ctx.transport, ctx.handle, ctx.layout = transport, handle, layout
+        return transport.combine(_scatter_rows(layout, y.contiguous(), num_rows), handle)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        window = ctx.transport.dispatch_cached(grad_out.contiguous(), ctx.handle)
+        grad_y = _rows_where(ctx.layout.valid_P, window.index_select(0, ctx.layout.src_row_P))
+        return grad_y, None, None, None, None
+
+
 class _Dispatch(torch.autograd.Function):
     """x [T, H], topk_weights [T, K] -> recv_x [N, H], recv_topk_weights [N, K]."""
 
@@ -157,8 +310,12 @@ class EfaTokenDispatcher(MoETokenDispatcher):
     (``EFA_EP_TRANSPORT``, default ``auto``) and is created on the first dispatch, collectively
     over the EP group, then shared by every layer with the same sizes.
 
-    Synchronization: the host blocks once per dispatch for the receive counts (as Megatron's
-    alltoall does), so the layer is not CUDA-graph capturable.
+    Synchronization: dropless and capacity-dropping modes block the host once per dispatch for
+    the receive counts (as Megatron's alltoall does). Drop-and-pad mode
+    (``moe_pad_expert_input_to_capacity``) uses ``Transport.dispatch_fixed`` and device-side
+    ops with static shapes only: the host waits only where the transport's ``dispatch_fixed``
+    does (the generic default over ``torch``/``proxy``/``hier``: once for its counts; ``gda``:
+    never), and with ``EFA_EP_CAPACITY_OVERFLOW=error`` (one count all-gather per dispatch).
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
@@ -176,9 +333,16 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         self.settings = current_settings(config)
         self.transport_name = self.settings.resolved_transport()
         self.fused = bool(getattr(config, "moe_permute_fusion", False))
+        # Drop-and-pad: static shapes, capacity from the config (Megatron's get_capacity).
+        self.drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
+        if self.drop_and_pad and self.capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor")
+        self.capacity_overflow = capacity_overflow_policy(config) if self.drop_and_pad else "drop"
+        self.shared_experts = None       # set by set_shared_experts (moe_shared_expert_overlap)
         # Per-call state (non-differentiable metadata; tensors with grads travel via returns).
         self.hidden_shape = None
-        self.topk_idx = None             # [T, K] int64
+        self.topk_idx = None             # [T, K] int64 ([T, E] in drop-and-pad mode)
         self.probs_dtype = None
         self.transport = None            # transport of the last dispatch
         self.handle = None               # DispatchHandle of the last dispatch
@@ -187,33 +351,100 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         self.local_routing_map = None    # [N, L] bool
         self.sorted_indices = None       # [sum(tokens_per_expert)] int64
         self.num_recv_tokens = None
+        self.capacity = None             # C of the last drop-and-pad dispatch
+        self.padded_layout = None        # PaddedLayout of the last drop-and-pad dispatch
+        self.num_window_rows = None      # W * T_MAX of the last drop-and-pad dispatch
 
     def transport_for(self, x: torch.Tensor) -> Transport:
         s = self.settings
         return get_shared_transport(self.transport_name, self.ep_group, self.num_experts,
                                     x.shape[-1], s.max_tokens_per_rank, x.dtype, s.transport_options)
 
+    def set_shared_experts(self, shared_experts):
+        """Takes the layer's ``SharedExpertMLP`` (``moe_shared_expert_overlap``): its pieces then
+        run around this dispatcher's transport calls on the shared experts' stream."""
+        super().set_shared_experts(shared_experts)
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """[S, B, H], [T, E] bool, [T, E] -> (x [T, H], topk_weights [T, K] float32). Local."""
+        """[S, B, H], [T, E] bool, [T, E] -> (x [T, H], topk_weights [T, K] float32). Local
+        (drop-and-pad: K = E; ``EFA_EP_CAPACITY_OVERFLOW=error`` adds one count all-gather)."""
         self.hidden_shape = hidden_states.shape
         x = hidden_states.view(-1, self.hidden_shape[-1])
         self.probs_dtype = probs.dtype
-        self.topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        if self.drop_and_pad:
+            self.capacity = get_capacity(num_tokens=routing_map.shape[0] * self.topk,
+                                         num_experts=self.num_experts,
+                                         capacity_factor=self.capacity_factor)
+            if self.capacity_overflow == "error":
+                self._check_capacity(routing_map)
+            self.topk_idx, topk_weights = routing_map_to_slots(routing_map, probs)
+        else:
+            self.topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         return x, topk_weights
 
+    def _check_capacity(self, routing_map) -> None:
+        """``capacity_overflow=error``: every EP rank raises the same one-line error when a rank
+        routes more than C tokens to one expert, or when ranks' token counts (hence C) differ.
+        Collective over the EP group; one host read (the policy's price)."""
+        counts = routing_map.sum(0).to(torch.int64)
+        mine = torch.cat([torch.tensor([routing_map.shape[0]], dtype=torch.int64,
+                                       device=counts.device), counts])
+        parts = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        dist.all_gather(parts, mine, group=self.ep_group)
+        table = torch.stack(parts).cpu()
+        tokens = table[:, 0].tolist()
+        if len(set(tokens)) > 1:
+            raise ValueError(
+                f"drop-and-pad (moe_pad_expert_input_to_capacity) needs the same number of tokens "
+                f"on every EP rank, as Megatron's alltoall dispatcher: got {tokens} (rank r's "
+                f"entry is rank r's)")
+        over = (table[:, 1:] > self.capacity).nonzero().tolist()
+        if over:
+            r, e = over[0]
+            raise ValueError(
+                f"capacity overflow (EFA_EP_CAPACITY_OVERFLOW=error): rank {r} routes "
+                f"{int(table[r, 1 + e])} tokens to expert {e} (on EP rank "
+                f"{e // self.num_local_experts}); capacity is {self.capacity} (tokens "
+                f"{tokens[r]} x top-k {self.topk} / {self.num_experts} experts x factor "
+                f"{self.capacity_factor}); {len(over)} (rank, expert) pair(s) over")
+
     def token_dispatch(self, hidden_states, probs):
-        """x [T, H], topk_weights [T, K] -> (recv_x [N, H], recv_topk_weights [N, K] float32)."""
+        """x [T, H], topk_weights [T, K] -> (recv_x [N, H], recv_topk_weights [N, K] float32);
+        drop-and-pad: (padded expert input [L * W * C, H], its weights [L * W * C] float32)."""
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
         meta: dict = {}
         self.transport = self.transport_for(hidden_states)
-        recv_x, recv_w = _Dispatch.apply(hidden_states, probs, self.topk_idx, self.transport, meta)
-        self.handle = meta["handle"]
-        self.recv_topk_idx = meta["recv_topk_idx"]
-        self.tokens_per_expert = meta["tokens_per_expert"]
+        if self.drop_and_pad:
+            recv_x, recv_w = _DispatchPadded.apply(
+                hidden_states, probs, self.topk_idx, self.transport, self.capacity,
+                self.num_local_experts, meta)
+            self.handle = meta["handle"]
+            self.padded_layout = meta["layout"]
+            self.num_window_rows = meta["num_rows"]
+        else:
+            recv_x, recv_w = _Dispatch.apply(hidden_states, probs, self.topk_idx, self.transport,
+                                             meta)
+            self.handle = meta["handle"]
+            self.recv_topk_idx = meta["recv_topk_idx"]
+            self.tokens_per_expert = meta["tokens_per_expert"]
+        if self.shared_experts is not None:
+            # After the tokens moved, as Megatron's alltoall (fc1 overlaps the next transfer).
+            self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_w
 
     def dispatch_postprocess(self, hidden_states, probs):
         """recv_x [N, H], recv_topk_weights [N, K] -> (expert-major rows, tokens_per_expert [L]
-        int64 CPU, permuted_probs [rows] in the router's probs dtype). Local."""
+        int64 CPU, permuted_probs [rows] in the router's probs dtype). Local.
+
+        Drop-and-pad: the rows already are Megatron's padded layout; ``tokens_per_expert`` is
+        ``W * C`` for every local expert, built on the host from the config (no count read)."""
+        if self.drop_and_pad:
+            self.tokens_per_expert = torch.full(
+                (self.num_local_experts,), self.ep_size * self.capacity, dtype=torch.long)
+            return hidden_states, self.tokens_per_expert, probs.to(self.probs_dtype)
         n, num_local = hidden_states.shape[0], self.num_local_experts
         self.num_recv_tokens = n
         valid = self.recv_topk_idx >= 0
@@ -232,16 +463,34 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         return permuted, self.tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states):
-        """Expert outputs [rows, H] -> [N, H], each received row summed over its local experts."""
+        """Expert outputs [rows, H] -> [N, H], each received row summed over its local experts.
+        Drop-and-pad: unchanged (token_combine scatters the padded rows)."""
+        if self.drop_and_pad:
+            return hidden_states
         return unpermute(hidden_states, self.sorted_indices,
                          restore_shape=torch.Size([self.num_recv_tokens, hidden_states.shape[-1]]),
                          routing_map=self.local_routing_map, fused=self.fused)
 
     def token_combine(self, hidden_states):
-        """[N, H] -> [T, H]: rows back to their sources, float32 sum over ranks ascending."""
+        """[N, H] (drop-and-pad: [L * W * C, H]) -> [T, H]: rows back to their sources, float32
+        sum over ranks ascending."""
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
         # The transport that made the handle combines it (windows and offsets belong to it).
-        return _Combine.apply(hidden_states, self.transport, self.handle)
+        if self.drop_and_pad:
+            out = _CombinePadded.apply(hidden_states, self.transport, self.handle,
+                                       self.padded_layout, self.num_window_rows)
+        else:
+            out = _Combine.apply(hidden_states, self.transport, self.handle)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        return out
 
     def combine_postprocess(self, hidden_states):
-        """[T, H] -> the original ``hidden_states`` shape."""
-        return hidden_states.view(self.hidden_shape)
+        """[T, H] -> the original ``hidden_states`` shape, plus the shared experts' output when
+        they are overlapped."""
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output

@@ -64,12 +64,15 @@ def _unsupported_worker(rank, world, overrides):
 
 
 def test_unsupported_megatron_options_raise_at_construction():
-    # Megatron's own validation also still applies (moe_shared_expert_overlap needs alltoall/flex).
-    msgs = run_ranks(_unsupported_worker, 1, ({"moe_pad_expert_input_to_capacity": True,
-                                               "moe_expert_capacity_factor": 1.0},), timeout_s=60)
-    assert "moe_pad_expert_input_to_capacity" in msgs[0], msgs
-    msgs = run_ranks(_unsupported_worker, 1, ({"moe_expert_capacity_factor": 1.0},), timeout_s=60)
-    assert msgs == ["built"]  # capacity dropping without padding is supported (-1 slots)
+    msgs = run_ranks(_unsupported_worker, 1, ({"moe_router_padding_for_quantization": True},),
+                     timeout_s=60)
+    assert "moe_router_padding_for_quantization" in msgs[0], msgs
+    # Capacity dropping with and without padding, and shared-expert overlap (which Megatron's
+    # config validation allows for "efa" as for "alltoall"), build.
+    for overrides in ({"moe_expert_capacity_factor": 1.0},
+                      {"moe_pad_expert_input_to_capacity": True, "moe_expert_capacity_factor": 1.0},
+                      {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_overlap": True}):
+        assert run_ranks(_unsupported_worker, 1, (overrides,), timeout_s=60) == ["built"], overrides
 
 
 def _transport_choice_worker(rank, world):
