@@ -35,6 +35,15 @@ inside the same boundary. It needs an NCCL group (``backend=nccl``); ``arms.nccl
 the same exchange over gloo for CPU tests, named ``a2a:gloo``. Control collectives (check
 agreement, barriers, broadcasts) put their tensors on :func:`collective_device` of the group.
 
+``hier`` runs only when listed (``arms.transports=[torch,proxy,hier]``), as one arm per
+``arms.hier_aggregate`` value (``hier:agg1`` once per destination node, ``hier:agg0`` once per
+destination rank), with ``node_size`` = the emulated ranks per node (null: per host).
+
+Network counts: every transport record has ``net_counts``: the network messages, rows, payload
+bytes, libfabric writes and wire bytes of one dispatch and one combine, summed over the ranks
+(from the transports' ``last_op_counts``; None for arms that do not count, e.g. ``torch``), and
+the flat route's cross-node figure at the same layout; the table lists them per counting arm.
+
 Views: ``transport`` (dispatch+combine of a transport) and ``layer`` (one Megatron ``MoELayer``
 forward+backward with the ``efa`` dispatcher on each transport vs Megatron's ``alltoall``).
 

@@ -266,12 +266,10 @@ def test_hier_refuses_a_node_size_that_does_not_divide():
         run_ranks(_layout_worker, 4, (), timeout_s=60)
 
 
-def _hier_gpu_worker(rank, world, node_size, topks, network):
+def _hier_gpu_worker(rank, world, node_size, topks, network, aggregate):
     """Ranks as processes on the GPU(s): local stage gda (NVLink stores / shared GPU), network
-    stage ``network`` (proxy over shm with host staging, or torch); compared with the reference
-    bit for bit."""
-    from routes import make_route
-
+    stage ``network`` (proxy over shm with host staging, or torch), ``aggregate`` 1 or 0;
+    compared with the reference bit for bit."""
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
 
@@ -280,14 +278,14 @@ def _hier_gpu_worker(rank, world, node_size, topks, network):
     experts, hidden = 64, 256
     opts = dict(provider="shm", num_channels=2, timeout_s=60) if network == "proxy" else {}
     t = create_transport("hier", None, experts, hidden, 256, torch.bfloat16, node_size=node_size,
-                         network=network, **opts)
+                         network=network, aggregate=aggregate, **opts)
     assert t.stage_names == (network, "gda"), t.stage_names
     checked = 0
     for case, (kind, k) in enumerate([(kind, k) for kind in KINDS for k in topks]):
         data = []
         for r in range(world):
             n = 17 * (r + 1) + case
-            idx, w = make_route(kind, n, experts, k, world, seed=1000 * case + r)
+            idx, w = _route(kind, n, experts, k, world, node_size, seed=1000 * case + r)
             g = torch.Generator().manual_seed(case * 31 + r)
             data.append((torch.randn(n, hidden, generator=g).to(torch.bfloat16), idx, w))
         x, idx, w = data[rank]
@@ -302,11 +300,12 @@ def _hier_gpu_worker(rank, world, node_size, topks, network):
         out = t.combine(ys[rank].to(dev), handle).cpu()
         exp_out = reference_combine(ys, [ref[d][4] for d in range(world)],
                                     [d[0].shape[0] for d in data])[rank]
-        if k <= 2:
+        if k <= 2 or kind in ("one_node", "one_rank"):
             assert torch.equal(out, exp_out), (kind, k)
         else:
             torch.testing.assert_close(out.float(), exp_out.float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(t.combine_topk_weights(rw, handle).cpu(), w), (kind, k)
+        assert torch.equal(t.dispatch_cached(x.to(dev), handle).cpu(), exp_x), (kind, k)
         checked += 1
     t.close()
     return checked
@@ -320,10 +319,11 @@ def _network_param(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("aggregate", [1, 0])
 @pytest.mark.parametrize("network", [_network_param("torch"), _network_param("proxy")])
-def test_hier_gpu_gda_local(network):
+def test_hier_gpu_gda_local(network, aggregate):
     """EP 4 as 2 emulated nodes x 2 ranks on the GPU (MPS when they share one)."""
-    counts = run_ranks(_hier_gpu_worker, 4, (2, (2, 8), network), timeout_s=300,
+    counts = run_ranks(_hier_gpu_worker, 4, (2, (2, 8), network, aggregate), timeout_s=300,
                        env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FI_TCP_IFACE": "lo"})
     assert counts == [len(KINDS) * 2] * 4
 
