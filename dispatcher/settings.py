@@ -10,6 +10,8 @@ Precedence (highest first): :func:`configure` in this process; attributes set on
   the fixed windows of ``gda``/``proxy``.
 - ``EFA_EP_TRANSPORT_OPTIONS``: comma-separated ``key=value`` knobs passed to the transport,
   e.g. ``num_channels=4,provider=tcp``.
+- ``EFA_EP_CAPACITY_OVERFLOW``: ``drop`` (default) or ``error``, drop-and-pad mode only
+  (``config.efa_ep_capacity_overflow`` wins); see :func:`capacity_overflow_policy`.
 
 Every value is checked against the transport's option schema (:mod:`efa_ep.kernels.options`)
 where it enters: a wrong name, an unknown option key (with "did you mean") or a value of the

@@ -1,19 +1,21 @@
 """``Transport.dispatch_fixed``'s generic default (the regular dispatch copied into the fixed
-``[W * T_MAX, ...]`` layout) over the torch transport: same rows as ``dispatch``, unused rows
-marked, and ``combine`` / ``dispatch_cached`` / ``combine_topk_weights`` accept its handle."""
+``[W * T_MAX, ...]`` layout) over the torch, proxy and hier transports: same rows as
+``dispatch``, unused rows marked, and ``combine`` / ``dispatch_cached`` /
+``combine_topk_weights`` accept its handle."""
+import pytest
 import torch
 
 from efa_ep.distributed import run_ranks
 
-T_MAX, EXPERTS, HIDDEN = 16, 12, 8
+T_MAX, EXPERTS, HIDDEN = 24, 12, 8
 
 
-def _fixed_worker(rank, world, kinds):
+def _fixed_worker(rank, world, kinds, name="torch", options=None):
     from routes import make_route
 
     from efa_ep.kernels import DispatchInputError, create_transport
 
-    t = create_transport("torch", None, EXPERTS, HIDDEN, T_MAX, torch.float32)
+    t = create_transport(name, None, EXPERTS, HIDDEN, T_MAX, torch.float32, **(options or {}))
     checked = 0
     for case, (kind, k) in enumerate(kinds):
         n = 0 if (rank == 1 and case % 2) else 3 + 4 * rank + case
@@ -47,8 +49,20 @@ def _fixed_worker(rank, world, kinds):
     return checked, refused
 
 
-def test_generic_dispatch_fixed_matches_dispatch():
+def _case(name, world, **options):
+    from efa_ep.kernels import transport_status
+
+    why = transport_status().get(name)
+    return pytest.param(name, world, options, id=f"{name}-{world}",
+                        marks=pytest.mark.skipif(why is not None, reason=str(why)))
+
+
+@pytest.mark.parametrize("name,world,options", [
+    _case("torch", 3), _case("proxy", 2, provider="tcp"),
+    _case("hier", 4, node_size=2, network="torch"),
+])
+def test_generic_dispatch_fixed_matches_dispatch(name, world, options):
     kinds = [("random", 2), ("dropped", 3), ("one_rank", 4), ("skewed", 1)]
-    for checked, refused in run_ranks(_fixed_worker, 3, (kinds,), timeout_s=120):
+    for checked, refused in run_ranks(_fixed_worker, world, (kinds, name, options), timeout_s=120):
         assert checked == len(kinds)
-        assert refused is not None and "[3, 8]" in refused, refused
+        assert refused is not None and "3, 8" in refused, refused  # the wrong shape named
