@@ -210,8 +210,14 @@ def _scatter_rows(layout: PaddedLayout, rows_PD: torch.Tensor, num_rows: int) ->
 
 
 class _DispatchPadded(torch.autograd.Function):
-    """x [T, H], topk_weights [T, E] -> padded expert input [L * W * C, H] and its weights
-    [L * W * C] float32, through ``transport.dispatch_fixed`` and device-side gathers only."""
+    """x ``[T, H]`` (the transport's dtype), topk_weights ``[T, E]`` float32, one device ->
+    padded expert input ``[L * W * C, H]`` in x's dtype and its weights ``[L * W * C]`` float32,
+    on x's device, through ``transport.dispatch_fixed`` and device-side gathers only.
+
+    Synchronization: only what ``dispatch_fixed`` does (``gda``: none; the generic default: one
+    host wait for its counts). Backward: two ``combine`` calls (rows, then weights), no host
+    sync of its own. On CUDA, ``index_add_`` sums a window row's three or more local experts in
+    an unspecified order, as Megatron's ``unpermute`` does."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, transport, capacity, num_local, out_meta):
@@ -247,9 +253,10 @@ class _DispatchPadded(torch.autograd.Function):
 
 
 class _CombinePadded(torch.autograd.Function):
-    """Padded expert output [L * W * C, H] -> [T, H]: rows summed per window row (local experts
-    ascending), then ``transport.combine``; backward replays the dispatch (``dispatch_cached``)
-    and gathers the padded layout again."""
+    """Padded expert output ``[L * W * C, H]`` -> ``[T, H]`` (same dtype and device): rows summed
+    per window row (local experts ascending, from +0.0), then ``transport.combine``; backward
+    replays the dispatch (``dispatch_cached``) and gathers the padded layout again, copying out
+    of the transport's window at once. No host sync of its own in either direction."""
 
     @staticmethod
     def forward(ctx, y, transport, handle, layout, num_rows):

@@ -360,3 +360,16 @@ def test_capacity_overflow_policies():
     blocks = run_ranks(_overflow_worker, 2, ("drop",), timeout_s=120)
     # expert 3 lives on rank 0 (4 local experts); rank 1's tokens are 1000 + t
     assert blocks == [[1000.0, 1001.0, 1002.0, 1003.0], None], blocks
+
+
+def test_capacity_overflow_setting():
+    from types import SimpleNamespace
+
+    from efa_ep.dispatcher.settings import ConfigError, capacity_overflow_policy
+
+    assert capacity_overflow_policy(None, {}) == "drop"
+    assert capacity_overflow_policy(None, {"EFA_EP_CAPACITY_OVERFLOW": " Error "}) == "error"
+    config = SimpleNamespace(efa_ep_capacity_overflow="drop")  # the config wins
+    assert capacity_overflow_policy(config, {"EFA_EP_CAPACITY_OVERFLOW": "error"}) == "drop"
+    with pytest.raises(ConfigError, match="EFA_EP_CAPACITY_OVERFLOW='dorp': expected one of"):
+        capacity_overflow_policy(None, {"EFA_EP_CAPACITY_OVERFLOW": "dorp"})
