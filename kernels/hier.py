@@ -189,6 +189,8 @@ class HierTransport(Transport):
         local_opts = {k: v for k, v in opts.items() if k in _SHARED_OPTIONS}
         # aggregate=0 across nodes: the network stage spans the whole group, direct to ranks.
         self._direct = self.aggregate == 0 and n > 1
+        if net_name == "torch":
+            net_opts = {}  # the proxy's knobs mean nothing to torch
         if self._direct:
             self.rail_group = None
             self.network = create_transport(net_name, group, cfg.num_experts, cfg.hidden,
@@ -200,7 +202,7 @@ class HierTransport(Transport):
             rail_ranks = ranks[self.local_rank::g]
             self.rail_group = dist.new_group(rail_ranks, backend=backend,
                                              use_local_synchronization=True)
-            if n == 1 or net_name == "torch":
+            if n == 1:
                 net_name, net_opts = "torch", {}  # one node: the rail is this rank alone
             self.network = create_transport(net_name, self.rail_group, cfg.num_experts,
                                             cfg.hidden, cfg.max_tokens_per_rank, cfg.dtype,
