@@ -337,6 +337,21 @@ def test_hier_arms_and_their_options():
         bench.validate_config(compose("bench", "quick", ["node_size=3", "ep_size=4"]))
 
 
+def test_gda_mode_arms():
+    """gda runs as one arm per arms.gda_modes entry; the GPU configs time all three."""
+    cfg = compose("bench", "quick", ["arms.transports=[torch,gda]", "arms.gda_modes=[regular,fixed,graph]",
+                                     "layer.enabled=false"])
+    arms, _ = bench.resolve_arms(cfg, ["torch", "gda"])
+    assert [(a.name, a.mode) for a in arms if a.transport == "gda"] == [
+        ("gda", "regular"), ("gda:fixed", "fixed"), ("gda:graph", "graph")]
+    assert [a.mode for a in arms if a.transport == "torch"] == ["regular"]
+    for name in ("gpu", "gpu_nccl"):
+        assert compose("bench", name)["arms"]["gda_modes"] == ["regular", "fixed", "graph"]
+    with pytest.raises(ValueError, match="arms.gda_modes: 'fast' is not one of regular, fixed, graph"):
+        bench.resolve_arms(compose("bench", "quick", ["arms.transports=[torch,gda]",
+                                                      "arms.gda_modes=[fast]"]), ["torch", "gda"])
+
+
 def test_network_counts_of_hier_and_proxy_at_an_emulated_layout(tmp_path):
     """EP 4 as 2 emulated nodes: hier with and without aggregation and the flat proxy, each
     checked against torch, then their network counts (all ranks, one op) in records and table."""

@@ -116,6 +116,7 @@ class Arm:
     options: tuple = ()
     external: Optional[str] = None
     collective: Optional[str] = None
+    mode: str = "regular"        # gda: regular | fixed (dispatch_fixed) | graph (fixed, CUDA graph)
 
     @property
     def num_channels(self) -> Optional[int]:
@@ -170,6 +171,8 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
                 arms.append(Arm(f"proxy:k{k}", "transport", "proxy", opts))
         elif t == "hier":
             arms.extend(hier_arms(cfg, dict(base)))
+        elif t == "gda":
+            arms.extend(gda_arms(cfg, base))
         else:
             arms.append(Arm(t, "transport", t, base))
     raw = collective_arm(cfg)
@@ -194,6 +197,27 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
     if "torch" not in names:
         raise ValueError("the torch transport must be available: it is the correctness reference")
     return arms, not_run
+
+
+GDA_MODES = ("regular", "fixed", "graph")
+
+
+def gda_arms(cfg: Dict[str, Any], base: tuple) -> List[Arm]:
+    """One gda arm per ``arms.gda_modes`` entry: ``gda`` (regular dispatch: compact receive,
+    one host sync), ``gda:fixed`` (``dispatch_fixed``: window layout, no host sync) and
+    ``gda:graph`` (the fixed D+C captured once with ``GdaTransport.capture``, each sample one
+    ``replay()``).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    arms = []
+    for mode in cfg["arms"].get("gda_modes") or ["regular"]:
+        if mode not in GDA_MODES:
+            raise ValueError(f"arms.gda_modes: {mode!r} is not one of {', '.join(GDA_MODES)}")
+        arms.append(Arm("gda" if mode == "regular" else f"gda:{mode}", "transport", "gda", base,
+                        mode=mode))
+    return arms
 
 
 def hier_arms(cfg: Dict[str, Any], base: Dict[str, Any]) -> List[Arm]:
@@ -631,6 +655,9 @@ def _run_transport_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
     r_out = ref.combine(r_recv_x, r_handle)
     t = ctx.transport(cell.arm.transport, cell.arm.options, cell)
     err = None
+    if cell.arm.mode != "regular":
+        return _run_fixed_cell(ctx, cell, t, (x, idx, w), (r_recv_x, r_recv_idx, r_recv_w, r_tpe,
+                                                           r_out, r_handle))
     if cell.arm.transport == "torch":
         check = "reference"
     else:
@@ -673,6 +700,65 @@ def _run_transport_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
         t.combine(rx, h)
 
     return _finish(rec, _time_iters(ctx, once, cell))
+
+
+def _run_fixed_cell(ctx: _RankContext, cell: Cell, t, inputs, ref) -> Dict[str, Any]:
+    """A ``gda:fixed`` / ``gda:graph`` cell: ``dispatch_fixed`` + ``combine`` of the window rows
+    (in a CUDA graph for ``graph``), checked against the torch reference first: the used window
+    rows (``s * T_MAX + j``, ``j < num_recv[s]``) equal the reference's received rows, ids and
+    weights, ``tokens_per_expert`` and the combine output are equal bit for bit."""
+    import torch
+    import torch.distributed as dist
+
+    x, idx, w = inputs
+    r_recv_x, r_recv_idx, r_recv_w, r_tpe, r_out, r_handle = ref
+    err, graph = None, None
+    try:
+        t_max = t.cfg.max_tokens_per_rank
+        fx, fi, fw, num_recv, ftpe, fh = t.dispatch_fixed(x, idx, w)
+        n = num_recv.tolist()
+        used = torch.cat([torch.arange(s * t_max, s * t_max + n[s], device=fx.device)
+                          for s in range(ctx.world)])
+        for name, got, want in (("recv_x", fx[used], r_recv_x), ("recv_topk_idx", fi[used], r_recv_idx),
+                                ("recv_topk_weights", fw[used], r_recv_w),
+                                ("tokens_per_expert", ftpe.cpu(), r_tpe)):
+            err = err or _compare(name, got, want)
+        if cell.arm.mode == "graph":
+            graph = t.capture(lambda: t.combine(*_rows_and_handle(t.dispatch_fixed(x, idx, w))),
+                              warmup=2)
+            graph.replay()
+            out = graph.outputs
+        else:
+            out = t.combine(fx, fh)
+        err = err or _compare("combine_out", out, r_out)
+    except Exception as e:  # a crashing arm voids its cell; peers learn it via _agree
+        err = f"{type(e).__name__}: {e}"
+    ok = _agree(err is None)
+    info = dict(transport_info(cell.arm.transport, t), mode=cell.arm.mode)
+    rows = [None] * ctx.world
+    dist.all_gather_object(rows, sum(r_handle.num_send_per_rank))
+    rec: Dict[str, Any] = {
+        "check": {"status": "pass" if ok else "fail", "detail": err},
+        "dispatch_rows": sum(rows), "dispatch_bytes": sum(rows) * cell.hidden * x.element_size(),
+        "collective_bytes": None, "net_counts": None, "transport_info": info,
+        "sm_budget": _sm_budget(ctx, info.get("num_programs"),
+                                "gda store grids: min(rows, num_programs) programs per kernel; "
+                                "waits one program each")}
+    if not ok:
+        return _void(rec, err or "a peer rank's check failed")
+    if graph is not None:
+        return _finish(rec, _time_iters(ctx, graph.replay, cell))
+
+    def once():
+        r = t.dispatch_fixed(x, idx, w)
+        t.combine(r[0], r[-1])
+
+    return _finish(rec, _time_iters(ctx, once, cell))
+
+
+def _rows_and_handle(dispatched):
+    """(recv_x, handle) of a ``dispatch_fixed`` result."""
+    return dispatched[0], dispatched[-1]
 
 
 NET_COUNT_FIELDS = ("messages", "rows", "bytes", "writes", "wire_bytes")
