@@ -39,6 +39,11 @@ agreement, barriers, broadcasts) put their tensors on :func:`collective_device` 
 ``arms.hier_aggregate`` value (``hier:agg1`` once per destination node, ``hier:agg0`` once per
 destination rank), with ``node_size`` = the emulated ranks per node (null: per host).
 
+``gda`` runs as one arm per ``arms.gda_modes`` entry: ``gda`` (regular dispatch, compact
+receive, one host sync), ``gda:fixed`` (``dispatch_fixed``: the window is the receive buffer,
+no host sync) and ``gda:graph`` (that dispatch + combine captured once in a CUDA graph, each
+sample one replay); the fixed arms are checked on the used window rows.
+
 Network counts: every transport record has ``net_counts``: the network messages, rows, payload
 bytes, libfabric writes and wire bytes of one dispatch and one combine, summed over the ranks
 (from the transports' ``last_op_counts``; None for arms that do not count, e.g. ``torch``), and
