@@ -53,13 +53,28 @@ expected, before any row moves; the transport stays usable. A deadline, a dead p
 the transport on the ranks that see it; later calls raise :class:`TransportBroken` carrying the
 original error. Everything received is validated before use (:func:`check_received_counts`,
 :func:`received_metadata_errors`).
+
+What every transport shares from here (one definition each):
+
+- the status word of an operation (``STATUS_*`` bits, :func:`describe_status`), which the
+  ``torch`` headers, the ``proxy`` wire headers and the ``gda`` window headers all carry;
+- the one error every rank raises for a group's bad input (:func:`group_input_error`, and
+  :func:`agree_on_input` for a transport without a status exchange of its own);
+- the host-side check of a ``[rows, D]`` operand of ``combine`` / ``dispatch_cached`` /
+  ``combine_topk_weights`` (:func:`rows_input_error`);
+- the handle's owner: every transport's ``DispatchHandle.state`` is a :class:`HandleState`
+  dataclass naming the transport object that made it, checked by
+  :meth:`Transport.handle_error` (a handle of another transport object is refused);
+- sizes: :func:`ceil_div` (pieces of ``b`` that hold ``a``) and :func:`align_up` (the next
+  multiple of an alignment).
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+import itertools
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -205,6 +220,19 @@ class NetCounter:
 
 
 @dataclasses.dataclass(frozen=True)
+class HandleState:
+    """Base of every transport's ``DispatchHandle.state`` (each transport subclasses it with the
+    private state its combine and cached dispatch need: window offsets, message ids, ...).
+
+    Attributes:
+        owner: :attr:`Transport.uid` of the transport object that made the handle (unique in
+            the process); :meth:`Transport.handle_error` refuses a handle of another object.
+    """
+
+    owner: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DispatchHandle:
     """What a dispatch leaves for its combine and for both backward passes.
 
@@ -217,7 +245,8 @@ class DispatchHandle:
         num_send_per_rank: W ints, rows sent to each rank (host).
         num_recv_per_rank: W ints, rows received from each rank (host).
         recv_topk_idx: ``[N, K]`` int64 local expert ids (-1 elsewhere), x's device.
-        state: transport-private state (window offsets, message ids, ...).
+        state: the transport's private state, a :class:`HandleState` dataclass naming the
+            transport object that made the handle (window offsets, message ids, ...).
     """
 
     num_tokens: int
@@ -227,7 +256,7 @@ class DispatchHandle:
     num_send_per_rank: tuple
     num_recv_per_rank: tuple
     recv_topk_idx: torch.Tensor
-    state: Any = None
+    state: HandleState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +348,43 @@ def compute_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: in
     return SendLayout(dest, is_in, num_per_rank, num_per_expert, send_token, send_rank, send_topk, slot)
 
 
+# The status word --------------------------------------------------------------------------
+#
+# One int64 per rank and operation, carried by every transport's count exchange (``torch``: the
+# ``H_STATUS`` field of :func:`exchange_status`'s headers; ``proxy``: its wire header;
+# ``gda``: word 0 of the header it stores into each peer's window). 0 = fine; otherwise bits:
+STATUS_OK = 0
+#: an expert id outside [-1, E) (device-computed: :func:`value_error_flags`, gda's layout kernel)
+STATUS_BAD_EXPERT_ID = 1
+#: a NaN/Inf routing weight (device-computed, as above)
+STATUS_NON_FINITE_WEIGHT = 2
+#: a host-side input check failed; the rank's own message says which tensor and why
+STATUS_BAD_INPUT = 4
+#: this rank found data received in an earlier operation invalid (a deferred device check)
+STATUS_BAD_RECEIVED = 8
+#: the bits that mean "this rank's input was invalid" (the transport stays usable)
+STATUS_INPUT_BITS = STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT | STATUS_BAD_INPUT
+
+
+def describe_status(bits: int, num_experts: Optional[int] = None) -> str:
+    """Words for a non-zero status word, without reading any tensor (a rank that knows only the
+    bits, e.g. ``gda`` after its one host copy): ``"expert ids outside ...; NaN/Inf ..."``."""
+    words = []
+    if bits & STATUS_BAD_EXPERT_ID:
+        bound = f"num_experts={num_experts}" if num_experts is not None else "num_experts"
+        words.append(f"topk_idx holds expert ids outside -1 (no expert) or 0 <= id < {bound}")
+    if bits & STATUS_NON_FINITE_WEIGHT:
+        words.append("topk_weights holds NaN/Inf (expected finite float32)")
+    if bits & STATUS_BAD_INPUT:
+        words.append("a host-side input check failed")
+    if bits & STATUS_BAD_RECEIVED:
+        words.append("data received in an earlier operation failed validation")
+    unknown = bits & ~(STATUS_INPUT_BITS | STATUS_BAD_RECEIVED)
+    if unknown:
+        words.append(f"unknown status bits {unknown:#x}")
+    return "; ".join(words)
+
+
 def validate_dispatch_inputs(
     cfg: TransportConfig, rank: int, x: torch.Tensor, topk_idx: torch.Tensor,
     topk_weights: torch.Tensor, value_checks: bool = True,
@@ -364,18 +430,16 @@ def validate_dispatch_inputs(
     return None
 
 
-_BAD_EXPERT_ID, _NON_FINITE_WEIGHT = 1, 2
-
-
 def value_error_flags(cfg: TransportConfig, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor:
-    """Bit flags (int64 scalar on the inputs' device, no host sync): 1 = an expert id outside
-    [-1, E), 2 = a NaN/Inf weight. :func:`describe_value_errors` explains non-zero flags."""
+    """Status bits (int64 scalar on the inputs' device, no host sync): ``STATUS_BAD_EXPERT_ID``
+    for an expert id outside [-1, E), ``STATUS_NON_FINITE_WEIGHT`` for a NaN/Inf weight.
+    :func:`describe_value_errors` explains non-zero flags."""
     if not topk_idx.numel():
         return torch.zeros((), dtype=torch.int64, device=topk_idx.device)
     bad_id = ((topk_idx < -1) | (topk_idx >= cfg.num_experts)).any().to(torch.int64)
     bad_w = (~torch.isfinite(topk_weights)).any().to(torch.int64)
-    return bad_id * _BAD_EXPERT_ID + bad_w * _NON_FINITE_WEIGHT
+    return bad_id * STATUS_BAD_EXPERT_ID + bad_w * STATUS_NON_FINITE_WEIGHT
 
 
 def describe_value_errors(cfg: TransportConfig, rank: int, topk_idx: torch.Tensor,
@@ -392,6 +456,75 @@ def describe_value_errors(cfg: TransportConfig, rank: int, topk_idx: torch.Tenso
             n_bad = int((~torch.isfinite(topk_weights)).sum())
             return f"{who}: topk_weights holds {n_bad} NaN/Inf value(s); expected finite float32"
     return None
+
+
+def rows_input_error(rank: int, what: str, t, num_rows: int, *, width: Optional[int] = None,
+                     device: Optional[torch.device] = None) -> Optional[str]:
+    """The host-side check of a ``[num_rows, D]`` operand of ``combine`` (``y``),
+    ``dispatch_cached`` (``x``) or ``combine_topk_weights`` (its gradient); no values read.
+
+    Args:
+        rank: this rank (named in the message). what: the operand as the user knows it
+            (``"combine input y"``). t: the operand. num_rows: rows the handle expects (N for
+            combine, T for a cached dispatch). width: D when it is fixed (K for the weight
+            combine), else any. device: the dispatch's device, when the operand must be on it.
+
+    Returns:
+        None, or one line naming the rank, the operand, what was expected and what came.
+    """
+    who = f"rank {rank}"
+    if not isinstance(t, torch.Tensor):
+        return f"{who}: {what} must be a tensor, got {type(t).__name__}"
+    if t.dim() != 2 or t.shape[0] != num_rows or (width is not None and t.shape[1] != width):
+        want = f"[{num_rows}, {width if width is not None else 'D'}]"
+        return f"{who}: {what} must be {want} (rows of the matching dispatch), got {list(t.shape)}"
+    if t.device.type == "meta":
+        return f"{who}: {what} must hold data, got a meta tensor"
+    if device is not None and t.device != device:
+        return f"{who}: {what} must be on {device} (the dispatch's device), got {t.device}"
+    return None
+
+
+def group_input_error(tag: str, messages) -> DispatchInputError:
+    """The one error every rank of the EP group raises when ranks passed invalid input:
+    ``"<tag> refused on every rank of the EP group: invalid input on rank(s) [r, ...]: <each
+    offending rank's own words>"``. The caller raises it (the transport stays usable).
+
+    Args:
+        tag: the operation, e.g. ``"dispatch #3"`` or ``"proxy combine"``.
+        messages: ``{offending rank: its own message}`` (naming the tensor and what was
+            expected); None where this rank cannot know the words (that rank's error has them).
+    """
+    bad = sorted(messages)
+    words = "; ".join(messages[r] or f"rank {r}: invalid input (its own error names the tensor)"
+                      for r in bad)
+    return DispatchInputError(f"{tag} refused on every rank of the EP group: invalid input on "
+                              f"rank(s) {bad}: {words}")
+
+
+def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None) -> None:
+    """For an operation without a status exchange of its own (``hier``: each stage's exchange
+    covers only its rail or node): every rank of ``group`` tells whether its input is valid,
+    and if any is not, every rank raises the same :func:`group_input_error`.
+
+    Args:
+        error: this rank's input error (None when valid). device: where the flags live
+            (default :func:`collective_device`).
+
+    Synchronization: one all-gather of one int64 per rank and a host read; the error path adds
+    one ``all_gather_object`` so every rank raises the offending ranks' own words.
+    """
+    device = device if device is not None else collective_device(group)
+    world = dist.get_world_size(group)
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    mine = torch.tensor([STATUS_BAD_INPUT if error else STATUS_OK], dtype=torch.int64,
+                        device=device)
+    dist.all_gather(flags, mine, group=group)
+    status = torch.cat(flags).tolist()
+    if any(status):
+        msgs = [None] * world
+        dist.all_gather_object(msgs, error, group=group)
+        raise group_input_error(tag, {r: msgs[r] for r in range(world) if status[r]})
 
 
 def check_group_agreement(cfg: TransportConfig, group, rank: int,
@@ -451,10 +584,7 @@ def collective_device(group) -> torch.device:
 H_STATUS, H_OP, H_SEQ, H_K, H_D, H_DTYPE, H_REF, H_ROWS, H_AUX = range(9)
 OP_HEADER_FIELDS = 9
 
-#: Status bits. 1 and 2 are :func:`value_error_flags`; 4 = a host-side input check failed;
-#: 8 = this rank found data received in an earlier operation invalid (deferred device check).
-STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, STATUS_BAD_INPUT, STATUS_BAD_RECEIVED = 1, 2, 4, 8
-_INPUT_BITS = STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT | STATUS_BAD_INPUT
+# ``H_STATUS`` holds the status word (``STATUS_*`` above).
 
 OP_CODES = {"dispatch": 1, "combine": 2, "dispatch_cached": 3, "combine_topk_weights": 4}
 _OP_NAMES = {v: k for k, v in OP_CODES.items()}
@@ -540,17 +670,14 @@ def exchange_status(group, rank: int, op: str, seq: int, header_WF: torch.Tensor
         if mine:
             own = error if error is not None else (describe(mine) if describe else None)
             if own is None:
-                own = f"rank {rank}: status bits {mine} set"
+                own = f"rank {rank}: {describe_status(mine)}"
         msgs = [None] * world
         dist.all_gather_object(msgs, own, group=group)
         bad = [r for r in range(world) if status[r]]
-        words = "; ".join(m for m in msgs if m)
         # Bad received data outranks bad input: the transport is broken either way.
         if not any(s & STATUS_BAD_RECEIVED for s in status):
-            bad_in = [r for r in range(world) if status[r] & _INPUT_BITS]
-            raise DispatchInputError(
-                f"{tag} refused on every rank of the EP group: invalid input on rank(s) "
-                f"{bad_in}: {words}")
+            raise group_input_error(tag, {r: msgs[r] for r in bad if status[r] & STATUS_INPUT_BITS})
+        words = "; ".join(m for m in msgs if m)
         raise ProtocolError(
             f"{tag} refused on every rank of the EP group: rank(s) {bad} received invalid data "
             f"earlier: {words}")
@@ -652,10 +779,11 @@ def int64_to_float_bits(v: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedLayoutState:
+class FixedLayoutState(HandleState):
     """``DispatchHandle.state`` of the generic :meth:`Transport.dispatch_fixed`.
 
     Attributes:
+        owner: see :class:`HandleState`.
         inner: the handle of the regular dispatch the fixed layout was built from.
         rows_N: ``[N]`` int64, x's device: fixed-layout row (``s * T_MAX + j``) of received row i.
         num_recv_W: ``[W]`` int64, x's device: rows received from each source.
@@ -701,15 +829,44 @@ class Transport(abc.ABC):
     """
 
     name: str = "?"
+    #: the :class:`HandleState` subclass in the handles this transport's dispatch makes
+    state_type: type = HandleState
 
     def __init__(self, cfg: TransportConfig, group):
         self.cfg = cfg
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        #: this transport object's number, unique in the process (``HandleState.owner``)
+        self.uid = next(_TRANSPORT_UIDS)
         if self.world_size != cfg.world_size:
             raise TransportError(
                 f"rank {self.rank}: group has {self.world_size} ranks, config says {cfg.world_size}")
+
+    def handle_error(self, handle) -> Optional[str]:
+        """The owner check of every transport: None when ``handle`` is a :class:`DispatchHandle`
+        made by this transport object's dispatch, else one line naming this rank and what the
+        handle is instead. Host only; transports route the message through their status
+        exchange (so every rank refuses together) or raise it."""
+        st = getattr(handle, "state", None)
+        if not isinstance(handle, DispatchHandle) or not isinstance(st, self.state_type):
+            got = (type(handle).__name__ if not isinstance(handle, DispatchHandle) else
+                   f"a DispatchHandle with {type(st).__name__} state (another kind of transport)")
+            return (f"rank {self.rank}: handle must be the DispatchHandle returned by this "
+                    f"{self.name} transport's dispatch, got {got}")
+        if st.owner != self.uid:
+            return (f"rank {self.rank}: handle comes from another transport object ({self.name} "
+                    f"transport #{st.owner}; this is #{self.uid}): pass a handle to the transport "
+                    f"whose dispatch made it")
+        return None
+
+    def handle_state(self, handle):
+        """``handle.state`` (a :attr:`state_type`) after :meth:`handle_error`; raises its message
+        as :class:`DispatchInputError` on this rank only."""
+        error = self.handle_error(handle)
+        if error is not None:
+            raise DispatchInputError(error)
+        return handle.state
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -752,7 +909,7 @@ class Transport(abc.ABC):
             num_tokens=h.num_tokens, num_recv_tokens=n_rows, topk_idx=h.topk_idx,
             send_token_idx=h.send_token_idx, num_send_per_rank=h.num_send_per_rank,
             num_recv_per_rank=h.num_recv_per_rank, recv_topk_idx=out_idx,
-            state=FixedLayoutState(inner=h, rows_N=rows, num_recv_W=num_recv))
+            state=FixedLayoutState(owner=self.uid, inner=h, rows_N=rows, num_recv_W=num_recv))
         return out_x, out_idx, out_w, num_recv, tokens_per_expert.to(dev), handle
 
     @abc.abstractmethod
@@ -788,12 +945,8 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Releases windows, threads and endpoints. Idempotent."""
 
-    # Shared helpers -------------------------------------------------------------------------
-    def _check_combine_input(self, y: torch.Tensor, handle: DispatchHandle) -> None:
-        if y.dim() != 2 or y.shape[0] != handle.num_recv_tokens:
-            raise DispatchInputError(
-                f"rank {self.rank}: combine input y must be [{handle.num_recv_tokens}, D] "
-                f"(rows received by the matching dispatch), got {tuple(y.shape)}")
+
+_TRANSPORT_UIDS = itertools.count(1)
 
 
 def reduce_rows_by_rank(rows_SD: torch.Tensor, send_token_idx_S: torch.Tensor,
@@ -818,8 +971,17 @@ def reduce_rows_by_rank(rows_SD: torch.Tensor, send_token_idx_S: torch.Tensor,
     return out
 
 
-def ceil_div(a: int, b: int) -> int:
+# Sizes ------------------------------------------------------------------------------------
+def ceil_div(a, b):
+    """``ceil(a / b)`` for non-negative integers: how many pieces of ``b`` hold ``a`` (chunks of
+    a message, token blocks of a grid). Works elementwise on integer numpy arrays too."""
     return -(-a // b)
+
+
+def align_up(n, alignment: int):
+    """The smallest multiple of ``alignment`` that is >= ``n`` (byte offsets and sizes of window
+    regions). Works elementwise on integer numpy arrays too."""
+    return ceil_div(n, alignment) * alignment
 
 
 def nbytes_of(dtype: torch.dtype) -> int:
@@ -827,12 +989,16 @@ def nbytes_of(dtype: torch.dtype) -> int:
 
 
 __all__ = [
-    "Transport", "TransportConfig", "DispatchHandle", "FixedLayoutState", "NetOpCounts", "NetCounter", "SendLayout", "TransportError",
-    "TransportUnavailable", "DispatchInputError", "compute_send_layout", "count_sends",
-    "validate_dispatch_inputs", "value_error_flags", "describe_value_errors", "check_group_agreement", "reduce_rows_by_rank",
-    "ProtocolError", "PeerFailure", "TransportBroken", "collective_device", "exchange_status",
+    "Transport", "TransportConfig", "DispatchHandle", "HandleState", "FixedLayoutState",
+    "NetOpCounts", "NetCounter", "SendLayout", "TransportError", "TransportUnavailable",
+    "DispatchInputError", "ProtocolError", "PeerFailure", "TransportBroken",
+    "compute_send_layout", "count_sends", "validate_dispatch_inputs", "value_error_flags",
+    "describe_value_errors", "rows_input_error", "group_input_error", "agree_on_input",
+    "check_group_agreement", "reduce_rows_by_rank", "collective_device", "exchange_status",
     "new_op_header", "dtype_code", "check_received_counts", "received_metadata_errors",
     "ranks_in_mask", "OP_CODES", "OP_HEADER_FIELDS", "H_STATUS", "H_OP", "H_SEQ", "H_K", "H_D",
-    "H_DTYPE", "H_REF", "H_ROWS", "H_AUX", "STATUS_BAD_INPUT", "STATUS_BAD_RECEIVED",
-    "float_bits_to_int64", "int64_to_float_bits", "ceil_div", "nbytes_of",
+    "H_DTYPE", "H_REF", "H_ROWS", "H_AUX", "STATUS_OK", "STATUS_BAD_EXPERT_ID",
+    "STATUS_NON_FINITE_WEIGHT", "STATUS_BAD_INPUT", "STATUS_BAD_RECEIVED", "STATUS_INPUT_BITS",
+    "describe_status", "float_bits_to_int64", "int64_to_float_bits", "ceil_div", "align_up",
+    "nbytes_of",
 ]

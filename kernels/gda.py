@@ -100,12 +100,12 @@ import torch
 import torch.distributed as dist
 
 from efa_ep.kernels.base import (
-    DispatchHandle, DispatchInputError, Transport, TransportError, TransportUnavailable,
-    validate_dispatch_inputs,
+    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, Transport,
+    TransportError, TransportUnavailable, align_up, describe_status, group_input_error,
+    rows_input_error, validate_dispatch_inputs,
 )
 
-STATUS_OK, STATUS_BAD_ID, STATUS_BAD_WEIGHT, STATUS_BAD_INPUT = 0, 1, 2, 4
-_ALIGN = 256
+_ALIGN = 256      # bytes: every region of the window starts at a multiple of this
 _MAX_WORLD = 62   # the error word is a 64-bit mask of missing sources; bit 62: bad input seen
 _BAD_INPUT_BIT = 1 << 62
 
@@ -225,10 +225,6 @@ def availability() -> Optional[str]:
     return None
 
 
-def _round_up(n: int, a: int = _ALIGN) -> int:
-    return -(-n // a) * a
-
-
 @dataclasses.dataclass(frozen=True)
 class WindowLayout:
     """Byte layout of one rank's window (see the module docstring).
@@ -250,15 +246,15 @@ class WindowLayout:
 
     @property
     def data_bytes(self) -> int:
-        return _round_up(self.rows * self.row_bytes)
+        return align_up(self.rows * self.row_bytes, _ALIGN)
 
     @property
     def idx_bytes(self) -> int:
-        return _round_up(self.rows * self.k_cap * 8)
+        return align_up(self.rows * self.k_cap * 8, _ALIGN)
 
     @property
     def w_bytes(self) -> int:
-        return _round_up(self.rows * self.k_cap * 4)
+        return align_up(self.rows * self.k_cap * 4, _ALIGN)
 
     @property
     def hdr_len(self) -> int:
@@ -266,7 +262,7 @@ class WindowLayout:
 
     @property
     def hdr_bytes(self) -> int:
-        return _round_up(self.world * self.hdr_len * 8)
+        return align_up(self.world * self.hdr_len * 8, _ALIGN)
 
     @property
     def parity_bytes(self) -> int:
@@ -285,14 +281,15 @@ class WindowLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class GdaDispatchState:
+class GdaDispatchState(HandleState):
     """``DispatchHandle.state`` of a gda dispatch.
 
     Attributes:
+        owner: the transport object that made it (:class:`~efa_ep.kernels.base.HandleState`).
         slot_TW: ``[T, W]`` int64, device: row of (token, rank) in rank's block, -1 = not sent.
         recv_offsets: ``[W + 1]`` int64, device: first received row of each source (None for a
             fixed-capacity dispatch).
-        epoch: the dispatch's op number. owner: ``id()`` of the transport that made it.
+        epoch: the dispatch's op number.
         fixed: made by :meth:`GdaTransport.dispatch_fixed`; then ``num_recv_W`` ``[W]`` int64,
             device: rows received from each source (rows ``s * T_MAX + j``, ``j < n_s``).
     """
@@ -300,7 +297,6 @@ class GdaDispatchState:
     slot_TW: torch.Tensor
     recv_offsets: Optional[torch.Tensor]
     epoch: int
-    owner: int
     fixed: bool = False
     num_recv_W: Optional[torch.Tensor] = None
 
@@ -332,6 +328,7 @@ class GdaTransport(Transport):
     """
 
     name = "gda"
+    state_type = GdaDispatchState
 
     def __init__(self, cfg, group):
         super().__init__(cfg, group)
@@ -378,7 +375,7 @@ class GdaTransport(Transport):
         self.num_programs = int(opts.get("num_programs", default_programs))
         elem = torch.empty((), dtype=cfg.dtype).element_size()
         self.layout = WindowLayout(world=self.world_size, t_max=cfg.max_tokens_per_rank,
-                                   row_bytes=_round_up(cfg.hidden * elem, 16), k_cap=self.max_topk,
+                                   row_bytes=align_up(cfg.hidden * elem, 16), k_cap=self.max_topk,
                                    num_local=cfg.num_local_experts)
         self._buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._hdl = symm_mem.rendezvous(self._buf, group)
@@ -533,13 +530,6 @@ class GdaTransport(Transport):
                 f"window row capacity {self.layout.row_bytes} bytes (hidden={self.cfg.hidden} x "
                 f"{self.cfg.dtype})")
 
-    def _state(self, handle: DispatchHandle) -> GdaDispatchState:
-        st = handle.state
-        if not isinstance(st, GdaDispatchState) or st.owner != id(self):
-            raise DispatchInputError(
-                f"rank {self.rank}: handle was not made by this gda transport's dispatch")
-        return st
-
     # ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights):
         """See ``efa_ep.kernels.base``. Blocks the CPU once for the counts (not graph-safe).
@@ -587,22 +577,17 @@ class GdaTransport(Transport):
         hdr_len = self.layout.hdr_len
         hdr = info[1:1 + world * hdr_len].view(world, hdr_len)
         num_send = info[1 + world * hdr_len:].tolist()
-        if error is not None:
-            raise DispatchInputError(error)
         bad = {s: int(hdr[s, 0]) for s in range(world) if int(hdr[s, 0]) != STATUS_OK}
-        if bad:
+        if error is not None or bad:
+            # Every rank refuses; only the offending rank knows its own words (no text travels
+            # in the window header), the others name it.
+            words = {s: None for s in bad}
             mine = bad.get(self.rank)
-            if mine is not None and mine != STATUS_BAD_INPUT:
-                what = []
-                if mine & STATUS_BAD_ID:
-                    what.append(f"expert ids outside -1 or 0 <= id < num_experts={cfg.num_experts}")
-                if mine & STATUS_BAD_WEIGHT:
-                    what.append("NaN/Inf in topk_weights (expected finite float32)")
-                raise DispatchInputError(f"rank {self.rank}: topk_idx/topk_weights hold " +
-                                         " and ".join(what))
-            raise DispatchInputError(
-                f"rank {self.rank}: EP peer rank(s) {sorted(bad)} passed invalid dispatch inputs "
-                f"(see their error)")
+            if error is not None:
+                words[self.rank] = error
+            elif mine is not None:
+                words[self.rank] = f"rank {self.rank}: {describe_status(mine, cfg.num_experts)}"
+            raise group_input_error(f"gda dispatch (op {epoch})", words)
         num_recv = hdr[:, 1].tolist()
         tokens_per_expert = hdr[:, 2:].sum(0)
         n = int(sum(num_recv))
@@ -619,8 +604,8 @@ class GdaTransport(Transport):
             num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
             send_token_idx=send_idx[:s_total], num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
-            state=GdaDispatchState(slot_TW=slot, recv_offsets=recv_offsets, epoch=epoch,
-                                   owner=id(self)))
+            state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
+                                   epoch=epoch))
         return recv_x, recv_idx, recv_w, tokens_per_expert, handle
 
     def dispatch_fixed(self, x, topk_idx, topk_weights):
@@ -688,7 +673,7 @@ class GdaTransport(Transport):
             num_tokens=x.shape[0], num_recv_tokens=rows, topk_idx=topk_idx,
             send_token_idx=send_idx, num_send_per_rank=(), num_recv_per_rank=(),
             recv_topk_idx=recv_idx,
-            state=GdaDispatchState(slot_TW=slot, recv_offsets=None, epoch=epoch, owner=id(self),
+            state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=None, epoch=epoch,
                                    fixed=True, num_recv_W=num_recv))
         return recv_x, recv_idx, recv_w, num_recv, tokens_per_expert, handle
 
@@ -696,11 +681,11 @@ class GdaTransport(Transport):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
         row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
         try:
-            st = self._state(handle)
-            if x.dim() != 2 or x.shape[0] != handle.num_tokens:
-                raise DispatchInputError(
-                    f"rank {self.rank}: cached dispatch input must be [{handle.num_tokens}, D], "
-                    f"got {tuple(x.shape)}")
+            st = self.handle_state(handle)
+            error = rows_input_error(self.rank, "cached dispatch input x", x, handle.num_tokens,
+                                     device=self.device)
+            if error is not None:
+                raise DispatchInputError(error)
             self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
         except DispatchInputError as e:
             self._refuse(str(e), "cached dispatch")
@@ -738,12 +723,12 @@ class GdaTransport(Transport):
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """See ``Transport.combine_topk_weights``; ``[N, K]`` float32 -> ``[T, K]`` float32."""
         g = grad_recv_topk_weights
-        if (g.dim() != 2 or g.shape[0] != handle.num_recv_tokens
-                or g.shape[1] != handle.recv_topk_idx.shape[1]):
-            self._refuse(f"rank {self.rank}: combine_topk_weights input must be "
-                         f"[{handle.num_recv_tokens}, {handle.recv_topk_idx.shape[1]}] float32, "
-                         f"got {tuple(g.shape)}", "weight combine")
-        st = self._state(handle)
+        error = self.handle_error(handle) or rows_input_error(
+            self.rank, "combine_topk_weights input", g, handle.num_recv_tokens,
+            width=handle.recv_topk_idx.shape[1], device=self.device)
+        if error is not None:
+            self._refuse(error, "weight combine")
+        st = handle.state
         if st.fixed and self._idx_epoch[st.epoch % 2] != st.epoch:
             self._refuse(f"rank {self.rank}: combine_topk_weights with a fixed-capacity handle "
                          f"of op {st.epoch}: its window ids were overwritten by a later "
@@ -761,8 +746,11 @@ class GdaTransport(Transport):
 
     def _combine(self, y, handle, kind: str):
         try:
-            self._check_combine_input(y, handle)
-            st = self._state(handle)
+            st = self.handle_state(handle)
+            error = rows_input_error(self.rank, "combine input y", y, handle.num_recv_tokens,
+                                     device=self.device)
+            if error is not None:
+                raise DispatchInputError(error)
             self._check_row_fits(y.shape[1], y.dtype, kind)
         except DispatchInputError as e:
             self._refuse(str(e), kind)

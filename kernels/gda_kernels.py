@@ -16,7 +16,8 @@ Window of one rank (one parity of the double buffer; byte offsets are kernel arg
                         expert outputs returned by destination rank s)
     idx  [W, T_MAX, K]  int64 local expert ids of dispatched rows (-1: not this rank's expert)
     wts  [W, T_MAX, K]  float32 routing weights (0 where idx is -1)
-    hdr  [W, 2 + L]     int64 per source: [status, rows sent here, rows per local expert...]
+    hdr  [W, 2 + L]     int64 per source: [status word (base.STATUS_*), rows sent here,
+                        rows per local expert...]
 
 Flag protocol (the only cross-rank synchronisation; DESIGN in ``gda.py``):
 
@@ -51,6 +52,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, ceil_div
 
 __all__ = [
     "layout", "dispatch_store", "recv_header", "recv_header_fixed", "wait_for_sources", "gather_rows", "combine_store",
@@ -190,9 +193,10 @@ def _layout_count_kernel(
     topk_w_ptr: tl.pointer_type(tl.float32),       # [T, K] routing weights
     block_counts_ptr: tl.pointer_type(tl.int64),   # out [NB, W] tokens of block b sent to rank r
     num_per_expert_ptr: tl.pointer_type(tl.int64), # in/out [E] zeroed; (token, expert) pairs
-    status_ptr: tl.pointer_type(tl.int64),         # in/out [1] zeroed; bit 1 bad id, bit 2 NaN/Inf
+    status_ptr: tl.pointer_type(tl.int64),         # in/out [1] zeroed; status word (base.STATUS_*)
     num_tokens, num_topk, num_experts, num_local,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BAD_ID: tl.constexpr, BAD_WEIGHT: tl.constexpr,  # STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT
 ):
     """Example: W=2, L=2, ids [[0, 3], [1, -1], [2, 2]] -> block counts [2, 2] (token 0 goes
     to ranks 0 and 1, token 1 to rank 0, token 2 to rank 1), expert counts [1, 1, 2, 1]."""
@@ -210,7 +214,7 @@ def _layout_count_kernel(
                 other=0.0)
     bad_id = tl.max(((ids < -1) | (ids >= num_experts)).to(tl.int64))
     bad_w = tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int64))
-    st = bad_id | (bad_w * 2)
+    st = (bad_id * BAD_ID) | (bad_w * BAD_WEIGHT)
     if st != 0:
         tl.atomic_or(status_ptr, st, sem="relaxed")
 
@@ -607,8 +611,10 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
 
     Args:
         topk_idx: ``[T, K]`` int64; global expert ids, -1 = unused slot; other values outside
-            [-1, E) are flagged in ``status`` (bit 1) and routed nowhere.
-        topk_weights: ``[T, K]`` float32; NaN/Inf flagged in ``status`` (bit 2).
+            [-1, E) are flagged in ``status`` (``STATUS_BAD_EXPERT_ID`` of
+            :mod:`efa_ep.kernels.base`) and routed nowhere.
+        topk_weights: ``[T, K]`` float32; NaN/Inf flagged in ``status``
+            (``STATUS_NON_FINITE_WEIGHT``).
     Returns:
         (slot_TW [T, W] int64 (-1 = not sent), send_token_idx [T*W] int64 (first S valid),
         num_per_rank_W [W] int64, num_per_expert_E [E] int64, status [1] int64), on the device.
@@ -622,7 +628,7 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     num_local = num_experts // world
     scratch = torch.zeros(1 + num_experts, dtype=torch.int64, device=dev)
     status, num_per_expert = scratch[:1], scratch[1:]
-    nb = max(1, triton.cdiv(t, LAYOUT_BLOCK_T))
+    nb = max(1, ceil_div(t, LAYOUT_BLOCK_T))
     block_counts = torch.empty(nb, world, dtype=torch.int64, device=dev)
     slot = torch.empty(t, world, dtype=torch.int64, device=dev)
     send_token_idx = torch.empty(max(1, t * world), dtype=torch.int64, device=dev)
@@ -630,7 +636,9 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     consts = dict(W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)),
                   BLOCK_T=LAYOUT_BLOCK_T)
     _layout_count_kernel[(nb,)](topk_idx, topk_weights, block_counts, num_per_expert, status,
-                                t, k, num_experts, num_local, **consts, num_warps=4)
+                                t, k, num_experts, num_local, **consts,
+                                BAD_ID=STATUS_BAD_EXPERT_ID, BAD_WEIGHT=STATUS_NON_FINITE_WEIGHT,
+                                num_warps=4)
     _layout_slot_kernel[(nb,)](topk_idx, block_counts, slot, send_token_idx, num_per_rank,
                                t, k, num_experts, num_local, nb, **consts,
                                NB_PAD=max(2, next_pow2(nb)), num_warps=4)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import socket
 import time
@@ -33,14 +32,12 @@ import torch.distributed as dist
 
 from efa_ep.kernels.base import (
     H_AUX, H_D, H_DTYPE, H_K, H_REF, H_ROWS, H_STATUS, OP_HEADER_FIELDS, STATUS_BAD_RECEIVED,
-    DispatchHandle, DispatchInputError, PeerFailure, ProtocolError, Transport, TransportBroken,
-    TransportError, check_received_counts, compute_send_layout, count_sends,
+    DispatchHandle, DispatchInputError, HandleState, PeerFailure, ProtocolError, Transport,
+    TransportBroken, TransportError, check_received_counts, compute_send_layout, count_sends,
     describe_value_errors, exchange_status, float_bits_to_int64, int64_to_float_bits,
     new_op_header, ranks_in_mask, received_metadata_errors, reduce_rows_by_rank,
-    validate_dispatch_inputs, value_error_flags,
+    rows_input_error, validate_dispatch_inputs, value_error_flags,
 )
-
-_UIDS = itertools.count(1)
 
 
 def availability():
@@ -51,18 +48,16 @@ def availability():
 
 
 @dataclasses.dataclass(frozen=True)
-class TorchHandleState:
+class TorchHandleState(HandleState):
     """``DispatchHandle.state`` of the torch transport.
 
     Attributes:
-        transport_uid: which transport object made the handle (a handle of another transport
-            is refused).
+        owner: the transport object that made the handle (:class:`HandleState`).
         dispatch_seq: the operation number of the dispatch; ranks must pair a combine with the
             same dispatch, and the status exchange checks they do.
-        k: K of the dispatch.
+        k: K (top-k) of the dispatch.
     """
 
-    transport_uid: int
     dispatch_seq: int
     k: int
 
@@ -106,10 +101,10 @@ class TorchTransport(Transport):
     """
 
     name = "torch"
+    state_type = TorchHandleState
 
     def __init__(self, cfg, group):
         super().__init__(cfg, group)
-        self._uid = next(_UIDS)
         self._seq = 0
         self._failure: Optional[TransportError] = None
         # Deferred device-side check of the last dispatch's received metadata (CUDA only):
@@ -227,16 +222,6 @@ class TorchTransport(Transport):
         finally:
             self._pending_check = None  # reported (or clean) once it has been exchanged
 
-    def _handle_error(self, handle) -> Optional[str]:
-        st = getattr(handle, "state", None)
-        if not isinstance(handle, DispatchHandle) or not isinstance(st, TorchHandleState):
-            return (f"rank {self.rank}: handle must be the DispatchHandle returned by this torch "
-                    f"transport's dispatch, got {type(handle).__name__}")
-        if st.transport_uid != self._uid:
-            return (f"rank {self.rank}: handle comes from another transport object (dispatch "
-                    f"#{st.dispatch_seq} of transport {st.transport_uid}, this is {self._uid})")
-        return None
-
     # Operations ---------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights):
         return self._run("dispatch", self._dispatch, x, topk_idx, topk_weights)
@@ -298,7 +283,7 @@ class TorchTransport(Transport):
             num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
             send_token_idx=layout.send_token_idx_S, num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-            state=TorchHandleState(self._uid, seq, k))
+            state=TorchHandleState(owner=self.uid, dispatch_seq=seq, k=k))
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
     def dispatch_cached(self, x, handle):
@@ -306,9 +291,9 @@ class TorchTransport(Transport):
 
     def _dispatch_cached(self, seq, x, handle):
         op = "dispatch_cached"
-        error = self._handle_error(handle) or self._rows_error(
-            "cached dispatch input x", x, handle.num_tokens if isinstance(handle, DispatchHandle)
-            else None, handle)
+        error = self.handle_error(handle) or rows_input_error(
+            self.rank, "cached dispatch input x", x, handle.num_tokens,
+            device=handle.topk_idx.device)
         ok = error is None
         header = self._header(op, seq, x.device if ok else "cpu",
                               d=x.shape[1] if ok else -1, dtype=x.dtype if ok else None,
@@ -333,11 +318,12 @@ class TorchTransport(Transport):
                          "combine_topk_weights")
 
     def _combine(self, seq, y, handle, op):
-        error = self._handle_error(handle)
+        error = self.handle_error(handle)
         if error is None:
-            error = self._rows_error(
+            error = rows_input_error(
+                self.rank,
                 "combine_topk_weights input grad" if op != "combine" else "combine input y",
-                y, handle.num_recv_tokens, handle)
+                y, handle.num_recv_tokens, device=handle.topk_idx.device)
         if error is None and op == "combine_topk_weights":
             k = handle.state.k
             if y.shape[1] != k or y.dtype != torch.float32:
@@ -365,20 +351,6 @@ class TorchTransport(Transport):
         return out.to(y.dtype)
 
     # Checks -------------------------------------------------------------------------------
-    def _rows_error(self, what, t, num_rows, handle) -> Optional[str]:
-        """Host-side check of a ``[num_rows, D]`` input (no values read)."""
-        who = f"rank {self.rank}"
-        if not isinstance(t, torch.Tensor):
-            return f"{who}: {what} must be a tensor, got {type(t).__name__}"
-        if t.dim() != 2 or t.shape[0] != num_rows:
-            return (f"{who}: {what} must be [{num_rows}, D] (rows of the matching dispatch), "
-                    f"got {list(t.shape)}")
-        if t.device.type == "meta":
-            return f"{who}: {what} must hold data, got a meta tensor"
-        if t.device != handle.topk_idx.device:
-            return f"{who}: {what} must be on {handle.topk_idx.device} (the dispatch's device), got {t.device}"
-        return None
-
     def _check_rows_match(self, op, seq, recv, expected_W) -> None:
         """Rows each source says it will send here must equal what the handle expects."""
         announced = recv[:, H_ROWS].tolist()

@@ -148,7 +148,7 @@ def test_gda_deadline_names_missing_rank():
     outs = run_ranks(_peer_never_arrives, world, (), timeout_s=90, pg_timeout_s=60, env=ENV)
     assert "expert ids outside" in outs[world - 1]["bad_input"], outs
     for r in range(world - 1):
-        assert f"peer rank(s) [{world - 1}]" in outs[r]["bad_input"], outs[r]
+        assert f"invalid input on rank(s) [{world - 1}]" in outs[r]["bad_input"], outs[r]
         assert f"source rank(s) [{world - 1}]" in outs[r]["timeout"], outs[r]
         assert 1.5 < outs[r]["seconds"] < 30, outs[r]
         assert "unusable" in outs[r]["after"], outs[r]

@@ -140,3 +140,31 @@ def test_unknown_and_unavailable_transports_explain_themselves():
         if why is not None:
             assert "needs" in why  # says what to install
     assert resolve_transport_name("auto") in available_transports()
+
+
+def _foreign_handle_worker(rank, world):
+    """A handle goes back only to the transport object that made it (the owner check of
+    kernels/base.py), and a wrong handle is refused on every rank, the transport usable after."""
+    from efa_ep.kernels import DispatchInputError, create_transport
+
+    a = create_transport("torch", None, 4, 8, 16, torch.float32)
+    b = create_transport("torch", None, 4, 8, 16, torch.float32)
+    x, idx, w = torch.randn(3, 8), torch.tensor([[0, 3], [1, 2], [2, -1]]), torch.ones(3, 2)
+    recv_x, _, _, _, handle = a.dispatch(x, idx, w)
+    own = b.dispatch(x, idx, w)[4]
+    out = {}
+    try:
+        b.combine(recv_x, handle if rank == 1 else own)
+    except DispatchInputError as e:
+        out["foreign"] = str(e)
+    torch.testing.assert_close(a.combine(recv_x, handle), a.combine(recv_x, handle))
+    a.close()
+    b.close()
+    return out
+
+
+def test_a_handle_of_another_transport_object_is_refused_on_every_rank():
+    out = run_ranks(_foreign_handle_worker, 2, timeout_s=120, pg_timeout_s=30)
+    assert out[0]["foreign"] == out[1]["foreign"], out
+    msg = out[0]["foreign"]
+    assert "invalid input on rank(s) [1]" in msg and "another transport object" in msg, msg
