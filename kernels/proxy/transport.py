@@ -18,10 +18,12 @@ rings, counters and the small headers' host copies stay on the host. Every call 
 CPU until its outputs are ready (synchronizes the current CUDA stream for GPU inputs); not
 CUDA-graph capturable.
 
-Options: see ``options.py`` (``create_transport("proxy", ..., **options)`` and EFA_EP_PROXY_*).
+Options: see ``options.py`` (``create_transport("proxy", ..., **options)``; the dispatcher's
+settings fill them from the EFA_EP_PROXY_* variables).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import warnings
@@ -31,9 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ..base import (
-    DispatchHandle, DispatchInputError, NetCounter, NetOpCounts, Transport, TransportConfig,
-    TransportError, compute_send_layout, float_bits_to_int64, int64_to_float_bits, nbytes_of,
-    reduce_rows_by_rank, validate_dispatch_inputs,
+    DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
+    TransportConfig, TransportError, check_group_agreement, compute_send_layout,
+    float_bits_to_int64, int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
+    validate_dispatch_inputs,
 )
 from . import native
 from .options import default_provider, resolve_options
@@ -94,6 +97,19 @@ def _rss_bytes() -> int:
         return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ProxyHandleState(HandleState):
+    """``DispatchHandle.state`` of a proxy dispatch.
+
+    Attributes:
+        owner: the transport object that made it (:class:`~efa_ep.kernels.base.HandleState`).
+        send_token_idx_cpu: ``[S]`` int64 CPU, the handle's ``send_token_idx`` on the host (the
+            handle keeps it on x's device too), for CPU rows without a device copy.
+    """
+
+    send_token_idx_cpu: torch.Tensor
+
+
 class ProxyTransport(Transport):
     """CPU-proxy transport over libfabric; see the module docstring for the protocol.
 
@@ -110,6 +126,7 @@ class ProxyTransport(Transport):
     """
 
     name = "proxy"
+    state_type = ProxyHandleState
 
     def __init__(self, cfg: TransportConfig, group):
         super().__init__(cfg, group)
@@ -187,27 +204,27 @@ class ProxyTransport(Transport):
                                  f"{self.provider!r} with {where} failed to start: {ex}") from ex
         self._engine_rss = max(0, _rss_bytes() - rss0)
 
-    def _settings(self) -> tuple:
-        return (self.provider, self.num_channels, self.chunk_bytes, self.row_cap, self.window_bytes,
-                self.inject, self.hmem, self.timeout_ms)
+    def _settings(self) -> dict:
+        """What this rank resolved from its options and its probes (provider default, hmem)."""
+        return dict(provider=self.provider, num_channels=self.num_channels,
+                    chunk_bytes=self.chunk_bytes, row_cap=self.row_cap,
+                    window_bytes=self.window_bytes, inject=self.inject, hmem=self.hmem,
+                    timeout_ms=self.timeout_ms)
 
     def _agree(self, payload) -> list:
-        """All-gathers (settings, payload); refuses setup on every rank when settings differ."""
-        settings = self._settings()
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, (settings, payload), group=self.group)
-        if any(s != gathered[0][0] for s, _ in gathered):
+        """Refuses setup on every rank when the ranks resolved different settings (the agreement
+        check of ``kernels/base.py``, with the values this rank resolved), then all-gathers
+        ``payload``."""
+        try:
+            check_group_agreement(self.cfg, self.group, self.rank,
+                                  resolved_options=self._settings())
+        except TransportError:
             if self.engine is not None:
                 self.close(barrier=False)
-            groups: dict = {}
-            for r, (s, _) in enumerate(gathered):
-                groups.setdefault(s, []).append(r)
-            raise TransportError(
-                f"rank {self.rank}: proxy settings (provider, num_channels, chunk_bytes, row_cap, "
-                f"window_bytes, inject, hmem, timeout_ms) differ across ranks: "
-                + "; ".join(f"ranks {rs}: {s}" for s, rs in groups.items())
-                + " (check the EFA_EP_PROXY_* env vars and timeout_s on those ranks)")
-        return [p for _, p in gathered]
+            raise
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, payload, group=self.group)
+        return gathered
 
     def _setup(self) -> None:
         # The tcp provider otherwise listens on every interface; bind it to the one the process
@@ -230,22 +247,22 @@ class ProxyTransport(Transport):
             self.window, self.hmem_device = alloc_window(self.window_bytes, self.hmem)
             self.wire.set_window(self.window)
             self._start_engine()
-        w, k = self.world_size, self.num_channels
-        mine = [self.engine.local_info(c)[:2] for c in range(k)]
+        w, nc = self.world_size, self.num_channels
+        mine = [self.engine.local_info(c)[:2] for c in range(nc)]
         # Endpoint names (public) travel over the torch group once; region keys go only to the
         # source that may use them (all_to_all: rank r receives the keys of its regions at peers).
         gathered = self._agree(mine)
-        keys_out = torch.zeros(w, k, 2, dtype=torch.int64)
+        keys_out = torch.zeros(w, nc, 2, dtype=torch.int64)
         for src in range(w):
-            for c in range(k):
+            for c in range(nc):
                 key, base = self.engine.region_info(c, src)
                 keys_out[src, c, 0] = key - (1 << 64) if key >= (1 << 63) else key
                 keys_out[src, c, 1] = base - (1 << 64) if base >= (1 << 63) else base
         keys_in = torch.empty_like(keys_out)
         dist.all_to_all_single(keys_in, keys_out, group=self.group)
         keys_in = [[(int(keys_in[d, c, 0]) & ((1 << 64) - 1), int(keys_in[d, c, 1]) & ((1 << 64) - 1))
-                    for c in range(k)] for d in range(w)]
-        for c in range(k):
+                    for c in range(nc)] for d in range(w)]
+        for c in range(nc):
             names = b"".join(g[c][0] for g in gathered)
             self.engine.set_peers(c, names, [g[c][1] for g in gathered],
                                   [keys_in[d][c][0] for d in range(w)],
@@ -307,7 +324,8 @@ class ProxyTransport(Transport):
     def memory_report(self) -> dict:
         """Bytes this transport holds: the registered window (``window``, of which each source's
         receive region is ``region``), rings, counters, and the resident memory the engine's
-        endpoints added at start (``engine_rss``, measured; ``per_channel`` = engine_rss / K:
+        endpoints added at start (``engine_rss``, measured; ``per_channel`` = engine_rss /
+        num_channels:
         provider buffers, completion queues, registrations)."""
         return {"window": self.window_bytes, "region": self.region_bytes,
                 "rings": self.rings.rings.numel() * 8, "counters": self.counters.numel() * 8,
@@ -356,27 +374,25 @@ class ProxyTransport(Transport):
 
     def _handle_error(self, handle) -> Optional[str]:
         w = self.world_size
-        if not isinstance(handle, DispatchHandle):
-            return f"rank {self.rank}: handle must be a DispatchHandle, got {type(handle).__name__}"
+        error = self.handle_error(handle)
+        if error is not None:
+            return error
         if len(handle.num_send_per_rank) != w or len(handle.num_recv_per_rank) != w:
             return (f"rank {self.rank}: handle has per-rank counts for "
                     f"{len(handle.num_send_per_rank)} ranks, the group has {w}")
         return None
 
     def _rows_error(self, name: str, t, rows: int, handle) -> Optional[str]:
-        me = self.rank
-        if not isinstance(t, torch.Tensor):
-            return f"rank {me}: {name} must be a tensor, got {type(t).__name__}"
+        """The contract's rows check (:func:`~efa_ep.kernels.base.rows_input_error`) after this
+        transport's own limits: cpu or cuda tensors, floating point."""
         err = self._device_error(**{name: t})
         if err:
             return err
-        if t.dim() != 2 or t.shape[0] != rows:
-            return f"rank {me}: {name} must be [{rows}, D], got {tuple(t.shape)}"
+        err = rows_input_error(self.rank, name, t, rows, device=handle.topk_idx.device)
+        if err:
+            return err
         if not t.dtype.is_floating_point:
-            return f"rank {me}: {name} must be a floating-point tensor, got {t.dtype}"
-        if t.device != handle.topk_idx.device:
-            return (f"rank {me}: {name} is on {t.device}, the dispatch's tensors were on "
-                    f"{handle.topk_idx.device}")
+            return f"rank {self.rank}: {name} must be a floating-point tensor, got {t.dtype}"
         return None
 
     def _checked(self, what: str, check) -> Optional[str]:
@@ -459,7 +475,7 @@ class ProxyTransport(Transport):
             num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
             send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-            state={"send_token_idx_cpu": layout.send_token_idx_S})
+            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=layout.send_token_idx_S))
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
     def _prepare_dispatch(self, x, topk_idx, topk_weights):
@@ -547,8 +563,7 @@ class ProxyTransport(Transport):
         """``[S]`` int64 source token of each sent row, on ``device`` (the handle keeps both)."""
         if device.type != "cpu":
             return handle.send_token_idx.to(device)
-        st = handle.state if isinstance(handle.state, dict) else {}
-        return st.get("send_token_idx_cpu", handle.send_token_idx.cpu())
+        return handle.state.send_token_idx_cpu
 
     def dispatch_cached(self, x, handle):
         self._check_usable("dispatch_cached")

@@ -9,8 +9,9 @@ its round n+1 header before we read its round n header; it cannot send round n+2
 ours for n+1. Source r may write only into its receive region (its own registration and key).
 
 Header (int64 fields, then L per-expert counts, then ``ERR_BYTES`` of error text):
-``[status, op, rows, row_bytes, chunks, round tag, row format]``. Footer (after a data
-message's planes): ``[rows, round tag]``.
+``[status, op, rows, row_bytes, chunks, round tag, row format]``; status is the status word of
+``kernels/base.py`` (``STATUS_OK``, or ``STATUS_BAD_INPUT`` with the rank's error text). Footer
+(after a data message's planes): ``[rows, round tag]``.
 """
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import TransportError
+from ..base import TransportError, align_up, ceil_div, dtype_code
 
 ALIGN = 16
-STATUS_OK, STATUS_BAD = 0, 1
 OP_DISPATCH, OP_COMBINE, OP_CACHED = 1, 2, 3
 OP_NAMES = {OP_DISPATCH: "dispatch", OP_COMBINE: "combine", OP_CACHED: "dispatch_cached"}
 H_STATUS, H_OP, H_ROWS, H_ROW_BYTES, H_CHUNKS, H_TAG, H_FORMAT = range(7)
@@ -32,8 +32,8 @@ NUM_COUNTER_SLOTS = 64    # counter slots per source; a peer is never more than 
 
 
 def align(n: int, a: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``a``."""
-    return -(-n // a) * a
+    """``n`` aligned up to a multiple of ``a`` (:func:`~efa_ep.kernels.base.align_up`)."""
+    return align_up(n, a)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class WindowLayout:
                 f"window of {window_bytes} bytes exceeds 64 GiB (descriptor offsets); lower "
                 f"max_tokens_per_rank={max_tokens_per_rank} or hidden={hidden}")
         return cls(world=world, row_cap=row_cap, chunk_bytes=chunk_bytes, hdr_fields=hdr_fields,
-                   hdr_len=hdr_len, hdr_bytes=hdr_bytes, hdr_chunks=-(-hdr_len // chunk_bytes),
+                   hdr_len=hdr_len, hdr_bytes=hdr_bytes, hdr_chunks=ceil_div(hdr_len, chunk_bytes),
                    slot_bytes=slot_bytes, off_hdr_send=0, off_data_send=off_data_send,
                    off_recv=off_recv, region_bytes=region_bytes, window_bytes=window_bytes)
 
@@ -90,7 +90,7 @@ class WindowLayout:
         return self.off_recv + src * self.region_bytes + 2 * self.hdr_bytes
 
     def chunks(self, nbytes: int) -> int:
-        return -(-nbytes // self.chunk_bytes)
+        return ceil_div(nbytes, self.chunk_bytes)
 
     def data_chunks(self, rows: int, widths) -> int:
         """Chunks of one data message: each plane cut into chunks, plus the footer."""
@@ -108,12 +108,10 @@ def alloc_window(nbytes: int, hmem: str):
 
 # Row formats carried in the header so that ranks moving the same bytes per row with different
 # dtypes or widths are refused instead of reinterpreting each other's rows.
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4,
-                torch.uint8: 5, torch.int8: 6, torch.int32: 7, torch.int64: 8}
-
-
 def row_format(t: torch.Tensor) -> int:
-    return int(t.shape[1]) * 64 + _DTYPE_CODES.get(t.dtype, 63)
+    """Columns x 64 + the dtype's code of :func:`~efa_ep.kernels.base.dtype_code` (63: other)."""
+    code = dtype_code(t.dtype)
+    return int(t.shape[1]) * 64 + (code if 0 < code < 63 else 63)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@
    planes back to back (e.g. x rows, then routing metadata), then a footer ``[rows, round tag]``.
 3. **Describe**: each message is cut into chunks, one descriptor each, into the rings
    (``ring.py``).
-4. **Proxy**: the K native channel threads post ``fi_writedata`` into the peer's window with
-   imm = (source rank, generation, message id). The target threads count completions per
-   (source, message) in host memory.
+4. **Proxy**: the ``num_channels`` native channel threads post ``fi_writedata`` into the peer's
+   window with imm = (source rank, generation, message id). The target threads count
+   completions per (source, message) in host memory.
 5. **Wait**: the receiver waits until each source's counter reaches that message's chunk count
    (known from the header), never inferring completion from order; then checks the footer.
 
@@ -27,14 +27,15 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from ..base import DispatchInputError, TransportError
+from ..base import (
+    STATUS_BAD_INPUT, STATUS_OK, TransportError, align_up, ceil_div, group_input_error,
+)
 from . import native
 from .options import PY_TAMPER
 from .ring import Rings, describe_messages, native_call
 from .window import (
     ALIGN, ERR_BYTES, FOOTER_BYTES, H_CHUNKS, H_FORMAT, H_OP, H_ROW_BYTES, H_ROWS, H_STATUS, H_TAG,
-    HDR_FIXED, OP_DISPATCH, OP_NAMES, STATUS_BAD, STATUS_OK, WindowLayout, align, as_bytes,
-    row_format,
+    HDR_FIXED, OP_DISPATCH, OP_NAMES, WindowLayout, align, as_bytes, row_format,
 )
 
 MSG_MASK = native.IMM_MSG_MASK  # message ids as carried in the immediate data
@@ -125,7 +126,7 @@ class Wire:
         (the engine's ``posted`` counter sums the same writes over its channels)."""
         cb = self.layout.chunk_bytes
         p = self.posted
-        p["writes"] += int((-(-sizes // cb)).sum())
+        p["writes"] += int(ceil_div(sizes, cb).sum())
         p["wire_bytes"] += int(sizes.sum())
         p["messages"] += messages
         p["rows"] += rows
@@ -232,7 +233,7 @@ class Wire:
         hdr_raw = self._hdr_stage
         hdr_raw.fill(0)
         hdr = self._hdr_stage_i64
-        hdr[:, H_STATUS] = STATUS_BAD if error else STATUS_OK
+        hdr[:, H_STATUS] = STATUS_BAD_INPUT if error else STATUS_OK
         hdr[:, H_OP] = op
         hdr[:, H_ROW_BYTES] = row_bytes
         hdr[:, H_TAG] = tag
@@ -318,7 +319,7 @@ class Wire:
         cb = self.layout.chunk_bytes
         total = np.zeros(len(rows), dtype=np.int64)
         for wd in widths:
-            total += -(-(rows * wd) // cb)
+            total += ceil_div(rows * wd, cb)
         return np.where(rows > 0, total + 1, 0).astype(np.int64)
 
     def _read_i64(self, off: int, n: int) -> np.ndarray:
@@ -341,7 +342,7 @@ class Wire:
             else:
                 raw = self.window_view(off, lay.hdr_len).cpu().numpy()
             got[r] = raw[:f8].view(np.int64)
-            if got[r, H_STATUS] == STATUS_BAD:
+            if got[r, H_STATUS] == STATUS_BAD_INPUT:
                 self._hdr_text[r] = raw[f8:].tobytes()
         return got
 
@@ -357,15 +358,13 @@ class Wire:
         if (status != STATUS_OK).any():
             for r in pl:
                 st = int(got[r, H_STATUS])
-                if st == STATUS_BAD:
+                if st == STATUS_BAD_INPUT:
                     text = self._hdr_text.get(r, b"").split(b"\0", 1)[0]
                     errs[r] = text.decode("utf-8", errors="replace") or f"rank {r}: (no message)"
                 elif st != STATUS_OK:
                     self.violation(f"rank {r}'s {what} header has status {st}")
         if errs:
-            bad = sorted(errs)
-            raise DispatchInputError(f"proxy {what}: invalid input on rank(s) {bad}: "
-                                     + "; ".join(errs[r] for r in bad))
+            raise group_input_error(f"proxy {what}", errs)
         if (got[peers, H_TAG] != tag).any():
             for r in pl:
                 if int(got[r, H_TAG]) != tag:
@@ -422,7 +421,7 @@ class Wire:
                     dst.copy_(t)
             if wdt:
                 dl.append(dests); ll.append(base + off); rl.append(rbase + off); sl.append(nb)
-            off += -(-nb // ALIGN) * ALIGN
+            off += align_up(nb, ALIGN)
         # footer: rows and round tag, checked by the receiver against the header
         foot = np.stack([n, np.full_like(n, tag)], 1)
         if self._win_np is not None:
