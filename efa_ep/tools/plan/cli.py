@@ -6,6 +6,7 @@ Usage::
     efa-ep-plan model=deepseek_v3 fabric=p6-b200 nodes=4 ep=32 micro_batches_per_step=16
     efa-ep-plan calibrate results/h200/bench_proxy.json results/plan/measured_h200x2.jsonl ...
     efa-ep-plan counts results/plan/hier_counts_cpu.json   # network counts: bench vs model
+    efa-ep-plan memory --ep 8,16,32 --max-tokens-per-rank 2048   # window memory per rank
 
 The plan prints its tables and ends with one line
 ``plan: verdict=<dense|capacity|efa> transport=<name> num_channels=<K> dc_us=<D+C per layer> bound=<...>``
@@ -165,13 +166,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return calibrate_main(argv[1:])
     if argv and argv[0] == "counts":
         return counts_main(argv[1:])
+    if argv and argv[0] == "memory":
+        from efa_ep.tools.plan.memory import main as memory_main
+
+        return memory_main(argv[1:])
     p = argparse.ArgumentParser(
         prog="efa-ep-plan", description=__doc__.split("\n\n")[0],
         epilog="Positional arguments are Hydra overrides: model=<qwen3_30b_a3b|moonlight_16b_a3b|"
                "deepseek_v3|kimi_k2> fabric=<p5|p5en|p6-b200|p6-b300> nodes=N gpus_per_node=G ep=P "
                "tokens_per_rank=T, any key of conf/plan/default.yaml, or model.<key>=... "
                "`efa-ep-plan calibrate --help` fits a calibration from bench records; "
-               "`efa-ep-plan counts --help` compares the network counts of bench runs with the model.")
+               "`efa-ep-plan counts --help` compares the network counts of bench runs with the model; "
+               "`efa-ep-plan memory --help` sizes the transports' windows per rank.")
     p.add_argument("--config-name", default="default", help="conf/plan/<name>.yaml (default: default)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
