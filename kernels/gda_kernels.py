@@ -256,6 +256,49 @@ def _layout_slot_kernel(
              mask=sent & tmask[:, None] & rmask[None, :])
 
 
+@triton.jit
+def _layout_small_kernel(
+    topk_idx_ptr: tl.pointer_type(tl.int64),       # [T, K]
+    topk_w_ptr: tl.pointer_type(tl.float32),       # [T, K]
+    slot_ptr: tl.pointer_type(tl.int64),           # out [T, W]
+    send_token_idx_ptr: tl.pointer_type(tl.int64), # out [S] rank-major
+    num_per_rank_ptr: tl.pointer_type(tl.int64),   # out [W]
+    num_per_expert_ptr: tl.pointer_type(tl.int64), # out [E] (zeroed here)
+    status_ptr: tl.pointer_type(tl.int64),         # out [1]
+    num_tokens, num_topk, num_experts, num_local,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr, BAD_ID: tl.constexpr, BAD_WEIGHT: tl.constexpr,
+):
+    """The whole layout of a small batch (T <= BLOCK_T, decode) in one program: the same
+    outputs as the two block kernels (slots are the same prefix sums in token order), with no
+    scratch memset and one launch instead of three."""
+    t = tl.arange(0, BLOCK_T).to(tl.int64)
+    tmask = t < num_tokens
+    ids, m, valid, is_in = _token_ranks(topk_idx_ptr, t, tmask, num_topk, num_experts, num_local,
+                                        W_PAD, K_PAD)
+    r = tl.arange(0, W_PAD)
+    rmask = r < W
+    total = tl.sum(is_in, axis=0)                                               # [W_PAD]
+    rank_off = tl.cumsum(total, axis=0) - total
+    tl.store(num_per_rank_ptr + r, total, mask=rmask)
+    sent = is_in > 0
+    slot = tl.where(sent, tl.cumsum(is_in, axis=0) - 1, -1)
+    tl.store(slot_ptr + t[:, None] * W + r[None, :], slot, mask=tmask[:, None] & rmask[None, :])
+    pos = tl.where(sent, rank_off[None, :] + slot, 0)
+    tl.store(send_token_idx_ptr + pos, tl.broadcast_to(t[:, None], pos.shape),
+             mask=sent & tmask[:, None] & rmask[None, :])
+    e = tl.arange(0, E_PAD)
+    tl.store(num_per_expert_ptr + e, tl.zeros([E_PAD], dtype=tl.int64), mask=e < num_experts)
+    tl.debug_barrier()  # the zeros land before this program's own atomics below
+    tl.atomic_add(num_per_expert_ptr + tl.where(valid, ids, 0), tl.full(ids.shape, 1, tl.int64),
+                  mask=valid, sem="relaxed")
+    w = tl.load(topk_w_ptr + t[:, None] * num_topk + tl.arange(0, K_PAD)[None, :], mask=m,
+                other=0.0)
+    bad_id = tl.max(((ids < -1) | (ids >= num_experts)).to(tl.int64))
+    bad_w = tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int64))
+    tl.store(status_ptr, (bad_id * BAD_ID) | (bad_w * BAD_WEIGHT))
+
+
 # -------------------------------------------------------------------------------------------
 # 2-3. Dispatch: store rows (+ ids, weights, header) into every destination's window
 # -------------------------------------------------------------------------------------------
@@ -604,10 +647,14 @@ def _aligned16(d: int, elem: int, row_stride: int, region_off: int) -> bool:
 
 
 LAYOUT_BLOCK_T = 64
+# One-program layout when the whole batch fits: T_PAD x K_PAD x W_PAD elements at most
+# (decode sizes; larger batches use the two block kernels).
+LAYOUT_SMALL_ELEMS = 1 << 14
 
 
 def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world: int):
-    """Routing layout on the device (two launches, no host sync).
+    """Routing layout on the device (no host sync): one launch for a small batch (decode:
+    T_PAD x K_PAD x W_PAD <= ``LAYOUT_SMALL_ELEMS``), else a memset and two block kernels.
 
     Args:
         topk_idx: ``[T, K]`` int64; global expert ids, -1 = unused slot; other values outside
@@ -626,6 +673,20 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     t, k = topk_idx.shape
     dev = topk_idx.device
     num_local = num_experts // world
+    w_pad, k_pad, t_pad = max(2, next_pow2(world)), max(2, next_pow2(k)), max(2, next_pow2(t))
+    if t_pad * k_pad * w_pad <= LAYOUT_SMALL_ELEMS:
+        scratch = torch.empty(1 + num_experts, dtype=torch.int64, device=dev)
+        status, num_per_expert = scratch[:1], scratch[1:]
+        slot = torch.empty(t, world, dtype=torch.int64, device=dev)
+        send_token_idx = torch.empty(max(1, t * world), dtype=torch.int64, device=dev)
+        num_per_rank = torch.empty(world, dtype=torch.int64, device=dev)
+        _layout_small_kernel[(1,)](topk_idx, topk_weights, slot, send_token_idx, num_per_rank,
+                                   num_per_expert, status, t, k, num_experts, num_local,
+                                   W=world, W_PAD=w_pad, K_PAD=k_pad, BLOCK_T=t_pad,
+                                   E_PAD=max(2, next_pow2(num_experts)),
+                                   BAD_ID=STATUS_BAD_EXPERT_ID,
+                                   BAD_WEIGHT=STATUS_NON_FINITE_WEIGHT, num_warps=4)
+        return slot, send_token_idx, num_per_rank, num_per_expert, status
     scratch = torch.zeros(1 + num_experts, dtype=torch.int64, device=dev)
     status, num_per_expert = scratch[:1], scratch[1:]
     nb = max(1, ceil_div(t, LAYOUT_BLOCK_T))

@@ -42,31 +42,44 @@ def _check_layout():
     from tests.routes import make_route
 
     cases = 0
-    for world in (1, 2, 4, 8):
-        for num_experts in ((world * 2, 64) if world in (2, 8) else (64,)):
-            for topk in (1, 2, 8):
-                if topk > num_experts:
-                    continue
-                for t in (0, 1, 65, 130):
-                    for kind in ("random", "skewed", "dropped", "one_rank"):
-                        seed = hash((world, num_experts, topk, t, kind)) % 10_000
-                        idx, w = make_route(kind, t, num_experts, topk, world, seed)
-                        slot, send_idx, per_rank, per_expert, status = kern.layout(
-                            idx, w, num_experts, world)
-                        ref = compute_send_layout(idx, num_experts, world)
-                        s = int(ref.num_tokens_per_rank_W.sum())
-                        assert torch.equal(slot, ref.send_slot_TW), (world, num_experts, topk, t, kind)
-                        assert torch.equal(per_rank, ref.num_tokens_per_rank_W)
-                        assert torch.equal(per_expert, ref.num_tokens_per_expert_E)
-                        assert torch.equal(send_idx[:s], ref.send_token_idx_S)
-                        assert int(status) == 0
-                        cases += 1
+    small = kern.LAYOUT_SMALL_ELEMS
+    grid = [(path, world, num_experts, topk, t, kind)
+            for path in ("one program", "blocks")
+            for world in (1, 2, 4, 8)
+            for num_experts in ((world * 2, 64) if world in (2, 8) else (64,))
+            for topk in (1, 2, 8) if topk <= num_experts
+            for t in ((0, 1, 65, 130, 300) if path == "one program" else (0, 1, 65, 130))
+            for kind in ("random", "skewed", "dropped", "one_rank")]
+    for path, world, num_experts, topk, t, kind in grid:
+        # the one-program kernel for small batches (t = 300 falls back to blocks), then the
+        # block kernels for every size
+        kern.LAYOUT_SMALL_ELEMS = small if path == "one program" else 0
+        case = (path, world, num_experts, topk, t, kind)
+        seed = hash((world, num_experts, topk, t, kind)) % 10_000
+        idx, w = make_route(kind, t, num_experts, topk, world, seed)
+        slot, send_idx, per_rank, per_expert, status = kern.layout(idx, w, num_experts, world)
+        ref = compute_send_layout(idx, num_experts, world)
+        s = int(ref.num_tokens_per_rank_W.sum())
+        assert torch.equal(slot, ref.send_slot_TW), case
+        assert torch.equal(per_rank, ref.num_tokens_per_rank_W), case
+        assert torch.equal(per_expert, ref.num_tokens_per_expert_E), case
+        assert torch.equal(send_idx[:s], ref.send_token_idx_S), case
+        assert int(status) == 0, case
+        cases += 1
     print(f"layout cases: {cases}")
 
 
 def _check_layout_errors():
     import torch
     from efa_ep.kernels import gda_kernels as kern
+
+    for small in (kern.LAYOUT_SMALL_ELEMS, 0):  # one-program kernel, then the block kernels
+        kern.LAYOUT_SMALL_ELEMS = small
+        _layout_errors(kern)
+
+
+def _layout_errors(kern):
+    import torch
 
     idx = torch.tensor([[0, 3], [1, -1], [2, 2]], dtype=torch.int64)
     w = torch.ones(3, 2)
