@@ -8,9 +8,11 @@
 #include "efa_proxy.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static uint64_t bench_now_ns(void) {
@@ -57,6 +59,46 @@ int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, in
     return 0;
 }
 
+/* One producer thread per channel (so the bench measures the channels, not one producer thread
+ * filling every ring): thread c pushes n descriptors into ring c in batches, with back-pressure. */
+typedef struct {
+    uint64_t handle;
+    int ch;
+    uint32_t n, len, msg, ring_slots;
+    uint64_t half;
+    int timeout_ms;
+    int rc;
+    char err[256];
+} rate_producer;
+
+static void *rate_produce(void *arg) {
+    rate_producer *p = (rate_producer *)arg;
+    int rank = 0;
+    efa_engine_query(p->handle, &rank, NULL, NULL, NULL);
+    uint64_t stride = ((uint64_t)p->len + 15) & ~15ull;
+    uint32_t per_push = p->ring_slots / 2 + 1;
+    if (per_push > p->ring_slots) per_push = p->ring_slots;
+    uint64_t *d = malloc(sizeof(uint64_t) * 2 * per_push);
+    if (!d) {
+        p->rc = -ENOMEM;
+        return NULL;
+    }
+    uint32_t done = 0;
+    while (done < p->n && !p->rc) {
+        uint32_t b = p->n - done < per_push ? p->n - done : per_push;
+        for (uint32_t i = 0; i < b; i++) {
+            /* each channel writes its own 64 targets: channels never touch the same bytes */
+            uint64_t off = (stride * (uint64_t)(((done + i) % 64) + 64 * (uint64_t)p->ch)) % (p->half ? p->half : 16);
+            d[2 * i] = make_w0(rank, p->msg, p->len);
+            d[2 * i + 1] = ((off >> 4) << 32) | ((p->half + off) >> 4);
+        }
+        p->rc = efa_ring_push(p->handle, p->ch, d, b, p->timeout_ms, p->err, sizeof p->err);
+        done += b;
+    }
+    free(d);
+    return NULL;
+}
+
 int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t msg,
                    uint64_t *out_ns, int timeout_ms, char *err, size_t errlen) {
     int rank = 0, num_channels = 0;
@@ -68,30 +110,35 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
         bench_err(err, errlen, "nch=%d must be in 1..%d", nch, num_channels);
         return -EINVAL;
     }
-    uint64_t half = (window_bytes / 2) & ~15ull;
-    uint64_t stride = ((uint64_t)len + 15) & ~15ull;
-    uint32_t per_ring = n < ring_slots ? n : ring_slots;
-    uint64_t *d = malloc(sizeof(uint64_t) * 2 * per_ring);
-    if (!d) return -ENOMEM;
+    rate_producer p[64];
+    pthread_t th[64];
+    int started = 0;
     uint64_t t0 = bench_now_ns();
-    /* fill rings round robin in batches so every channel thread works at the same time */
-    uint32_t done = 0;
-    rc = 0;
-    while (done < n && !rc) {
-        uint32_t b = n - done < per_ring / 2 + 1 ? n - done : per_ring / 2 + 1;
-        if (b > per_ring) b = per_ring;
-        for (int c = 0; c < nch && !rc; c++) {
-            for (uint32_t i = 0; i < b; i++) {
-                uint64_t off = (stride * (uint64_t)((done + i) % 64)) % (half ? half : 16);
-                d[2 * i] = make_w0(rank, msg, len);
-                d[2 * i + 1] = ((off >> 4) << 32) | ((half + off) >> 4);
-            }
-            rc = efa_ring_push(handle, c, d, b, timeout_ms, err, errlen);
+    for (int c = 0; c < nch; c++) {
+        memset(&p[c], 0, sizeof p[c]);
+        p[c].handle = handle;
+        p[c].ch = c;
+        p[c].n = n;
+        p[c].len = len;
+        p[c].msg = msg;
+        p[c].ring_slots = ring_slots;
+        p[c].half = (window_bytes / 2) & ~15ull;
+        p[c].timeout_ms = timeout_ms;
+        if (pthread_create(&th[c], NULL, rate_produce, &p[c])) {
+            bench_err(err, errlen, "pthread_create for producer %d failed", c);
+            rc = -EAGAIN;
+            break;
         }
-        done += b;
+        started++;
     }
-    free(d);
+    for (int c = 0; c < started; c++) pthread_join(th[c], NULL);
+    for (int c = 0; c < started && !rc; c++)
+        if (p[c].rc) {
+            bench_err(err, errlen, "producer of channel %d: %s", c, p[c].err);
+            rc = p[c].rc;
+        }
     if (rc) return rc;
+    /* every channel counts its own arrivals (per-channel counters); the wait sums them */
     int32_t src = rank;
     uint64_t expect = (uint64_t)n * (uint64_t)nch;
     rc = efa_wait_counters(handle, msg, 1, &src, &expect, 1, timeout_ms, err, errlen);

@@ -207,10 +207,16 @@ static int engine_broken(engine *e, char *err, size_t errlen) {
 }
 
 /* Spin for spin_us after the last progress, then back off with short sleeps (2-core CI hosts run
- * several ranks x K channels; pure spinning there starves the very peer we wait for). */
+ * several ranks x K channels; pure spinning there starves the very peer we wait for). While
+ * spinning, every 64th turn yields the CPU: with a core to itself the call returns at once (a
+ * microsecond), and where threads outnumber cores (ranks x (1 + channels) on a small host) the
+ * thread that has the work we wait for (a channel thread polling its CQ, the peer) runs now
+ * instead of after our time slice. */
 static void idle_wait(engine *e, uint64_t idle_since, _Atomic uint64_t *sleeps) {
+    static _Thread_local unsigned turns;
     if (now_ns() - idle_since < (uint64_t)e->spin_us * 1000ull) {
-        cpu_relax();
+        if ((++turns & 63) == 0) sched_yield();
+        else cpu_relax();
     } else {
         if (sleeps) atomic_fetch_add_explicit(sleeps, 1, memory_order_relaxed);
         sleep_us(20);
@@ -226,6 +232,20 @@ static uint64_t xorshift(uint64_t *s) {
 }
 
 static engine *from_handle(uint64_t h) { return (engine *)(uintptr_t)h; }
+
+/* Arrival counters are per channel: counters[(ch * world + src) * num_slots + slot]. A waiter
+ * sums a (source, message)'s counter over the channels; each counter has one writer. */
+static inline size_t counter_index(const engine *e, int ch, int src, uint32_t msg) {
+    uint32_t slot = (msg & ((1u << EFA_MSG_BITS) - 1)) % e->num_slots;
+    return ((size_t)ch * (size_t)e->world + (size_t)src) * e->num_slots + slot;
+}
+
+static inline uint64_t counter_sum(engine *e, int src, uint32_t msg) {
+    uint64_t got = 0;
+    for (int ch = 0; ch < e->num_channels; ch++)
+        got += atomic_load_explicit(&e->counters[counter_index(e, ch, src, msg)], memory_order_acquire);
+    return got;
+}
 
 /* ---------------------------------------------------------------------------------------- */
 int efa_abi_version(void) { return EFA_PROXY_ABI_VERSION; }
@@ -526,7 +546,8 @@ static inline void publish_arrival(engine *e, channel *c, uint32_t imm) {
             return;
         }
     }
-    atomic_fetch_add_explicit(&e->counters[(size_t)src * e->num_slots + msg % e->num_slots], 1,
+    /* this channel's own counter of (source, message): channels never share a cache line */
+    atomic_fetch_add_explicit(&e->counters[counter_index(e, c->idx, (int)src, msg)], 1,
                               memory_order_release);
     atomic_fetch_add_explicit(&c->stats[ST_ARRIVED], 1, memory_order_relaxed);
 }
@@ -1159,12 +1180,17 @@ int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
                       const uint64_t *expected, int reset, int timeout_ms, char *err, size_t errlen) {
     engine *e = from_handle(handle);
     uint64_t start = now_ns(), deadline = start + (uint64_t)timeout_ms * 1000000ull;
-    uint32_t slot = (msg & ((1u << EFA_MSG_BITS) - 1)) % e->num_slots;
     uint64_t next_probe = start + 100000000ull; /* first probe after 100 ms of silence */
     int i = 0;
+    for (int k = 0; k < n; k++) {
+        if (srcs[k] < 0 || srcs[k] >= e->world) {
+            set_err(err, errlen, "rank %d: wait for message %u from rank %d: no such rank (world %d)",
+                    e->rank, msg, srcs[k], e->world);
+            return -EINVAL;
+        }
+    }
     while (i < n) {
-        _Atomic uint64_t *cnt = &e->counters[(size_t)srcs[i] * e->num_slots + slot];
-        uint64_t got = atomic_load_explicit(cnt, memory_order_acquire);
+        uint64_t got = counter_sum(e, srcs[i], msg);
         if (got >= expected[i]) {
             if (got > expected[i]) {
                 set_err(err, errlen, "rank %d: message %u from rank %d: %llu chunks arrived, "
@@ -1199,8 +1225,9 @@ int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
         /* every chunk of this message has arrived, so no thread adds to these counters again
          * until the slot is reused num_slots messages later */
         for (int k = 0; k < n; k++)
-            atomic_store_explicit(&e->counters[(size_t)srcs[k] * e->num_slots + slot], 0,
-                                  memory_order_relaxed);
+            for (int ch = 0; ch < e->num_channels; ch++)
+                atomic_store_explicit(&e->counters[counter_index(e, ch, srcs[k], msg)], 0,
+                                      memory_order_relaxed);
     }
     return 0;
 }

@@ -10,10 +10,10 @@
  *
  * The target side never infers completion from order (EFA's SRD delivers in no order): every
  * write carries imm = (source rank << 20) | (generation << 16) | message id, and the target
- * channel thread (after checking source, generation and message id) adds one to
- * counters[source * num_slots + message id % num_slots] (host memory the receiver polls) for each
- * remote completion it reads from its CQ. A receiver knows how many chunks a message has, so it
- * waits for that count, never for "the last one".
+ * channel thread (after checking source, generation and message id) adds one to its own counter
+ * of (source, message id % num_slots) (host memory the receiver polls; see `counters` below) for
+ * each remote completion it reads from its CQ. A receiver knows how many chunks a message has, so
+ * it waits for that count (summed over the channels), never for "the last one".
  *
  * Memory the caller owns (allocated by Python, pinned when a GPU is present so a kernel can
  * reach it; all must outlive the engine):
@@ -26,8 +26,10 @@
  *   ring_ctrl: K * EFA_CTRL_STRIDE uint64; [ch*STRIDE + EFA_CTRL_TAIL] is written by the producer
  *              (release), [ch*STRIDE + EFA_CTRL_HEAD] by the channel thread (release). Separate
  *              cache lines so the two sides do not false-share.
- *   counters : world * num_slots uint64 arrival counters, written only by channel threads
- *              (atomic add, release); read by waiters (acquire) and reset by the consumer.
+ *   counters : num_channels * world * num_slots uint64 arrival counters, one set per channel:
+ *              counters[(ch * world + src) * num_slots + msg % num_slots], written only by channel
+ *              thread ch (atomic add, release), so channels never share a counter; waiters sum a
+ *              (source, message) over the channels (acquire) and the consumer resets them.
  *
  * Descriptor (two little-endian uint64 words):
  *   w0 = dest_rank << 52 | (msg_id & 0xFFFFF) << 32 | length_bytes (32 bits)
@@ -49,7 +51,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 4
+#define EFA_PROXY_ABI_VERSION 5
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -146,8 +148,8 @@ int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests
                       uint32_t chunk_bytes, uint32_t *next_channel, int timeout_ms, char *err,
                       size_t errlen);
 
-/* Waits until counters[src * num_slots + msg % num_slots] >= expected[i] for every i (srcs[i]),
- * then (reset != 0) stores 0 into those counters so the slot can serve a later message. */
+/* Waits until the arrivals of (srcs[i], msg), summed over the channels, reach expected[i] for
+ * every i, then (reset != 0) stores 0 into those counters so the slot can serve a later message. */
 int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
                       const uint64_t *expected, int reset, int timeout_ms, char *err, size_t errlen);
 
@@ -170,11 +172,107 @@ int efa_engine_query(uint64_t handle, int *rank, int *num_channels, uint32_t *ri
  * ids msg0 .. msg0 + iters - 1 (keep them clear of live transport traffic). */
 int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, int iters,
                         uint64_t *out_ns, int timeout_ms, char *err, size_t errlen);
-/* Issue rate: pushes n descriptors (len bytes each, to this rank) into each of the first nch
- * channels (round robin, with back-pressure), waits until all n * nch arrivals are counted for
- * message msg; *out_ns = elapsed nanoseconds. */
+/* Issue rate: one producer thread per channel pushes n descriptors (len bytes each, to this
+ * rank) into its ring (with back-pressure); waits until all n * nch arrivals are counted for
+ * message msg (each channel counts its own); *out_ns = elapsed nanoseconds. */
 int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t msg,
                    uint64_t *out_ns, int timeout_ms, char *err, size_t errlen);
+
+/* ---------------------------------------------------------------------------------------- */
+/* One round of the transport's wire protocol in native code (efa_round.c, a client of the ABI
+ * above), for a host window. Python (kernels/proxy/wire.py) owns the struct and fills the round's
+ * inputs; the calls below run the round with no per-message or per-peer Python:
+ *   efa_wire_begin    wait until our previous writes left the send side; enter round `seq`
+ *                     (efa_engine_expect); build every peer's header in the window; lay out the
+ *                     send area (`plan`) and the data messages (`msgs`); post the headers.
+ *   (caller)          packs the planes at plan[p * world + d] (rows to rank d, plane p)
+ *   efa_wire_exchange wait for every peer's header; copy them to `got`; check them (status,
+ *                     round tag, op, row bytes, row format, rows within max_rows, chunk count,
+ *                     and rows == n_recv when given); write the footers; post the data.
+ *                     Returns 1, posting nothing, if any header is not clean: the caller then
+ *                     names the problem (and raises) from `got` and the window.
+ *   efa_wire_finish   wait for every peer's data (chunk counts from its header), check each
+ *                     footer [rows, round tag]: -EPROTO with bad_peer set on a mismatch.
+ * Header: int64 [status, op, rows, row_bytes, chunks, round tag, row format, extras...] then
+ * error text. Messages: header 2*seq, data 2*seq+1 (mod 2^16). Send area (contiguous, from
+ * off_data_send): plane p of every destination in rank order, each destination's start 16-byte
+ * aligned, then the footers; a receiver reads source r's message at its own fixed region:
+ * planes at off_recv + r * region_bytes + 2 * hdr_bytes, each 16-byte aligned, then the footer.
+ * Every field is int64 (or a pointer) so the layout is the same from ctypes. */
+#define EFA_HDR_FIXED 7
+#define EFA_MAX_PLANES 4
+typedef struct efa_wire {
+    /* fixed at setup */
+    uint64_t engine;
+    uint8_t *window;
+    int64_t rank, world, hdr_fields, num_extra;
+    int64_t hdr_len, hdr_bytes, hdr_chunks;
+    int64_t off_hdr_send, off_data_send, send_bytes, off_recv, region_bytes;
+    int64_t chunk_bytes, max_rows, timeout_ms;
+    uint32_t *next_channel; /* producer's channel rotation (shared with the Python producers) */
+    int64_t *msgs;          /* scratch: 4 x max_msgs (dests, local offs, remote offs, sizes) */
+    int64_t max_msgs;       /* >= world * (EFA_MAX_PLANES + 1) */
+    int64_t *hmsgs;         /* scratch: 4 x world, the header messages */
+    int32_t *wait_srcs;     /* scratch: world */
+    uint64_t *wait_expected;/* scratch: world */
+    /* one round: inputs */
+    int64_t seq, op, status, nplanes, tag, fmt, row_bytes;
+    int64_t widths[EFA_MAX_PLANES];
+    int64_t *rows_to;       /* [world] rows to each rank (own entry ignored) */
+    int64_t *extras;        /* [world * num_extra] or NULL */
+    int64_t *n_recv;        /* [world] rows expected from each rank, or NULL (learned) */
+    /* one round: outputs */
+    int64_t *plan;          /* [(EFA_MAX_PLANES + 1) * world]: plane p / footer (row EFA_MAX_PLANES) of dest d, -1 none */
+    int64_t *got;           /* [world * hdr_fields]: the peers' headers (own row zero) */
+    int64_t *rows_from;     /* [world] */
+    int64_t nmsgs, bad_peer;
+    int64_t r_writes, r_wire_bytes, r_messages, r_rows; /* what this round handed to the engine */
+    int64_t wait_ns;        /* cumulative time blocked in the engine's waits */
+} efa_wire;
+
+int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen);
+int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen);
+int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen);
+int efa_wire_post_data(efa_wire *w, char *err, size_t errlen);
+int efa_wire_finish(efa_wire *w, char *err, size_t errlen);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Host-side data path helpers (efa_host.c; plain C over caller memory, no engine). */
+
+/* Routing layout of one rank's T tokens (topk_idx [T, K] int64, weights [T, K] float32), the
+ * reference being kernels/base.py compute_send_layout: rows are grouped by destination rank
+ * ascending, tokens ascending inside a group. Writes send_idx [S] (source token of each row),
+ * meta [S, 2K] int64 (local expert id or -1, then the weight's float bits sign-extended, 0 where
+ * the id is -1), num_send [W], counts [E] ((token, expert) pairs per expert, i.e. [W, L]).
+ * scratch: 2 * W int64. Capacity of send_idx / meta: cap rows. Returns S >= 0, or -1 with
+ * *flags = 1 (an expert id outside [-1, E)) | 2 (a NaN/Inf weight) and nothing else written,
+ * or -ENOSPC if S would exceed cap. */
+int64_t efa_route_layout(const int64_t *topk_idx, const float *weights, int64_t T, int64_t K,
+                         int64_t E, int64_t W, int64_t *send_idx, int64_t *meta, int64_t cap,
+                         int64_t *num_send, int64_t *counts, int64_t *scratch, int64_t *flags);
+
+/* Received routing rows -> recv_topk_idx [N, K] int64, recv_topk_weights [N, K] float32 and
+ * tokens_per_expert [L] int64, sources in rank order (src_meta[r]: address of n[r] rows of 2K
+ * int64). Sources with check[r] != 0 are validated (ids in [-1, L), >= 1 id per row, weight bits
+ * 0 where the id is -1, finite weights, per-expert counts equal to hdr_counts + r * hdr_stride):
+ * returns the first bad source (>= 0) with *kind set, or -1 when all are good. scratch: L int64. */
+int64_t efa_unpack_meta(int64_t W, int64_t K, int64_t L, const int64_t *src_meta, const int64_t *n,
+                        const int64_t *check, const int64_t *hdr_counts, int64_t hdr_stride,
+                        int64_t *out_idx, float *out_w, int64_t *tokens_per_expert,
+                        int64_t *scratch, int64_t *kind);
+
+/* Combine's reduction, fused: out[t] = sum over ranks r ascending of float(rows_r[j]) for the row
+ * j of rank r whose token is t (idx_r[j] == t), starting from +0.0 and rounded once to the output
+ * dtype (round to nearest even), i.e. kernels/base.py reduce_rows_by_rank(...).to(dtype) bit for
+ * bit. rows[r], idx[r]: addresses of n[r] rows of D elements / n[r] int64 tokens. dtypes:
+ * EFA_DT_F32 / EFA_DT_BF16 in, the same out. slot: W * T int32 scratch. Returns 0; 1 if a sum is
+ * NaN (the caller recomputes with torch: NaN payloads are not specified); -EINVAL for a token
+ * outside [0, T) or twice in one rank's rows. */
+#define EFA_DT_F32 1
+#define EFA_DT_BF16 2
+int efa_reduce_rows(int64_t W, int64_t T, int64_t D, int64_t in_dtype, int64_t out_dtype,
+                    const int64_t *rows, const int64_t *n, const int64_t *idx, int32_t *slot,
+                    void *out);
 
 /* Stops every thread (waiters return -ECANCELED), closes endpoints. Idempotent. */
 int efa_engine_stop(uint64_t handle);

@@ -1,7 +1,9 @@
 """The one ctypes boundary of the proxy: builds and loads the native engine (``kernels/native/``:
-``efa_proxy.c`` the engine, ``efa_bench.c`` its benchmark entry points, ``efa_proxy.h`` the ABI).
+``efa_proxy.c`` the engine, ``efa_round.c`` one round of the wire protocol, ``efa_host.c`` the
+host-side data path helpers (routing layout, received-metadata checks, combine's reduction),
+``efa_bench.c`` the benchmark entry points, ``efa_proxy.h`` the ABI).
 
-Build: on first use, ``cc -O2 -std=c11 -shared -fPIC efa_proxy.c efa_bench.c -lfabric -lpthread``
+Build: on first use, ``cc -O2 -std=c11 -shared -fPIC efa_*.c -lfabric -lpthread``
 into ``$EFA_EP_CACHE_DIR`` (default ``~/.cache/efa_ep``), the file named by a hash of the sources,
 the header and the compile command, so a changed source rebuilds and one build serves every Python
 version (C ABI, no Python symbols). ``EFA_EP_PROXY_SO=/path/libefa_proxy.so`` loads a prebuilt
@@ -26,10 +28,11 @@ from typing import Optional, Sequence, Tuple
 # The C sources live in efa_ep.kernels.native (kernels/native/), next to this package.
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_proxy.c")
-SOURCES = (SOURCE, os.path.join(_NATIVE_DIR, "efa_bench.c"))
+SOURCES = (SOURCE, os.path.join(_NATIVE_DIR, "efa_bench.c"), os.path.join(_NATIVE_DIR, "efa_round.c"),
+           os.path.join(_NATIVE_DIR, "efa_host.c"))
 HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -144,6 +147,7 @@ def build(force: bool = False) -> str:
 
 
 _u64, _i32, _u32, _vp, _cp = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_char_p
+_i64 = ctypes.c_int64
 _pu64 = ctypes.POINTER(ctypes.c_uint64)
 _SIGS = {
     "efa_abi_version": ([], _i32),
@@ -169,6 +173,14 @@ _SIGS = {
     "efa_engine_query": ([_u64, _vp, _vp, _vp, _vp], _i32),
     "efa_bench_roundtrip": ([_u64, _i32, _u32, _u32, _i32, _vp, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_bench_rate": ([_u64, _i32, _u32, _u32, _u32, _pu64, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_begin": ([_vp, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_post_headers": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_exchange": ([_vp, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_post_data": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_finish": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_route_layout": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _vp], _i64),
+    "efa_unpack_meta": ([_i64, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp], _i64),
+    "efa_reduce_rows": ([_i64, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _vp], _i32),
     "efa_engine_stop": ([_u64], _i32),
     "efa_engine_destroy": ([_u64], _i32),
 }
@@ -351,3 +363,84 @@ class Engine:
         if self.handle:
             self._lib.efa_engine_destroy(self.handle)
             self.handle = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# One round of the wire protocol in native code (efa_round.c; ``efa_wire`` in efa_proxy.h)
+HDR_FIXED = 7
+MAX_PLANES = 4
+DT_F32, DT_BF16 = 1, 2
+
+
+class WireStruct(ctypes.Structure):
+    """``struct efa_wire`` (efa_proxy.h): every field 8 bytes, in the header's order."""
+
+    _fields_ = [(name, kind) for name, kind in (
+        ("engine", _u64), ("window", _vp), ("rank", _i64), ("world", _i64), ("hdr_fields", _i64),
+        ("num_extra", _i64), ("hdr_len", _i64), ("hdr_bytes", _i64), ("hdr_chunks", _i64),
+        ("off_hdr_send", _i64), ("off_data_send", _i64), ("send_bytes", _i64), ("off_recv", _i64),
+        ("region_bytes", _i64), ("chunk_bytes", _i64), ("max_rows", _i64), ("timeout_ms", _i64),
+        ("next_channel", _vp), ("msgs", _vp), ("max_msgs", _i64), ("hmsgs", _vp),
+        ("wait_srcs", _vp), ("wait_expected", _vp),
+        ("seq", _i64), ("op", _i64), ("status", _i64), ("nplanes", _i64), ("tag", _i64),
+        ("fmt", _i64), ("row_bytes", _i64), ("widths", _i64 * MAX_PLANES),
+        ("rows_to", _vp), ("extras", _vp), ("n_recv", _vp),
+        ("plan", _vp), ("got", _vp), ("rows_from", _vp), ("nmsgs", _i64), ("bad_peer", _i64),
+        ("r_writes", _i64), ("r_wire_bytes", _i64), ("r_messages", _i64), ("r_rows", _i64),
+        ("wait_ns", _i64))]
+
+
+class NativeWire:
+    """Typed calls of efa_wire_* on one struct (the caller keeps every array it points to alive).
+    Each returns the C return code (0, or 1 = a header needs naming: see efa_proxy.h) and raises
+    :class:`NativeError` on failures."""
+
+    def __init__(self, st: WireStruct):
+        self._lib = load()
+        self.st = st
+        self._ref = ctypes.byref(st)
+        self._err = _err()
+
+    def _call(self, fn, *args) -> int:
+        rc = fn(self._ref, *args, self._err, _ERRLEN)
+        if rc < 0:
+            raise NativeError(rc, self._err.value.decode(errors="replace") or f"native error {rc}")
+        return rc
+
+    def begin(self, post_headers: bool) -> int:
+        return self._call(self._lib.efa_wire_begin, int(post_headers))
+
+    def post_headers(self) -> int:
+        return self._call(self._lib.efa_wire_post_headers)
+
+    def exchange(self, post_data: bool) -> int:
+        return self._call(self._lib.efa_wire_exchange, int(post_data))
+
+    def post_data(self) -> int:
+        return self._call(self._lib.efa_wire_post_data)
+
+    def finish(self) -> int:
+        return self._call(self._lib.efa_wire_finish)
+
+
+def route_layout(idx_ptr: int, w_ptr: int, T: int, K: int, E: int, W: int, send_idx_ptr: int,
+                 meta_ptr: int, cap: int, num_send_ptr: int, counts_ptr: int, scratch_ptr: int,
+                 flags_ptr: int) -> int:
+    """efa_route_layout (efa_proxy.h): rows S, or -1 (value flags set), or -ENOSPC."""
+    return load().efa_route_layout(idx_ptr, w_ptr, T, K, E, W, send_idx_ptr, meta_ptr, cap,
+                                   num_send_ptr, counts_ptr, scratch_ptr, flags_ptr)
+
+
+def unpack_meta(W: int, K: int, L: int, src_ptrs: int, n_ptr: int, check_ptr: int, hdr_ptr: int,
+                hdr_stride: int, out_idx_ptr: int, out_w_ptr: int, tpe_ptr: int, scratch_ptr: int,
+                kind_ptr: int) -> int:
+    """efa_unpack_meta: the first bad source, or -1."""
+    return load().efa_unpack_meta(W, K, L, src_ptrs, n_ptr, check_ptr, hdr_ptr, hdr_stride,
+                                  out_idx_ptr, out_w_ptr, tpe_ptr, scratch_ptr, kind_ptr)
+
+
+def reduce_rows(W: int, T: int, D: int, in_dtype: int, out_dtype: int, rows_ptr: int, n_ptr: int,
+                idx_ptr: int, slot_ptr: int, out_ptr: int) -> int:
+    """efa_reduce_rows: 0, 1 (a NaN sum: recompute with torch) or -EINVAL."""
+    return load().efa_reduce_rows(W, T, D, in_dtype, out_dtype, rows_ptr, n_ptr, idx_ptr, slot_ptr,
+                                  out_ptr)

@@ -8,10 +8,19 @@ windows and count arrivals per (source, message). Dispatch is one round, combine
 dispatch_cached one; a row wider than the window's row capacity is split into column rounds.
 Rows to or from this rank itself never touch the wire (copied locally).
 
-GPU inputs are host-staged: rows are gathered on the GPU and copied once into the pinned send
-slots, moved by the proxy, and copied once from the pinned window back to the GPU, where the
+The host path of an operation is a handful of calls, none per message or per peer: the routing
+layout with the contract's value checks (``efa_route_layout``), the round's steps
+(``efa_wire_*``), the checks and unpacking of the routing rows received
+(``efa_unpack_meta``) and, for CPU rows, combine's reduction from the receive window in one pass
+(``efa_reduce_rows``) are native code (``kernels/native/efa_round.c``, ``efa_host.c``), each
+matching its torch reference bit for bit; rows are gathered straight into the registered send
+area and copied once out of the receive window. Buffers are allocated once.
+
+GPU inputs are host-staged: the routing (16 B per token slot) goes to the host in one copy, rows
+are gathered on the GPU and copied once into the pinned send area (one device-to-host copy for
+all peers), moved by the proxy, and copied once from the pinned window back to the GPU, where the
 combine's reduction also runs (the descriptors of a GPU-input round are produced by a Triton
-kernel into the pinned ring). Routing metadata (a few bytes per token) is built on the host.
+kernel into the pinned ring when triton is present).
 With ``hmem="cuda"`` the whole window is CUDA memory registered with ``FI_HMEM_CUDA``: rows are
 gathered straight into it and the provider moves them GPU to GPU (GPUDirect RDMA on efa); only
 rings, counters and the small headers' host copies stay on the host. Every call blocks the
@@ -24,18 +33,20 @@ settings fill them from the EFA_EP_PROXY_* variables).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import socket
 import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
-    TransportConfig, TransportError, check_group_agreement, compute_send_layout,
-    float_bits_to_int64, int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
+    TransportConfig, TransportError, check_group_agreement, describe_value_errors,
+    int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
     validate_dispatch_inputs,
 )
 from . import native
@@ -46,6 +57,15 @@ from .window import (
     align, alloc_window, as_bytes, dense, row_format,
 )
 from .wire import GroupError, Wire
+
+
+def _prefix(counts) -> list:
+    """``[0, c0, c0 + c1, ...]``: where each rank's block starts (and the total, last)."""
+    return [0, *itertools.accumulate(counts)]
+
+
+# dtypes combine's native reduction takes (others: torch ops)
+_NATIVE_DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16}
 
 
 def availability() -> Optional[str]:
@@ -157,11 +177,24 @@ class ProxyTransport(Transport):
         pin = torch.cuda.is_available()
         self.window, self.hmem_device = alloc_window(self.window_bytes, self.hmem)
         self.rings = Rings(self.num_channels, self.ring_slots, pin)
-        self.counters = torch.zeros(self.world_size * NUM_COUNTER_SLOTS, dtype=torch.int64, pin_memory=pin)
+        # one set of arrival counters per channel (efa_proxy.h): channels never share a counter
+        self.counters = torch.zeros(self.num_channels * self.world_size * NUM_COUNTER_SLOTS,
+                                    dtype=torch.int64, pin_memory=pin)
         self.wire = Wire(self.rank, self.world_size, cfg.max_tokens_per_rank, self.layout, self.window,
                          self.rings, self.timeout_ms, opts.tamper)
         self._broken: Optional[str] = None
-        self._buffers: dict = {}  # float32 work buffers of combine, see _scratch
+        self._buffers: dict = {}  # work buffers (combine's float32, pinned staging), see _scratch
+        # host arrays of the native layout / checks / reduction, allocated once
+        w = self.world_size
+        self._num_send = np.zeros(w, dtype=np.int64)
+        self._counts_E = np.zeros(cfg.num_experts, dtype=np.int64)
+        self._layout_scratch = np.zeros(2 * w, dtype=np.int64)
+        self._i64_out = np.zeros(1, dtype=np.int64)
+        self._meta_buf = np.empty(0, dtype=np.int64)
+        self._cnt_buf = np.empty(0, dtype=np.int64)
+        self._meta_srcs, self._meta_n, self._meta_check = (np.zeros(w, dtype=np.int64) for _ in range(3))
+        self._red_rows, self._red_n, self._red_idx = (np.zeros(w, dtype=np.int64) for _ in range(3))
+        self._slot_buf = np.empty(0, dtype=np.int32)
         self._net = NetCounter()
         self.engine = None
         self.gen = 0
@@ -408,122 +441,179 @@ class ProxyTransport(Transport):
         return self._guarded(self._dispatch, x, topk_idx, topk_weights)
 
     def _dispatch_error(self, x, topk_idx, topk_weights) -> Optional[str]:
-        cfg, me = self.cfg, self.rank
+        """The contract's checks that read no values (the values, expert ids and weights, are
+        checked on the host copy by the native layout, see :meth:`_route`)."""
         error = self._device_error(x=x, topk_idx=topk_idx, topk_weights=topk_weights)
         if error is None:
-            error = validate_dispatch_inputs(cfg, me, x, topk_idx, topk_weights)
-        if error is None and cfg.hidden * x.element_size() + 16 * topk_idx.shape[1] > self.row_cap:
-            # would overflow a window row: refused on every rank (status in the header) before any
-            # row moves; all ranks share H and K, so all of them hit this
-            error = (f"rank {me}: dispatch rows of {cfg.hidden * x.element_size()} + "
-                     f"{16 * topk_idx.shape[1]} bytes (hidden*elem + 16*top-k) exceed the window's "
-                     f"row capacity {self.row_cap}; create the transport with "
-                     f"max_topk>={topk_idx.shape[1]} (or max_row_bytes)")
+            error = validate_dispatch_inputs(self.cfg, self.rank, x, topk_idx, topk_weights,
+                                             value_checks=False)
         return error
 
+    def _row_cap_error(self, x, topk_idx) -> Optional[str]:
+        cfg, me = self.cfg, self.rank
+        if cfg.hidden * x.element_size() + 16 * topk_idx.shape[1] > self.row_cap:
+            # would overflow a window row: refused on every rank (status in the header) before any
+            # row moves; all ranks share H and K, so all of them hit this
+            return (f"rank {me}: dispatch rows of {cfg.hidden * x.element_size()} + "
+                    f"{16 * topk_idx.shape[1]} bytes (hidden*elem + 16*top-k) exceed the window's "
+                    f"row capacity {self.row_cap}; create the transport with "
+                    f"max_topk>={topk_idx.shape[1]} (or max_row_bytes)")
+        return None
+
     def _dispatch(self, x, topk_idx, topk_weights):
-        cfg, w, me = self.cfg, self.world_size, self.rank
+        cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire
+        dev = x.device
         error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights))
+        route = None
+        if error is None:
+            try:
+                route = self._route(topk_idx, topk_weights)
+                error = route if isinstance(route, str) else self._row_cap_error(x, topk_idx)
+            except Exception as e:
+                # a local failure while preparing still reaches every peer through the status
+                error = f"rank {me}: dispatch failed while packing rows: {type(e).__name__}: {e}"
         if error is not None:
-            self.wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
-        try:
-            prep = self._prepare_dispatch(x, topk_idx, topk_weights)
-        except Exception as e:
-            # a local failure while preparing still reaches every peer through the status
-            self.wire.round(OP_DISPATCH, {}, [0], None, None,
-                            f"rank {me}: dispatch failed while packing rows: {type(e).__name__}: {e}")
-        planes, widths, extra, layout, send_idx, meta, num_send, starts, k, dev, pack = prep
-        own = {}
+            wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
+            raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
+        send_idx_cpu, meta, num_send, counts = route
+        k, H, L = topk_idx.shape[1], cfg.hidden, cfg.num_local_experts
+        starts = _prefix(num_send)
+        s_me, e_me = starts[me], starts[me + 1]
+        self._select_producer(dev)
+        send_idx = send_idx_cpu if dev.type == "cpu" else send_idx_cpu.to(dev)
+        row_x = H * x.element_size()
 
-        def local(got):
-            # this rank's own rows go straight into the output while the peers' rows fly
-            num_recv = [num_send[me] if r == me else int(got[r, H_ROWS]) for r in range(w)]
-            recv_x = torch.empty(sum(num_recv), cfg.hidden, dtype=x.dtype, device=dev)
-            row = sum(num_recv[:me])
-            n = num_send[me]
-            torch.index_select(x, 0, send_idx[starts[me]:starts[me] + n], out=recv_x[row:row + n])
-            own.update(num_recv=num_recv, recv_x=recv_x)
-
-        got, recv = self.wire.round(OP_DISPATCH, planes, widths, None, extra, None, k,
-                                    pack=pack, local=local)
-        num_recv, recv_x = own["num_recv"], own["recv_x"]
-        n_recv = sum(num_recv)
-        # Copy out of the window (reused next round) into x's device; the blocking H2D copies
-        # from pinned memory return only once the window has been read.
-        mb, row = [], 0
+        # 1. headers out (counts in them); our previous writes have left the send side
+        wire.begin(OP_DISPATCH, [row_x, 16 * k], num_send, extras=counts.reshape(w, L), fmt=k)
+        # 2. pack while the headers fly: token rows straight into the registered send area (one
+        #    gather on x's device, then one D2H copy for a GPU input), routing rows from the layout
+        xs, ms = wire.plane(0), wire.plane(1)
+        if s_me == 0 or e_me == starts[-1]:  # the peers' rows are one run of send_idx
+            peer_idx = send_idx[e_me:] if s_me == 0 else send_idx[:s_me]
+        else:
+            peer_idx = torch.cat([send_idx[:s_me], send_idx[e_me:]])
+        if xs is not None:
+            self._gather_into(xs.view(x.dtype).view(-1, H), x, peer_idx)
+        else:  # rows not a multiple of 16 bytes: one slot per destination
+            for d in range(w):
+                if d != me and num_send[d]:
+                    self._gather_into(wire.slot(0, d).view(x.dtype).view(-1, H), x,
+                                      send_idx[starts[d]:starts[d + 1]])
+        if ms.device.type == "cpu":
+            msn = ms.numpy().view(np.int64).reshape(-1, 2 * k)
+            msn[:s_me] = meta[:s_me]
+            msn[s_me:] = meta[e_me:]
+        elif ms.numel():  # a device window
+            ms.copy_(torch.from_numpy(np.concatenate([meta[:s_me], meta[e_me:]])).view(torch.uint8).view(ms.shape))
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()  # the D2H copies are in the window
+        # 3. the peers' headers (checked), then our data out
+        got = wire.exchange()
+        num_recv = [num_send[me] if r == me else wire.rows_from(r) for r in range(w)]
+        rstarts = _prefix(num_recv)
+        n_recv = rstarts[-1]
+        # 4. this rank's own rows go straight into the output while the peers' rows fly
+        recv_x = torch.empty(n_recv, H, dtype=x.dtype, device=dev)
+        torch.index_select(x, 0, send_idx[s_me:e_me], out=recv_x[rstarts[me]:rstarts[me + 1]])
+        # 5. the peers' rows: one copy each out of the window (H2D for a GPU input)
+        wire.finish()
         for r in range(w):
-            n = num_recv[r]
+            if r != me and num_recv[r]:
+                recv_x[rstarts[r]:rstarts[r + 1]].copy_(wire.recv(r, 0).view(x.dtype).view(-1, H),
+                                                         non_blocking=True)
+        # 6. routing rows: checked (ids, weights, per-expert counts vs the header) and unpacked
+        recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64)
+        recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32)
+        tokens_per_expert = torch.empty(L, dtype=torch.int64)
+        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
+        keep = []  # host copies of a device window's routing rows
+        for r in range(w):
+            nr[r] = num_recv[r]
+            chk[r] = r != me
             if r == me:
-                mb.append(meta[starts[me]:starts[me] + n])
+                srcs[r] = meta.ctypes.data + s_me * 16 * k
             else:
-                recv_x[row:row + n].copy_(recv[r][0].view(x.dtype).view(n, cfg.hidden))
-                m = recv[r][1].view(torch.int64).view(n, 2 * k).cpu()
-                self._check_meta(r, m, k, got[r, HDR_FIXED:])
-                mb.append(m)
-            row += n
-        recv_meta = torch.cat(mb, 0)
-        recv_topk_idx = recv_meta[:, :k].contiguous()
-        recv_topk_weights = int64_to_float_bits(recv_meta[:, k:]).contiguous()
-        # counted from the validated ids (equal to the peers' header counts, checked above)
-        L = cfg.num_local_experts
-        ids = recv_topk_idx[recv_topk_idx >= 0]
-        tokens_per_expert = torch.bincount(ids, minlength=L).to(torch.int64)[:L].clone()
+                m = wire.recv(r, 1)
+                if m.device.type != "cpu":
+                    m = m.cpu()
+                    keep.append(m)
+                srcs[r] = m.data_ptr()
+        kind = self._i64_out
+        bad = native.unpack_meta(w, k, L, srcs.ctypes.data, nr.ctypes.data, chk.ctypes.data,
+                                 got.ctypes.data + HDR_FIXED * 8, got.shape[1],
+                                 recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr(),
+                                 tokens_per_expert.data_ptr(), self._counts_scratch(L).ctypes.data,
+                                 kind.ctypes.data)
+        if bad >= 0:  # name the problem (the checks in Python say what is wrong)
+            m = wire.recv(bad, 1).cpu().view(torch.int64).view(-1, 2 * k)
+            self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
+            wire.violation(f"rank {bad} sent routing rows the native check refuses (kind "
+                           f"{int(kind[0])}) and the Python check accepts")
         if dev.type != "cpu":
-            recv_topk_idx = recv_topk_idx.to(dev)
-            recv_topk_weights = recv_topk_weights.to(dev)
+            recv_topk_idx = recv_topk_idx.to(dev, non_blocking=True)
+            recv_topk_weights = recv_topk_weights.to(dev, non_blocking=True)
+            torch.cuda.current_stream(dev).synchronize()  # the window is read before our next header
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
             send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=layout.send_token_idx_S))
+            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx_cpu))
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
-    def _prepare_dispatch(self, x, topk_idx, topk_weights):
-        """Routing layout and metadata (host), the send-slot views of each destination's planes,
-        and ``pack``, which fills them (run by the round once our previous writes left the slots,
-        while the headers fly)."""
-        cfg, w, me = self.cfg, self.world_size, self.rank
-        dev = x.device
-        self._select_producer(dev)
-        # Host-staged wire. Routing metadata is small and built on the host; token rows stay on
-        # x's device until they are copied straight into (out of) the pinned window: a GPU input
-        # pays a device gather and one D2H copy per destination, never a pageable copy of all of x
-        # followed by a single-threaded CPU gather (8x slower at prefill on the H200 host).
-        idxh, wh = topk_idx.cpu(), topk_weights.cpu()
-        k = idxh.shape[1]
-        layout = compute_send_layout(idxh, cfg.num_experts, w)
-        num_send = layout.num_tokens_per_rank_W.tolist()
-        starts = [sum(num_send[:r]) for r in range(w)]
-        row_x = cfg.hidden * x.element_size()
-        send_idx = layout.send_token_idx_S.to(dev)
-        widths = [row_x, 16 * k]
-        send_w = torch.where(layout.send_topk_idx_SK >= 0, wh.index_select(0, layout.send_token_idx_S),
-                             torch.zeros((), dtype=torch.float32))
-        meta = dense(torch.cat([layout.send_topk_idx_SK, float_bits_to_int64(send_w)], dim=1))  # [S, 2K]
-        extra = layout.num_tokens_per_expert_E.view(w, cfg.num_local_experts)
+    def _route(self, topk_idx, topk_weights):
+        """The routing layout (native, on the host: one D2H of the routing for a GPU input, never
+        of the rows), with the value checks of the contract. Returns (send_idx ``[S]`` int64 CPU,
+        meta ``[S, 2K]`` int64 (scratch, valid for this call), rows per rank (W ints),
+        ``[E]`` int64 (token, expert) pairs per expert), or the value error's message."""
+        cfg, w = self.cfg, self.world_size
+        t, k = topk_idx.shape
+        if topk_idx.is_cuda:  # both to pinned staging, one sync
+            idxh = self._pinned("idx", t * k, torch.int64).view(t, k)
+            wh = self._pinned("w", t * k, torch.float32).view(t, k)
+            idxh.copy_(topk_idx, non_blocking=True)
+            wh.copy_(topk_weights, non_blocking=True)
+            torch.cuda.current_stream(topk_idx.device).synchronize()
+        else:
+            idxh, wh = dense(topk_idx), dense(topk_weights)
+        cap = t * min(w, k)
+        send_idx = torch.empty(cap, dtype=torch.int64)
+        if self._meta_buf.shape[0] < cap * 2 * k:
+            self._meta_buf = np.empty(cap * 2 * k, dtype=np.int64)
+        meta = self._meta_buf
+        num_send, counts, flags = self._num_send, self._counts_E, self._i64_out
+        s = native.route_layout(idxh.data_ptr(), wh.data_ptr(), t, k, cfg.num_experts, w,
+                                send_idx.data_ptr(), meta.ctypes.data, cap, num_send.ctypes.data,
+                                counts.ctypes.data, self._layout_scratch.ctypes.data,
+                                flags.ctypes.data)
+        if s < 0:
+            return (describe_value_errors(cfg, self.rank, idxh, wh)
+                    or f"rank {self.rank}: the routing layout failed ({s}, flags {int(flags[0])})")
+        return send_idx[:s], meta[:s * 2 * k].reshape(s, 2 * k), num_send.tolist(), counts
 
-        planes = {}
-        for d in range(w):
-            if d == me:
-                continue
-            n = num_send[d]
-            xs = self.wire.send_slot(d, 0, n, row_x)
-            ms = self.wire.send_slot(d, align(n * row_x), n, 16 * k)
-            planes[d] = [xs, ms]
+    def _gather_into(self, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> None:
+        """``out[i] = x[idx[i]]`` into a view of the window: in place when both are on one device;
+        for a GPU input and a host window one gather on the device and one D2H copy
+        (asynchronous: the caller syncs)."""
+        if not idx.numel():
+            return
+        if out.device == x.device:  # a CPU input, or a device window (hmem)
+            torch.index_select(x, 0, idx, out=out)
+        else:
+            out.copy_(x.index_select(0, idx), non_blocking=True)
 
-        def pack():
-            for d, (xs, ms) in planes.items():
-                n = num_send[d]
-                idx = send_idx[starts[d]:starts[d] + n]
-                # straight into the registered send slot (one copy; D2H for a GPU input)
-                slot_rows = xs.view(x.dtype).view(n, cfg.hidden)
-                if slot_rows.device == x.device:
-                    torch.index_select(x, 0, idx, out=slot_rows)
-                else:
-                    slot_rows.copy_(x.index_select(0, idx))
-                ms.copy_(as_bytes(meta[starts[d]:starts[d] + n]))
+    def _pinned(self, name: str, n: int, dtype) -> torch.Tensor:
+        """A flat host buffer of ``n`` elements, page-locked, reused across calls (grown when too
+        small): staging of D2H copies that must not wait on pageable memory."""
+        buf = self._buffers.get(("pin", name))
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=True)
+            self._buffers[("pin", name)] = buf
+        return buf[:n]
 
-        return planes, widths, extra, layout, send_idx, meta, num_send, starts, k, dev, pack
+    def _counts_scratch(self, n: int) -> np.ndarray:
+        if self._cnt_buf.shape[0] < n:
+            self._cnt_buf = np.empty(n, dtype=np.int64)
+        return self._cnt_buf
 
     def _check_meta(self, src: int, m: torch.Tensor, k: int, counts_L: torch.Tensor) -> None:
         """A peer's routing rows are untrusted: local ids in [-1, L), at least one per row (a row
@@ -574,15 +664,66 @@ class ProxyTransport(Transport):
                               or self._rows_error("dispatch_cached input x", x, handle.num_tokens, handle))
         if error is not None:
             self.wire.round(OP_CACHED, {}, [0], None, None, error)
-        w, me = self.world_size, self.rank
-        self._select_producer(x.device)
-        idx = self._send_idx(handle, x.device)
-        num_send = handle.num_send_per_rank
-        starts = [sum(num_send[:r]) for r in range(w)]
-        rows_to = {d: x.index_select(0, idx[starts[d]:starts[d] + num_send[d]])
-                   for d in range(w) if d != me}
-        self_rows = x.index_select(0, idx[starts[me]:starts[me] + num_send[me]])
-        return self.wire.exchange_rows(OP_CACHED, rows_to, self_rows, list(handle.num_recv_per_rank))
+        w, me, wire = self.world_size, self.rank, self.wire
+        dev = x.device
+        self._select_producer(dev)
+        idx = self._send_idx(handle, dev)
+        num_send, num_recv = list(handle.num_send_per_rank), list(handle.num_recv_per_rank)
+        starts = _prefix(num_send)
+        rstarts = _prefix(num_recv)
+        d_cols = x.shape[1]
+        row_bytes = d_cols * x.element_size()
+        if row_bytes > self.row_cap:  # column rounds
+            rows_to = {d: x.index_select(0, idx[starts[d]:starts[d + 1]]) for d in range(w) if d != me}
+            self_rows = x.index_select(0, idx[starts[me]:starts[me + 1]])
+            return wire.exchange_rows(OP_CACHED, rows_to, self_rows, num_recv)
+        xd = dense(x)
+        wire.begin(OP_CACHED, [row_bytes], num_send, n_recv=num_recv, fmt=row_format(xd))
+        self._pack_rows(xd, idx, num_send, starts, gather=True)
+        wire.exchange()
+        out = torch.empty(rstarts[-1], d_cols, dtype=x.dtype, device=dev)
+        torch.index_select(xd, 0, idx[starts[me]:starts[me + 1]], out=out[rstarts[me]:rstarts[me + 1]])
+        wire.finish()
+        for r in range(w):
+            if r != me and num_recv[r]:
+                out[rstarts[r]:rstarts[r + 1]].copy_(wire.recv(r, 0).view(x.dtype).view(-1, d_cols),
+                                                     non_blocking=True)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()  # the window is read before our next header
+        return out
+
+    def _pack_rows(self, y: torch.Tensor, idx: torch.Tensor, rows_to, starts, gather: bool) -> None:
+        """Packs the rows of every peer into plane 0 of the send area: ``y[idx[run of d]]``
+        (``gather``) or ``y[run of d]`` (rows already grouped by destination), straight into the
+        registered window (for a GPU input: a gather on the device, one D2H copy per run; synced
+        here, before the data is posted)."""
+        w, me, wire = self.world_size, self.rank, self.wire
+        d_cols = y.shape[1]
+        s_me, e_me = starts[me], starts[me + 1]
+        plane = wire.plane(0)
+        if plane is not None:
+            dst = plane.view(y.dtype).view(-1, d_cols)
+            runs = [(0, s_me), (e_me, starts[-1])]
+            at = 0
+            for a, b in runs:
+                if b > a:
+                    part = dst[at:at + b - a]
+                    if gather:
+                        self._gather_into(part, y, idx[a:b])
+                    else:
+                        part.copy_(y[a:b], non_blocking=True)
+                    at += b - a
+        else:
+            for d in range(w):
+                if d == me or not rows_to[d]:
+                    continue
+                dst = wire.slot(0, d).view(y.dtype).view(-1, d_cols)
+                if gather:
+                    self._gather_into(dst, y, idx[starts[d]:starts[d + 1]])
+                else:
+                    dst.copy_(y[starts[d]:starts[d + 1]], non_blocking=True)
+        if y.device.type == "cuda":
+            torch.cuda.current_stream(y.device).synchronize()
 
     def combine(self, y, handle):
         self._check_usable("combine")
@@ -593,44 +734,76 @@ class ProxyTransport(Transport):
                               or self._rows_error(name, y, handle.num_recv_tokens, handle))
         if error is not None:
             self.wire.round(OP_COMBINE, {}, [0], None, None, error)
-        w, me = self.world_size, self.rank
+        w, me, wire = self.world_size, self.rank, self.wire
         self._select_producer(y.device)
-        yc = dense(y)  # stays on its device; rows go D2H straight into the send slots
-        num_recv = handle.num_recv_per_rank
-        starts = [sum(num_recv[:r]) for r in range(w)]
-        idx = self._send_idx(handle, y.device)
-        rows_to = {d: yc[starts[d]:starts[d] + num_recv[d]] for d in range(w) if d != me}
-        self_rows = yc[starts[me]:starts[me] + num_recv[me]]
+        yc = dense(y)  # stays on its device; rows go straight into the send area
+        num_recv = list(handle.num_recv_per_rank)
         n_send = list(handle.num_send_per_rank)
-        row_bytes = yc.shape[1] * yc.element_size()
+        starts = _prefix(num_recv)
+        sstarts = _prefix(n_send)
+        idx = self._send_idx(handle, y.device)
+        d_cols = yc.shape[1]
+        row_bytes = d_cols * yc.element_size()
         if row_bytes > self.row_cap:  # column rounds: gather every block, then reduce
-            back = self.wire.exchange_rows(OP_COMBINE, rows_to, self_rows, n_send)
+            rows_to = {d: yc[starts[d]:starts[d + 1]] for d in range(w) if d != me}
+            back = wire.exchange_rows(OP_COMBINE, rows_to, yc[starts[me]:starts[me + 1]], n_send)
             return reduce_rows_by_rank(back, idx, handle.num_send_per_rank,
                                        handle.num_tokens).to(y.dtype)
-        # One round: reduce straight from the receive window (no gathered copy of the rows).
-        # Float32 sum over source ranks in ascending order from +0.0, as reduce_rows_by_rank.
-        acc = {}
+        wire.begin(OP_COMBINE, [row_bytes], num_recv, n_recv=n_send, fmt=row_format(yc))
+        self._pack_rows(yc, idx, num_recv, starts, gather=False)
+        wire.exchange()
+        wire.finish()
+        # One pass from the receive window: float32 sum over source ranks in ascending order from
+        # +0.0, rounded once (as reduce_rows_by_rank(...).to(dtype), bit for bit).
+        self_rows = yc[starts[me]:starts[me + 1]]
+        views = [self_rows if r == me else wire.recv(r, 0).view(yc.dtype).view(-1, d_cols)
+                 for r in range(w)]
+        out = None
+        if yc.device.type == "cpu" and yc.dtype in _NATIVE_DT and views[0].device.type == "cpu":
+            out = self._reduce_native(views, idx, n_send, sstarts, handle.num_tokens, yc.dtype)
+        if out is None:
+            out = self._reduce_torch(views, idx, n_send, sstarts, handle.num_tokens, yc)
+        if y.device.type == "cuda":
+            torch.cuda.current_stream(y.device).synchronize()  # the window is read before our next header
+        return out
 
-        def local(_got):  # zeroed while the rows fly
-            acc["out"] = self._scratch("acc", handle.num_tokens, yc.shape[1], yc.device,
-                                       persistent=y.dtype != torch.float32).zero_()
-
-        planes = {d: [as_bytes(t)] for d, t in rows_to.items()}
-        _, got = self.wire.round(OP_COMBINE, planes, [row_bytes], n_send, None, None,
-                                 row_format(self_rows), local=local)
-        out = acc["out"]
-        start = 0
+    def _reduce_native(self, views, idx, n_send, sstarts, num_tokens: int, dtype):
+        """The fused reduction (efa_reduce_rows) on host rows; None when a sum is NaN (NaN
+        payloads are left to torch's kernels, so the torch path recomputes it)."""
+        w = self.world_size
+        d_cols = views[0].shape[1]
+        ptrs, nr, ips = self._red_rows, self._red_n, self._red_idx
+        idx = idx if idx.is_contiguous() else idx.contiguous()
         for r in range(w):
+            ptrs[r] = views[r].data_ptr()
+            nr[r] = n_send[r]
+            ips[r] = idx.data_ptr() + 8 * sstarts[r]
+        if self._slot_buf.shape[0] < w * num_tokens:
+            self._slot_buf = np.empty(w * num_tokens, dtype=np.int32)
+        out = torch.empty(num_tokens, d_cols, dtype=dtype)
+        dt = _NATIVE_DT[dtype]
+        rc = native.reduce_rows(w, num_tokens, d_cols, dt, dt, ptrs.ctypes.data, nr.ctypes.data,
+                                ips.ctypes.data, self._slot_buf.ctypes.data, out.data_ptr())
+        if rc < 0:
+            raise TransportError(f"rank {self.rank}: combine: the handle's token indices are "
+                                 f"outside [0, {num_tokens}) or repeat within a rank's rows")
+        return out if rc == 0 else None
+
+    def _reduce_torch(self, views, idx, n_send, sstarts, num_tokens: int, yc):
+        """The reduction with torch ops on the output's device (GPU inputs, other dtypes)."""
+        d_cols = yc.shape[1]
+        out = self._scratch("acc", num_tokens, d_cols, yc.device,
+                            persistent=yc.dtype != torch.float32).zero_()
+        for r, rows in enumerate(views):
             n = n_send[r]
-            if n:
-                rows = self_rows if r == me else got[r][0].view(yc.dtype).view(n, yc.shape[1])
-                if rows.device != out.device:
-                    rows = rows.to(out.device)
-                if rows.dtype != torch.float32:  # float32 copy in a reused buffer
-                    rows = self._scratch("rows", n, yc.shape[1], out.device).copy_(rows)
-                out.index_add_(0, idx[start:start + n], rows)
-            start += n
-        return out.to(y.dtype) if y.dtype != torch.float32 else out
+            if not n:
+                continue
+            if rows.device != out.device:
+                rows = rows.to(out.device, non_blocking=True)
+            if rows.dtype != torch.float32:  # float32 copy in a reused buffer
+                rows = self._scratch("rows", n, d_cols, out.device).copy_(rows)
+            out.index_add_(0, idx[sstarts[r]:sstarts[r] + n], rows)
+        return out.to(yc.dtype) if yc.dtype != torch.float32 else out
 
     def _scratch(self, name: str, rows: int, cols: int, device, persistent: bool = True):
         """``[rows, cols]`` float32 work buffer on ``device``, reused across calls (grown when

@@ -1,9 +1,11 @@
 """The proxy's registered window: what lives where, and the header and footer formats.
 
 Memory (allocated once at setup, registered with every channel's domain, pinned when CUDA is
-present): ``[hdr send W][data send W slots][receive region per source r: header parity 0,
+present): ``[hdr send W][send area: W slots][receive region per source r: header parity 0,
 header parity 1, data slot, 16-byte probe pad]``; a slot holds ``max_tokens_per_rank`` rows of
-``row_cap`` bytes (row_cap = H * elem + 16 * max_topk by default). Header receive slots are
+``row_cap`` bytes (row_cap = H * elem + 16 * max_topk by default). A round lays the send area out
+as one block (``wire.py``): plane p of every destination in rank order, then the footers, so the
+rows to every peer are packed by one gather (one device-to-host copy for a GPU input). Header receive slots are
 double-buffered by round parity: a peer that expects no rows from us can finish round n and send
 its round n+1 header before we read its round n header; it cannot send round n+2's before we sent
 ours for n+1. Source r may write only into its receive region (its own registration and key).

@@ -2,26 +2,34 @@
 
 1. **Header** (the count exchange, on our own wire, not torch.distributed): every rank writes a
    small int64 header (``window.py``) into each peer's header slot (message id ``2*seq``). A rank
-   with invalid input still sends its header with ``status=1`` and its error text, so every rank
+   with invalid input still sends its header with a bad status and its error text, so every rank
    learns of the failure and raises the same error instead of waiting. The header is also the
    handshake that makes window reuse safe: a rank sends its header for round n+1 only after it
    copied round n's data out, and nobody writes data into a peer's window before that peer's
    header for the same round arrived.
-2. **Pack**: rows to each destination sit contiguously in the send slot of the registered window,
-   planes back to back (e.g. x rows, then routing metadata), then a footer ``[rows, round tag]``.
-3. **Describe**: each message is cut into chunks, one descriptor each, into the rings
-   (``ring.py``).
+2. **Pack**: the send area holds plane p (e.g. x rows, then routing metadata) of every
+   destination in rank order, then a footer ``[rows, round tag]`` per destination; the caller
+   packs straight into it (one gather for all peers' rows when they are contiguous).
+3. **Describe**: each message (a plane or a footer of one destination) is cut into chunks, one
+   descriptor each, into the rings (native ``efa_post_messages``, or the Triton producer).
 4. **Proxy**: the ``num_channels`` native channel threads post ``fi_writedata`` into the peer's
    window with imm = (source rank, generation, message id). The target threads count
-   completions per (source, message) in host memory.
-5. **Wait**: the receiver waits until each source's counter reaches that message's chunk count
-   (known from the header), never inferring completion from order; then checks the footer.
+   completions per (source, message) in host memory, one counter per channel.
+5. **Wait**: the receiver waits until each source's arrivals reach that message's chunk count
+   (known from the header), never inferring completion from order; then checks the footer. On
+   the receiving side source r's planes sit at fixed offsets of its region, 16-byte aligned.
 
-Every header field from a peer is checked against this rank's capacities before any data moves;
+Steps 1, 3, 5 and every check of a round run in one native call each on a host window
+(``kernels/native/efa_round.c``): no per-message or per-peer Python. A device window
+(``hmem='cuda'``) runs them in Python, as does the naming of any problem the native checks find.
+
+Every header field from a peer is checked against this rank's capacities before its data is used;
 a peer that breaks the protocol raises :class:`ProtocolViolation`.
 """
 from __future__ import annotations
 
+import errno
+import time
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -54,6 +62,20 @@ class ProtocolViolation(TransportError):
 class Wire:
     """Rounds over one window, one set of rings and one engine (see the module docstring).
 
+    A round is three calls, with the caller's work in between (nothing per message or per peer
+    in Python on a host window: each call is one native call, ``efa_round.c``):
+
+    1. :meth:`begin`: wait until our previous writes left the send side, enter the round, build
+       and post every peer's header, lay out the send area (:meth:`slot`, :meth:`plane`);
+    2. the caller packs its rows into the send area while the headers fly;
+    3. :meth:`exchange`: wait for every peer's header, check it, post the data; the caller does
+       its own share while the data flies;
+    4. :meth:`finish`: wait for every peer's data, check its footer; :meth:`recv` views it.
+
+    A device window (``hmem='cuda'``) runs the same steps in Python (numpy, with the headers
+    staged through host memory); so does the naming of any problem the native checks detect
+    (the exact error every rank raises comes from one place, :meth:`_check_headers`).
+
     Args:
         rank, world: this rank and the EP group size. max_tokens_per_rank: row capacity of a slot.
         layout: the window layout. window: ``[layout.window_bytes]`` uint8 (host or CUDA).
@@ -75,21 +97,32 @@ class Wire:
         self.seq = 0
         self.use_triton = False
         self.triton_device = None
-        self._bind_window()
-        # per-round constants, built once
+        # the native round (host windows); False forces the Python steps (tests compare both)
+        self.native_rounds = True
+        self._nw = None
         w, lay = world, layout
         self._peers = np.array([r for r in range(w) if r != rank], dtype=np.int64)
-        self._hdr_send_offs = lay.off_hdr_send + self._peers * lay.hdr_bytes
-        self._hdr_lens = np.full(len(self._peers), lay.hdr_len, dtype=np.int64)
-        # where our header lands in each peer's window, by round parity
-        self._hdr_recv_offs = [np.full(len(self._peers), lay.hdr_recv_off(rank, p), dtype=np.int64)
-                               for p in (0, 1)]
-        self._hdr_chunks_all = np.full(len(self._peers), lay.hdr_chunks, dtype=np.int64)
-        self._data_send_offs = np.array([lay.data_send_off(d) for d in range(w)], dtype=np.int64)
         self._wait_srcs = np.zeros(max(1, w), dtype=np.int32)
         self._wait_expected = np.zeros(max(1, w), dtype=np.uint64)
         self._wait_ptrs = (self._wait_srcs.ctypes.data, self._wait_expected.ctypes.data)
         self._hdr_text: Dict[int, bytes] = {}
+        # One round's arrays, allocated once (the native round reads and writes them in place).
+        mp = native.MAX_PLANES
+        self.num_extra = lay.hdr_fields - HDR_FIXED
+        self._rows_to = np.zeros(w, dtype=np.int64)
+        self._n_recv = np.zeros(w, dtype=np.int64)
+        self._extras = np.zeros((w, max(1, self.num_extra)), dtype=np.int64)
+        self._plan = np.full((mp + 1, w), -1, dtype=np.int64)
+        self._got = np.zeros((w, lay.hdr_fields), dtype=np.int64)
+        self._rows_from = np.zeros(w, dtype=np.int64)
+        self._msgs = np.zeros((4, w * (mp + 1)), dtype=np.int64)
+        self._hmsgs = np.zeros((4, w), dtype=np.int64)
+        self._nmsgs = 0
+        self._round = None  # (seq, op, widths, fmt, tag, error, n_recv given, count_rows)
+        self._dests: List[int] = []  # ranks this round sends rows to, ascending
+        self._total_to = 0
+        self._py_wait_ns = 0
+        self._bind_window()
         # What this rank handed to the engine since creation (host counts, see count_posted):
         # writes = descriptors, wire_bytes = their bytes; messages/rows/bytes = data messages,
         # their rows and the rows' payload bytes (first plane only: no routing metadata).
@@ -113,11 +146,45 @@ class Wire:
     def set_window(self, window: torch.Tensor) -> None:
         self.window = window
         self._bind_window()
+        if self.engine is not None:
+            self._bind_native()
 
     def start(self, engine, gen: int) -> None:
         self.engine = engine
         self.gen = gen
         self.rings.attach(engine, self.timeout_ms)
+        self._bind_native()
+
+    def _bind_native(self) -> None:
+        """The native round's struct over this wire's arrays (host windows only)."""
+        self._nw = None
+        if self.window.is_cuda or self.engine is None:
+            return
+        lay, w = self.layout, self.world
+        st = native.WireStruct()
+        st.engine = self.engine.handle
+        st.window = self.window.data_ptr()
+        st.rank, st.world = self.rank, w
+        st.hdr_fields, st.num_extra = lay.hdr_fields, self.num_extra
+        st.hdr_len, st.hdr_bytes, st.hdr_chunks = lay.hdr_len, lay.hdr_bytes, lay.hdr_chunks
+        st.off_hdr_send, st.off_data_send = lay.off_hdr_send, lay.off_data_send
+        st.send_bytes = lay.off_recv - lay.off_data_send
+        st.off_recv, st.region_bytes = lay.off_recv, lay.region_bytes
+        st.chunk_bytes, st.max_rows, st.timeout_ms = lay.chunk_bytes, self.max_tokens_per_rank, self.timeout_ms
+        st.next_channel = self.rings._next_channel_ptr
+        st.msgs, st.max_msgs = self._msgs.ctypes.data, self._msgs.shape[1]
+        st.hmsgs = self._hmsgs.ctypes.data
+        st.wait_srcs, st.wait_expected = self._wait_ptrs
+        st.rows_to = self._rows_to.ctypes.data
+        st.plan, st.got, st.rows_from = self._plan.ctypes.data, self._got.ctypes.data, self._rows_from.ctypes.data
+        self._nw = native.NativeWire(st)
+
+    def wait_seconds(self) -> float:
+        """Cumulative seconds the calling thread spent blocked in the engine's waits (headers,
+        data, our own writes leaving the send side): the rest of an operation's wall time is its
+        host part."""
+        st = self._nw.st if self._nw is not None else None
+        return ((st.wait_ns if st is not None else 0) + self._py_wait_ns) / 1e9
 
     def count_posted(self, sizes: np.ndarray, messages: int = 0, rows: int = 0,
                      payload: int = 0) -> None:
@@ -139,10 +206,6 @@ class Wire:
     def window_view(self, off: int, nbytes: int) -> torch.Tensor:
         return self.window[off:off + nbytes]
 
-    def send_slot(self, d: int, off: int, n: int, width: int) -> torch.Tensor:
-        """Writable ``[n, width]`` uint8 view of dest d's send slot at byte offset off."""
-        return self.window_view(self.layout.data_send_off(d) + off, n * width).view(n, width)
-
     def window_ready(self) -> None:
         """A device window is written by kernels on the current stream: they must have finished
         before a descriptor hands the bytes to the provider, and our copies out of the receive
@@ -151,18 +214,26 @@ class Wire:
             torch.cuda.current_stream(self.window.device).synchronize()
 
     def wait(self, msg: int, srcs, expected) -> None:
-        """Waits (native, bounded) until each source's counter of ``msg`` reaches its expected
-        chunk count, then resets those counters."""
+        """Waits (native, bounded) until each source's arrivals of ``msg`` (summed over the
+        channels) reach its expected chunk count, then resets those counters."""
         n = len(srcs)
         if not n:
             return
         self._wait_srcs[:n] = srcs
         self._wait_expected[:n] = expected
-        native_call(self.engine.wait_counters, msg, *self._wait_ptrs, n, True, self.timeout_ms)
+        t0 = time.perf_counter_ns()
+        try:
+            native_call(self.engine.wait_counters, msg, *self._wait_ptrs, n, True, self.timeout_ms)
+        finally:
+            self._py_wait_ns += time.perf_counter_ns() - t0
 
     def quiesce(self) -> None:
         """Waits until our previous writes completed locally, so the send side may be rewritten."""
-        native_call(self.engine.wait_idle, self.timeout_ms)
+        t0 = time.perf_counter_ns()
+        try:
+            native_call(self.engine.wait_idle, self.timeout_ms)
+        finally:
+            self._py_wait_ns += time.perf_counter_ns() - t0
 
     def warm_up(self) -> None:
         """Round 0: every channel writes one small message to every peer and waits for all of
@@ -184,135 +255,305 @@ class Wire:
             self.count_posted(np.full(len(peers), 16, dtype=np.int64))
         self.wait(msg, peers, [self.rings.num_channels] * len(peers))
 
-    # One round ------------------------------------------------------------------------------
+    # One round, in steps ----------------------------------------------------------------------
+    def begin(self, op: int, widths: List[int], rows_to, extras: Optional[np.ndarray] = None,
+              n_recv: Optional[List[int]] = None, fmt: int = 0, error: Optional[str] = None,
+              count_rows: bool = True) -> None:
+        """Starts a round (collective): waits until our previous writes left the send side,
+        posts every peer's header and lays out the send area.
+
+        Args:
+            widths: bytes per row of each plane (same on every rank; at most 4 planes).
+            rows_to: rows to each rank (``[W]`` ints; this rank's entry is ignored).
+            extras: ``[W, L]`` int64, per-destination extra header fields, or None.
+            n_recv: rows expected from each rank, or None (dispatch: learned from the headers).
+            fmt: row format (columns and dtype) every rank must share, 0 when not applicable.
+            error: this rank's input error (sent with the status, then raised on every rank by
+                :meth:`exchange`); no rows move.
+            count_rows: add the rows to :attr:`posted` (False for the later column rounds of
+                the same rows).
+        """
+        seq = self.seq
+        self.seq += 1
+        if len(widths) > native.MAX_PLANES:
+            raise TransportError(f"rank {self.rank}: a round of {len(widths)} planes (at most "
+                                 f"{native.MAX_PLANES})")
+        tag = (self.gen << 32) | (seq & 0xFFFFFFFF)
+        rt = self._rows_to
+        if error:
+            rt.fill(0)
+            text = error.encode("utf-8", errors="replace")[:ERR_BYTES - 1]
+            error = text.decode("utf-8", errors="ignore")  # what peers will read, byte for byte
+        else:
+            rt[:] = rows_to
+        rt[self.rank] = 0
+        rl = rt.tolist()
+        self._dests = [d for d in range(self.world) if rl[d] > 0]
+        self._total_to = sum(rl)
+        if n_recv is not None:
+            self._n_recv[:] = n_recv
+        self._round = (seq, op, list(widths), fmt, tag, error, n_recv is not None, count_rows)
+        tampering = (not error and op == OP_DISPATCH and self.tamper in PY_TAMPER
+                     and self.tamper != "ids")
+        if self._nw is not None and self.native_rounds:
+            st = self._nw.st
+            st.seq, st.op, st.status, st.nplanes = seq, op, STATUS_BAD_INPUT if error else STATUS_OK, len(widths)
+            st.tag, st.fmt, st.row_bytes = tag, fmt, sum(widths)
+            for i, wd in enumerate(widths):
+                st.widths[i] = wd
+            if extras is not None and not error:
+                self._extras[:, :extras.shape[1]] = extras
+                st.extras = self._extras.ctypes.data
+            else:
+                st.extras = None
+            st.n_recv = self._n_recv.ctypes.data if n_recv is not None else None
+            native_call(self._nw.begin, not (error or tampering))
+            self._nmsgs = st.nmsgs
+            if error or tampering:
+                if error:
+                    f8 = self.layout.hdr_fields * 8
+                    self._hdr_stage[:, f8:f8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+                else:
+                    self._tamper_header(op, self._hdr_stage_i64, rt, widths)
+                native_call(self._nw.post_headers)
+        else:
+            self._py_begin(op, widths, extras, fmt, tag, error, seq)
+
+    def slot(self, p: int, d: int) -> torch.Tensor:
+        """Writable ``[rows_to[d], widths[p]]`` uint8 view of plane ``p`` of the rows to rank
+        ``d`` in the send area (valid between :meth:`begin` and :meth:`exchange`)."""
+        n, wd = int(self._rows_to[d]), self._round[2][p]
+        off = int(self._plan[p, d])
+        if off < 0:
+            return self.window[:0].view(0, wd)
+        return self.window_view(off, n * wd).view(n, wd)
+
+    def plane(self, p: int) -> Optional[torch.Tensor]:
+        """Plane ``p`` of every peer's rows at once, in rank order (``[sum of rows_to, width]``
+        uint8), when they are contiguous in the send area (the width a multiple of 16, as for
+        token rows and routing metadata); else None (use :meth:`slot` per destination)."""
+        wd = self._round[2][p]
+        dests = self._dests
+        if not dests:
+            return self.window[:0].view(0, wd)
+        if wd % ALIGN:
+            return None if len(dests) > 1 else self.slot(p, dests[0])
+        total = self._total_to
+        return self.window_view(int(self._plan[p, dests[0]]), total * wd).view(total, wd)
+
+    def exchange(self) -> np.ndarray:
+        """Waits for every peer's header and checks it (raises the group's input error, a
+        :class:`GroupError` or a :class:`ProtocolViolation` naming the peer), then posts the data.
+
+        Returns:
+            ``[W, F]`` int64, the peers' headers (row ``self.rank`` zero), valid until the next
+            round; every field was checked against this rank's capacities.
+        """
+        seq, op, widths, fmt, tag, error, has_n_recv, count_rows = self._round
+        self._tamper_data(op)
+        posted_data = False
+        try:
+            if self._nw is not None and self.native_rounds:
+                st = self._nw.st
+                rc = native_call(self._nw.exchange, not self.use_triton)
+                if rc:  # a header is not clean: name it the way every rank names it
+                    self._got_texts(seq)
+                    self._check_headers(self._got, seq, OP_NAMES[op], op, sum(widths), fmt, tag, error,
+                                        widths, list(self._n_recv) if has_n_recv else None)
+                    self.violation(f"the native check refused a {OP_NAMES[op]} header that the "
+                                   f"Python check accepts: {self._got.tolist()}")
+                if self.use_triton and self._nmsgs:
+                    m = self._nmsgs
+                    self._push_triton(self._msgs[:, :m], (2 * seq + 1) & MSG_MASK)
+                posted_data = True
+            else:
+                self._py_exchange(seq, op, widths, fmt, tag, error, has_n_recv)
+                posted_data = True
+            return self._got
+        finally:
+            self._account(posted_data, widths, count_rows)
+
+    def finish(self) -> None:
+        """Waits for every chunk of every peer's data, then checks each footer against its
+        header (a :class:`ProtocolViolation` names the peer)."""
+        seq, op, widths, fmt, tag, error, _, _ = self._round
+        if self._nw is not None and self.native_rounds:
+            try:
+                self._nw.finish()
+            except native.NativeError as ex:
+                if ex.code != -errno.EPROTO:
+                    raise TransportError(str(ex)) from ex
+                self._footer_violation(int(self._nw.st.bad_peer), OP_NAMES[op], widths, tag)
+        else:
+            srcs = self._peers[self._rows_from[self._peers] > 0]
+            if len(srcs):
+                self.wait((2 * seq + 1) & MSG_MASK, srcs, self._data_chunks_np(self._rows_from[srcs], widths))
+            for r in srcs.tolist():
+                n = int(self._rows_from[r])
+                foot = self._footer(r, n, widths)
+                if int(foot[0]) != n or int(foot[1]) != tag:
+                    self._footer_violation(r, OP_NAMES[op], widths, tag)
+
+    def rows_from(self, r: int) -> int:
+        """Rows rank ``r`` sent this round (from its checked header; 0 for this rank)."""
+        return int(self._rows_from[r])
+
+    def recv(self, r: int, p: int) -> torch.Tensor:
+        """``[rows_from(r), widths[p]]`` uint8 view of plane ``p`` of rank ``r``'s rows in our
+        receive window (valid until the next round's header lets ``r`` overwrite it)."""
+        widths = self._round[2]
+        n = int(self._rows_from[r])
+        off = self.layout.data_recv_off(r) + sum(align(n * wd) for wd in widths[:p])
+        return self.window_view(off, n * widths[p]).view(n, widths[p])
+
+    # One round, in one call (error rounds, row blocks) -----------------------------------------
     def round(self, op: int, planes: Dict[int, List[torch.Tensor]], widths: List[int],
               n_recv: Optional[List[int]], extra_WL: Optional[torch.Tensor],
               error: Optional[str], fmt: int = 0, pack: Optional[Callable[[], None]] = None,
-              local: Optional[Callable[[torch.Tensor], None]] = None, count_rows: bool = True):
-        """One header + data exchange with every peer (collective).
-
-        Order: wait for our previous writes; post the headers; pack the send slots while the
-        headers fly (``planes`` not already in their slot are copied, then ``pack()``); wait for
-        the peers' headers and check them; post the data; run ``local(headers)`` while the data
-        flies; wait for the data and check its footers.
-
-        Args:
-            planes: dest rank (!= self) -> list of ``[n, widths[p]]`` uint8 tensors, any device (rows to
-                that rank); empty when ``error``. A plane may already be the send slot's view
-                (``send_slot``), to be filled by ``pack``.
-            widths: bytes per row of each plane (same on every rank).
-            n_recv: rows expected from each rank, or None (dispatch: learned from the headers).
-            extra_WL: ``[W, L]`` int64 CPU, per-destination extra header fields, or None.
-            error: this rank's input error (sent with the status, then raised on every rank).
-            fmt: row format (columns and dtype) every rank must share, 0 when not applicable.
-            pack: fills the send-slot planes (runs after our previous writes left the slots).
-            local: this rank's own work, given the checked headers, overlapping the data's flight.
-            count_rows: add the rows to :attr:`posted` (False for the later column rounds of
-                the same rows).
-        Returns:
-            (headers ``[W, F]`` int64 CPU (row ``self.rank`` unset), {src: [plane views into the
-            receive window]}). The views are valid until the next round: copy them out. Every
-            header field was checked against this rank's capacities before the data moved.
-        """
-        w, me, lay = self.world, self.rank, self.layout
-        peers = self._peers
-        seq = self.seq
-        self.seq += 1
-        msg_hdr, msg_data = (2 * seq) & MSG_MASK, (2 * seq + 1) & MSG_MASK
-        tag = (self.gen << 32) | (seq & 0xFFFFFFFF)
-        row_bytes = sum(widths)
-        what = OP_NAMES[op]
-        self.quiesce()
-        self.engine.expect(seq)  # from here on, a peer's message of another round is an error
-
-        # 1. headers (also the "my window is free" handshake and the status carrier)
-        rows_to = np.zeros(w, dtype=np.int64)
+              local: Optional[Callable[[np.ndarray], None]] = None, count_rows: bool = True):
+        """:meth:`begin`, copy ``planes`` (dest -> list of ``[n, widths[p]]`` uint8 tensors, any
+        device) into the send area, ``pack()``, :meth:`exchange`, ``local(headers)``,
+        :meth:`finish`. Returns (headers ``[W, F]``, {src: [plane views into the receive
+        window]}), the views valid until the next round."""
+        rows_to = [0] * self.world
         if not error:
             for d, pl in planes.items():
                 rows_to[d] = pl[0].shape[0] if pl else 0
+        self.begin(op, widths, rows_to, None if extra_WL is None else np.asarray(extra_WL),
+                   n_recv, fmt, error, count_rows)
+        if not error:
+            for d, pl in planes.items():
+                for p, t in enumerate(pl):
+                    if t.shape[0]:
+                        self.slot(p, d).copy_(t)
+            if pack is not None:
+                pack()
+        got = self.exchange()
+        if local is not None:
+            local(got)
+        self.finish()
+        return got, {r: [self.recv(r, p) for p in range(len(widths))] for r in self._peers.tolist()}
+
+    # Python steps (device windows) and naming problems ---------------------------------------
+    def _py_plan(self, widths: List[int]) -> None:
+        """The send area's layout (efa_round.c's rule): plane p of every destination in rank
+        order, each destination 16-byte aligned, then the footers; and the data messages."""
+        lay, me, w = self.layout, self.rank, self.world
+        plan, rt = self._plan, self._rows_to
+        plan.fill(-1)
+        dests = [d for d in range(w) if d != me and rt[d] > 0]
+        cur = lay.off_data_send
+        for p, wd in enumerate(widths):
+            for d in dests:
+                cur = align(cur)
+                plan[p, d] = cur
+                cur += int(rt[d]) * wd
+        cur = align(cur)
+        for d in dests:
+            plan[native.MAX_PLANES, d] = cur
+            cur += FOOTER_BYTES
+        if cur > lay.off_recv:
+            raise TransportError(f"rank {me}: a round of {cur - lay.off_data_send} bytes exceeds the "
+                                 f"send area of {lay.off_recv - lay.off_data_send} bytes")
+        m, rbase = 0, lay.data_recv_off(me)
+        for d in dests:
+            n, roff = int(rt[d]), rbase
+            for p, wd in enumerate(widths):
+                if n * wd:
+                    self._msgs[:, m] = (d, plan[p, d], roff, n * wd)
+                    m += 1
+                roff += align(n * wd)
+            self._msgs[:, m] = (d, plan[native.MAX_PLANES, d], roff, FOOTER_BYTES)
+            m += 1
+        self._nmsgs = m
+
+    def _py_begin(self, op, widths, extras, fmt, tag, error, seq) -> None:
+        lay, rt = self.layout, self._rows_to
+        self.quiesce()
+        self.engine.expect(seq)  # from here on, a peer's message of another round is an error
         hdr_raw = self._hdr_stage
         hdr_raw.fill(0)
         hdr = self._hdr_stage_i64
         hdr[:, H_STATUS] = STATUS_BAD_INPUT if error else STATUS_OK
         hdr[:, H_OP] = op
-        hdr[:, H_ROW_BYTES] = row_bytes
+        hdr[:, H_ROW_BYTES] = sum(widths)
         hdr[:, H_TAG] = tag
         hdr[:, H_FORMAT] = fmt
         if error:
-            text = error.encode("utf-8", errors="replace")[:ERR_BYTES - 1]
-            error = text.decode("utf-8", errors="ignore")  # what peers will read, byte for byte
+            text = error.encode("utf-8")
             f8 = lay.hdr_fields * 8
             hdr_raw[:, f8:f8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+            self._plan.fill(-1)
+            self._nmsgs = 0
         else:
-            hdr[:, H_ROWS] = rows_to
-            hdr[:, H_CHUNKS] = self._data_chunks_np(rows_to, widths)
-            if extra_WL is not None:
-                hdr[:, HDR_FIXED:HDR_FIXED + extra_WL.shape[1]] = extra_WL.numpy()
-            self._tamper_header(op, hdr, rows_to, widths)
-        if self._hdr_is_window:
-            self.window_ready()
-        else:  # a device window: the header goes up from its host staging buffer
-            self.window_view(lay.off_hdr_send, w * lay.hdr_bytes).copy_(
+            hdr[:, H_ROWS] = rt
+            hdr[:, H_CHUNKS] = self._data_chunks_np(rt, widths)
+            if extras is not None:
+                hdr[:, HDR_FIXED:HDR_FIXED + extras.shape[1]] = extras
+            self._tamper_header(op, hdr, rt, widths)
+            self._py_plan(widths)
+        if not self._hdr_is_window:  # a device window: the header goes up from its staging buffer
+            self.window_view(lay.off_hdr_send, self.world * lay.hdr_bytes).copy_(
                 torch.from_numpy(hdr_raw.reshape(-1)))
-            self.window_ready()
+        self.window_ready()
+        peers = self._peers
         if len(peers):
-            self.rings.post(msg_hdr, peers, self._hdr_send_offs, self._hdr_recv_offs[seq % 2],
-                            self._hdr_lens, lay.chunk_bytes)
-            self.count_posted(self._hdr_lens)
+            lens = np.full(len(peers), lay.hdr_len, dtype=np.int64)
+            self.rings.post((2 * seq) & MSG_MASK, peers, lay.off_hdr_send + peers * lay.hdr_bytes,
+                            np.full(len(peers), lay.hdr_recv_off(self.rank, seq), dtype=np.int64),
+                            lens, lay.chunk_bytes)
+            self.count_posted(lens)
 
-        # 2. pack the send slots while the headers fly (each plane, then the footer)
-        msgs = None
-        if not error:
-            msgs = self._pack_slots(planes, widths, rows_to, tag)
-            if pack is not None:
-                pack()
-            self._tamper_data(op, planes)
-
-        # wait for every peer's header, then check it before any data moves
-        self.wait(msg_hdr, peers, self._hdr_chunks_all)
-        got = self._read_headers(seq)
-        got_t = torch.from_numpy(got)
-        self._check_headers(got, seq, what, op, row_bytes, fmt, tag, error, widths, n_recv)
-        rows_from = got[:, H_ROWS].copy()
-        rows_from[me] = 0
-
-        # 3. post the data (every chunk of every message in one native call)
-        if msgs is not None and len(msgs[0]):
-            self.window_ready()
-            dests, loffs, roffs, sizes = msgs
-            if self.use_triton:
-                self.rings.push_triton(dests.tolist(), loffs.tolist(), roffs.tolist(),
-                                       sizes.tolist(), msg_data, lay.chunk_bytes, self.triton_device)
+    def _py_exchange(self, seq, op, widths, fmt, tag, error, has_n_recv) -> None:
+        lay, me = self.layout, self.rank
+        peers = self._peers
+        self.wait((2 * seq) & MSG_MASK, peers, np.full(len(peers), lay.hdr_chunks, dtype=np.int64))
+        self._got[:] = self._read_headers(seq)
+        self._check_headers(self._got, seq, OP_NAMES[op], op, sum(widths), fmt, tag, error, widths,
+                            list(self._n_recv) if has_n_recv else None)
+        self._rows_from[:] = self._got[:, H_ROWS]
+        self._rows_from[me] = 0
+        m = self._nmsgs
+        if not m:
+            return
+        # footers: rows and round tag, checked by the receiver against the header
+        for d in np.flatnonzero(self._plan[native.MAX_PLANES] >= 0).tolist():
+            foot = np.array([self._rows_to[d], tag], dtype=np.int64)
+            o = int(self._plan[native.MAX_PLANES, d])
+            if self._win_np is not None:
+                self._win_np[o:o + FOOTER_BYTES].view(np.int64)[:] = foot
             else:
-                self.rings.post(msg_data, dests, loffs, roffs, sizes, lay.chunk_bytes)
-            sent = int(rows_to.sum())
-            self.count_posted(sizes, messages=int(np.count_nonzero(rows_to)),
-                              rows=sent if count_rows else 0, payload=sent * widths[0])
+                self.window_view(o, FOOTER_BYTES).copy_(torch.from_numpy(foot.view(np.uint8)))
+        self.window_ready()
+        msgs = np.ascontiguousarray(self._msgs[:, :m])
+        if self.use_triton:
+            self._push_triton(msgs, (2 * seq + 1) & MSG_MASK)
+        else:
+            self.rings.post((2 * seq + 1) & MSG_MASK, *msgs, lay.chunk_bytes)
 
-        # 4. this rank's own share while the data flies
-        if local is not None:
-            local(got_t)
+    def _push_triton(self, msgs: np.ndarray, msg: int) -> None:
+        dests, loffs, roffs, sizes = (a.tolist() for a in msgs)
+        self.rings.push_triton(dests, loffs, roffs, sizes, msg, self.layout.chunk_bytes,
+                               self.triton_device)
 
-        # 5. wait for every chunk of every source's message, check its footer, hand out views
-        srcs = peers[rows_from[peers] > 0]
-        if len(srcs):
-            self.wait(msg_data, srcs, self._data_chunks_np(rows_from[srcs], widths))
-        out = {}
-        for r in peers.tolist():
-            n = int(rows_from[r])
-            base = lay.data_recv_off(r)
-            views_r, off = [], 0
-            for wdt in widths:
-                views_r.append(self.window_view(base + off, n * wdt).view(n, wdt))
-                off += align(n * wdt)
-            if n:
-                foot = self._read_i64(base + off, 2)
-                if int(foot[0]) != n or int(foot[1]) != tag:
-                    self.violation(
-                        f"rank {r}'s {what} data says {int(foot[0])} rows (round tag "
-                        f"{int(foot[1]):#x}), its header {n} rows (tag {tag:#x})")
-            out[r] = views_r
-        return got_t, out
+    def _account(self, posted_data: bool, widths: List[int], count_rows: bool) -> None:
+        """Adds what this round handed to the engine to :attr:`posted`."""
+        p = self.posted
+        native_round = self._nw is not None and self.native_rounds
+        if native_round:  # headers, and data posted by efa_post_messages
+            st = self._nw.st
+            p["writes"] += st.r_writes
+            p["wire_bytes"] += st.r_wire_bytes
+        if not posted_data or not self._nmsgs:
+            return
+        if not native_round or self.use_triton:  # data posted by Python or the Triton producer
+            data = self._msgs[3, :self._nmsgs]
+            p["writes"] += int(ceil_div(data, self.layout.chunk_bytes).sum())
+            p["wire_bytes"] += int(data.sum())
+        sent = self._total_to
+        p["messages"] += len(self._dests)
+        p["rows"] += sent if count_rows else 0
+        p["bytes"] += sent * widths[0] if count_rows else 0
 
     def _data_chunks_np(self, rows: np.ndarray, widths: List[int]) -> np.ndarray:
         """``[n]`` int64 chunks of data messages of ``rows`` rows each (see data_chunks)."""
@@ -327,6 +568,26 @@ class Wire:
         if self._win_np is not None:
             return self._win_np[off:off + 8 * n].view(np.int64).copy()
         return self.window_view(off, 8 * n).cpu().numpy().view(np.int64)
+
+    def _footer(self, r: int, n: int, widths: List[int]) -> np.ndarray:
+        off = self.layout.data_recv_off(r) + sum(align(n * wd) for wd in widths)
+        return self._read_i64(off, 2)
+
+    def _footer_violation(self, r: int, what: str, widths: List[int], tag: int):
+        n = int(self._rows_from[r])
+        foot = self._footer(r, n, widths)
+        self.violation(f"rank {r}'s {what} data says {int(foot[0])} rows (round tag "
+                       f"{int(foot[1]):#x}), its header {n} rows (tag {tag:#x})")
+
+    def _got_texts(self, seq: int) -> None:
+        """The error texts of peers whose header (already in ``_got``) says bad input."""
+        lay = self.layout
+        f8 = lay.hdr_fields * 8
+        self._hdr_text = {}
+        for r in self._peers.tolist():
+            if self._got[r, H_STATUS] == STATUS_BAD_INPUT:
+                off = lay.hdr_recv_off(r, seq)
+                self._hdr_text[r] = self._win_np[off + f8:off + lay.hdr_len].tobytes()
 
     def _read_headers(self, seq: int) -> np.ndarray:
         """``[W, F]`` int64 copy of the peers' headers of round ``seq`` (row self.rank zero); their
@@ -399,46 +660,6 @@ class Wire:
                     f"the handle expects {[n_recv[r] for r in mism]}; handles from different "
                     f"dispatches?")
 
-    def _pack_slots(self, planes, widths: List[int], rows_to: np.ndarray, tag: int):
-        """Copies planes that are not already their send slot into it, writes each footer, and
-        returns the data messages ``(dests, local_offs, remote_offs, sizes)`` (``[M]`` int64)."""
-        lay, me = self.layout, self.rank
-        dests = np.flatnonzero(rows_to).astype(np.int64)
-        if len(dests) == 0:
-            return dests, dests, dests, dests
-        n = rows_to[dests]
-        base = self._data_send_offs[dests]
-        rbase = lay.data_recv_off(me)
-        dl, ll, rl, sl = [], [], [], []
-        off = np.zeros(len(dests), dtype=np.int64)
-        for p, wdt in enumerate(widths):
-            nb = n * wdt
-            for i, d in enumerate(dests.tolist()):
-                t = planes[d][p]
-                ni = int(n[i])
-                dst = self.window_view(int(base[i] + off[i]), ni * wdt).view(ni, wdt)
-                if t.data_ptr() != dst.data_ptr():
-                    dst.copy_(t)
-            if wdt:
-                dl.append(dests); ll.append(base + off); rl.append(rbase + off); sl.append(nb)
-            off += align_up(nb, ALIGN)
-        # footer: rows and round tag, checked by the receiver against the header
-        foot = np.stack([n, np.full_like(n, tag)], 1)
-        if self._win_np is not None:
-            for i in range(len(dests)):
-                o = int(base[i] + off[i])
-                self._win_np[o:o + FOOTER_BYTES].view(np.int64)[:] = foot[i]
-        else:
-            for i in range(len(dests)):
-                o = int(base[i] + off[i])
-                self.window_view(o, FOOTER_BYTES).copy_(torch.from_numpy(foot[i].view(np.uint8)))
-        dl.append(dests); ll.append(base + off); rl.append(rbase + off)
-        sl.append(np.full(len(dests), FOOTER_BYTES, dtype=np.int64))
-        # message order: per destination, its planes then its footer (as the receiver reads them)
-        order = np.argsort(np.concatenate([np.arange(len(dests))] * len(dl)), kind="stable")
-        cat = [np.ascontiguousarray(np.concatenate(a)[order]) for a in (dl, ll, rl, sl)]
-        return tuple(cat)
-
     def _tamper_header(self, op: int, hdr: np.ndarray, rows_to: np.ndarray, widths) -> None:
         """Test-only (EFA_EP_PROXY_TAMPER): corrupts this rank's first dispatch header to a peer
         it sends rows to, once ("ids" corrupts the data instead, see _tamper_data)."""
@@ -464,15 +685,15 @@ class Wire:
             hdr[d, H_TAG] -= 2
         self.tamper = ""
 
-    def _tamper_data(self, op: int, planes) -> None:
+    def _tamper_data(self, op: int) -> None:
         """Test-only: "ids" puts an out-of-range expert id into the first dispatch's packed
-        routing metadata to a peer it sends rows to, once."""
-        if self.tamper != "ids" or op != OP_DISPATCH:
+        routing metadata (plane 1) to a peer it sends rows to, once."""
+        if self.tamper != "ids" or op != OP_DISPATCH or self._round[5]:
             return
-        d = next((d for d, pl in planes.items() if pl and pl[0].shape[0]), None)
-        if d is None:
+        nz = np.flatnonzero(self._rows_to)
+        if not len(nz):
             return
-        ids = planes[d][1].view(torch.int64)  # the meta plane in the send slot: ids first
+        ids = self.slot(1, int(nz[0])).view(torch.int64)  # the meta plane in the send area: ids first
         ids[0, 0] = 999
         self.tamper = ""
 

@@ -1,0 +1,279 @@
+/* efa_round.c: one round of the proxy transport's wire protocol (header exchange, then data) in
+ * native code, for a host window. A client of the public ABI in efa_proxy.h (efa_wait_idle,
+ * efa_engine_expect, efa_post_messages, efa_wait_counters); the protocol, the struct and the
+ * header format are described there and in kernels/proxy/wire.py, whose Python implementation
+ * of the same steps serves device windows and names every problem this code only detects.
+ *
+ * Build: part of libefa_proxy.so (cc ... efa_proxy.c efa_bench.c efa_round.c efa_host.c ...).
+ */
+#define _GNU_SOURCE
+#include "efa_proxy.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+enum { H_STATUS, H_OP, H_ROWS, H_ROW_BYTES, H_CHUNKS, H_TAG, H_FORMAT };
+#define FOOTER_BYTES 16
+#define MSG_MASK 0xFFFFu
+
+static uint64_t round_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void round_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || !errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static inline int64_t align16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Descriptors of a data message of `rows` rows: each plane cut into chunks, plus the footer. */
+static int64_t data_chunks(const efa_wire *w, int64_t rows) {
+    if (rows <= 0) return 0;
+    int64_t c = 1;
+    for (int64_t p = 0; p < w->nplanes; p++) c += cdiv(rows * w->widths[p], w->chunk_bytes);
+    return c;
+}
+
+static int64_t hdr_recv_off(const efa_wire *w, int64_t src, int64_t seq) {
+    return w->off_recv + src * w->region_bytes + (seq % 2) * w->hdr_bytes;
+}
+
+static int64_t data_recv_off(const efa_wire *w, int64_t src) {
+    return w->off_recv + src * w->region_bytes + 2 * w->hdr_bytes;
+}
+
+static int timed_wait(efa_wire *w, uint32_t msg, int n, char *err, size_t errlen) {
+    uint64_t t0 = round_now_ns();
+    int rc = efa_wait_counters(w->engine, msg, n, w->wait_srcs, w->wait_expected, 1,
+                               (int)w->timeout_ms, err, errlen);
+    w->wait_ns += (int64_t)(round_now_ns() - t0);
+    return rc;
+}
+
+static int64_t message_writes(const efa_wire *w, const int64_t *sizes, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += cdiv(sizes[i], w->chunk_bytes);
+    return c;
+}
+
+int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
+    const int64_t W = w->world, me = w->rank, F = w->hdr_fields;
+    if (w->nplanes < 0 || w->nplanes > EFA_MAX_PLANES || w->max_msgs < W * (EFA_MAX_PLANES + 1)) {
+        round_err(err, errlen, "rank %lld: round with %lld planes (at most %d) or message scratch "
+                  "of %lld too small", (long long)me, (long long)w->nplanes, EFA_MAX_PLANES,
+                  (long long)w->max_msgs);
+        return -EINVAL;
+    }
+    w->r_writes = w->r_wire_bytes = w->r_messages = w->r_rows = 0;
+    w->nmsgs = 0;
+    w->bad_peer = -1;
+    /* our previous writes must have left the send side before it is rewritten */
+    uint64_t t0 = round_now_ns();
+    int rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
+    w->wait_ns += (int64_t)(round_now_ns() - t0);
+    if (rc) return rc;
+    /* from here on, a peer's message of another round is an error */
+    efa_engine_expect(w->engine, (uint32_t)w->seq);
+
+    const int ok = w->status == 0;
+    /* 1. headers: also the "my window is free" handshake and the status carrier */
+    for (int64_t d = 0; d < W; d++) {
+        if (d == me) continue;
+        int64_t *h = (int64_t *)(w->window + w->off_hdr_send + d * w->hdr_bytes);
+        memset(h, 0, (size_t)w->hdr_len);
+        h[H_STATUS] = w->status;
+        h[H_OP] = w->op;
+        h[H_ROW_BYTES] = w->row_bytes;
+        h[H_TAG] = w->tag;
+        h[H_FORMAT] = w->fmt;
+        if (ok) {
+            h[H_ROWS] = w->rows_to[d];
+            h[H_CHUNKS] = data_chunks(w, w->rows_to[d]);
+            if (w->extras)
+                memcpy(h + EFA_HDR_FIXED, w->extras + d * w->num_extra, (size_t)w->num_extra * 8);
+        }
+        (void)F;
+    }
+
+    /* 2. the send area: plane p of every destination in rank order, then the footers */
+    int64_t *plan = w->plan;
+    for (int64_t i = 0; i < (EFA_MAX_PLANES + 1) * W; i++) plan[i] = -1;
+    int64_t cur = w->off_data_send;
+    for (int64_t p = 0; p < w->nplanes && ok; p++) {
+        for (int64_t d = 0; d < W; d++) {
+            int64_t n = w->rows_to[d];
+            if (d == me || n <= 0) continue;
+            if (n > w->max_rows) {
+                round_err(err, errlen, "rank %lld: %lld rows to rank %lld exceed the capacity %lld",
+                          (long long)me, (long long)n, (long long)d, (long long)w->max_rows);
+                return -EINVAL;
+            }
+            cur = align16(cur);
+            plan[p * W + d] = cur;
+            cur += n * w->widths[p];
+        }
+    }
+    cur = align16(cur);
+    for (int64_t d = 0; d < W && ok; d++) {
+        if (d == me || w->rows_to[d] <= 0) continue;
+        plan[EFA_MAX_PLANES * W + d] = cur;
+        cur += FOOTER_BYTES;
+    }
+    if (cur > w->off_data_send + w->send_bytes) {
+        round_err(err, errlen, "rank %lld: a round of %lld bytes exceeds the send area of %lld bytes",
+                  (long long)me, (long long)(cur - w->off_data_send), (long long)w->send_bytes);
+        return -EINVAL;
+    }
+
+    /* 3. the data messages: per destination its planes, then its footer (as the receiver reads
+     * them: planes 16-byte aligned from its region of the destination's window) */
+    int64_t *dests = w->msgs, *loffs = w->msgs + w->max_msgs, *roffs = w->msgs + 2 * w->max_msgs,
+            *sizes = w->msgs + 3 * w->max_msgs;
+    int64_t m = 0, rbase = data_recv_off(w, me);
+    for (int64_t d = 0; d < W && ok; d++) {
+        int64_t n = w->rows_to[d];
+        if (d == me || n <= 0) continue;
+        int64_t roff = rbase;
+        for (int64_t p = 0; p < w->nplanes; p++) {
+            int64_t nb = n * w->widths[p];
+            if (nb > 0) {
+                dests[m] = d;
+                loffs[m] = plan[p * W + d];
+                roffs[m] = roff;
+                sizes[m] = nb;
+                m++;
+            }
+            roff += align16(nb);
+        }
+        dests[m] = d;
+        loffs[m] = plan[EFA_MAX_PLANES * W + d];
+        roffs[m] = roff;
+        sizes[m] = FOOTER_BYTES;
+        m++;
+        w->r_messages++;
+        w->r_rows += n;
+    }
+    w->nmsgs = m;
+
+    /* header messages (the round's parity picks the peer's header slot) */
+    int64_t *hd = w->hmsgs, *hl = w->hmsgs + W, *hr = w->hmsgs + 2 * W, *hs = w->hmsgs + 3 * W;
+    int64_t nh = 0;
+    for (int64_t d = 0; d < W; d++) {
+        if (d == me) continue;
+        hd[nh] = d;
+        hl[nh] = w->off_hdr_send + d * w->hdr_bytes;
+        hr[nh] = hdr_recv_off(w, me, w->seq);
+        hs[nh] = w->hdr_len;
+        nh++;
+    }
+    return post_headers ? efa_wire_post_headers(w, err, errlen) : 0;
+}
+
+int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen) {
+    const int64_t W = w->world;
+    if (W < 2) return 0;
+    int64_t *hd = w->hmsgs, *hl = w->hmsgs + W, *hr = w->hmsgs + 2 * W, *hs = w->hmsgs + 3 * W;
+    uint32_t msg = (uint32_t)(2 * w->seq) & MSG_MASK;
+    int rc = efa_post_messages(w->engine, msg, (int)(W - 1), hd, hl, hr, hs, (uint32_t)w->chunk_bytes,
+                               w->next_channel, (int)w->timeout_ms, err, errlen);
+    if (rc) return rc;
+    w->r_writes += message_writes(w, hs, W - 1);
+    w->r_wire_bytes += (W - 1) * w->hdr_len;
+    return 0;
+}
+
+int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen) {
+    const int64_t W = w->world, me = w->rank, F = w->hdr_fields;
+    uint32_t msg = (uint32_t)(2 * w->seq) & MSG_MASK;
+    int n = 0;
+    for (int64_t r = 0; r < W; r++) {
+        if (r == me) continue;
+        w->wait_srcs[n] = (int32_t)r;
+        w->wait_expected[n] = (uint64_t)w->hdr_chunks;
+        n++;
+    }
+    if (n) {
+        int rc = timed_wait(w, msg, n, err, errlen);
+        if (rc) return rc;
+    }
+    /* a copy of every peer's header: what the caller reads (and names problems from) */
+    int clean = w->status == 0;
+    for (int64_t r = 0; r < W; r++) {
+        int64_t *g = w->got + r * F;
+        if (r == me) {
+            memset(g, 0, (size_t)F * 8);
+            w->rows_from[r] = 0;
+            continue;
+        }
+        memcpy(g, w->window + hdr_recv_off(w, r, w->seq), (size_t)F * 8);
+        int64_t rows = g[H_ROWS];
+        w->rows_from[r] = rows;
+        if (g[H_STATUS] != 0 || g[H_TAG] != w->tag || g[H_OP] != w->op ||
+            g[H_ROW_BYTES] != w->row_bytes || g[H_FORMAT] != w->fmt || rows < 0 ||
+            rows > w->max_rows || g[H_CHUNKS] != data_chunks(w, rows) ||
+            (w->n_recv && rows != w->n_recv[r]))
+            clean = 0;
+    }
+    if (!clean) return 1; /* nothing posted: the caller names the problem and raises */
+    /* footers: [rows, round tag], checked by the receiver against the header */
+    for (int64_t d = 0; d < W; d++) {
+        int64_t off = w->plan[EFA_MAX_PLANES * W + d];
+        if (d == me || off < 0) continue;
+        int64_t *f = (int64_t *)(w->window + off);
+        f[0] = w->rows_to[d];
+        f[1] = w->tag;
+    }
+    return post_data ? efa_wire_post_data(w, err, errlen) : 0;
+}
+
+int efa_wire_post_data(efa_wire *w, char *err, size_t errlen) {
+    if (!w->nmsgs) return 0;
+    int64_t *dests = w->msgs, *loffs = w->msgs + w->max_msgs, *roffs = w->msgs + 2 * w->max_msgs,
+            *sizes = w->msgs + 3 * w->max_msgs;
+    uint32_t msg = (uint32_t)(2 * w->seq + 1) & MSG_MASK;
+    int rc = efa_post_messages(w->engine, msg, (int)w->nmsgs, dests, loffs, roffs, sizes,
+                               (uint32_t)w->chunk_bytes, w->next_channel, (int)w->timeout_ms, err,
+                               errlen);
+    if (rc) return rc;
+    w->r_writes += message_writes(w, sizes, w->nmsgs);
+    for (int64_t i = 0; i < w->nmsgs; i++) w->r_wire_bytes += sizes[i];
+    return 0;
+}
+
+int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
+    const int64_t W = w->world, me = w->rank;
+    uint32_t msg = (uint32_t)(2 * w->seq + 1) & MSG_MASK;
+    int n = 0;
+    for (int64_t r = 0; r < W; r++) {
+        if (r == me || w->rows_from[r] <= 0) continue;
+        w->wait_srcs[n] = (int32_t)r;
+        w->wait_expected[n] = (uint64_t)data_chunks(w, w->rows_from[r]);
+        n++;
+    }
+    if (n) {
+        int rc = timed_wait(w, msg, n, err, errlen);
+        if (rc) return rc;
+    }
+    for (int i = 0; i < n; i++) {
+        int64_t r = w->wait_srcs[i], rows = w->rows_from[r], off = data_recv_off(w, r);
+        for (int64_t p = 0; p < w->nplanes; p++) off += align16(rows * w->widths[p]);
+        const int64_t *f = (const int64_t *)(w->window + off);
+        if (f[0] != rows || f[1] != w->tag) {
+            w->bad_peer = r;
+            round_err(err, errlen, "rank %lld: footer of rank %lld's data disagrees with its header",
+                      (long long)me, (long long)r);
+            return -EPROTO;
+        }
+    }
+    return 0;
+}
