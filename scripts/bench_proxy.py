@@ -8,14 +8,23 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    no-op marker (no wire); ``len=64`` is an RMA write with immediate data to this process's own
    window through the provider (the target side is the same thread). One process.
 2. ``rate``: descriptors/s with K = 1, 2, 4, 8 channels, ``--rate-n`` descriptors per channel,
-   no-op and 64-byte writes (all to self, one process).
+   no-op and 64-byte writes (all to self, one process); one native producer thread per channel,
+   each channel counting its arrivals in its own counter.
 3. ``a2a``: dispatch+combine latency, 2 ranks as processes (gloo group for setup), decode
    (128 tokens/rank) and prefill profiles (``--profiles``), hidden 7168, top-8 of 256 experts,
    bf16, random route; checked bit-identical against ``torch`` before timing; per iteration the
-   slowest rank's wall time, and the calling thread's CPU time (``*_cpu_ms``, less sensitive to
+   slowest rank's wall time, the **host part** (``proxy_host_ms``: the calling thread's wall time
+   outside the engine's blocking waits, i.e. layout, packing, copies, checks, reduction and
+   Python; the larger rank), and the calling thread's CPU time (``*_cpu_ms``, less sensitive to
    co-tenant load on small shared hosts; it includes the native waits' bounded spinning).
+   ``--starts S`` repeats the cell in S fresh pairs of rank processes (new transports each):
+   the record pools every iteration of every start (``proxy_ms``) and gives each start's median
+   (``*_start_medians``) and their spread; ``torch`` (gloo) runs interleaved in the same ranks.
 
     python scripts/bench_proxy.py --out runs/bench_proxy [--providers tcp,shm] [--iters 30]
+    # the decode D+C figure alone (host part and gloo in the same run), 5 starts x 20 iterations:
+    python scripts/bench_proxy.py --out runs/bp --providers shm --skip roundtrip,rate \
+        --profiles decode --iters 20 --starts 5
 
 Honest-method notes (``notes/benchmarking.md``): one timing boundary (inputs and route ready ->
 combine returned), slowest rank, many repeats with median and min/max, knobs recorded.
@@ -40,7 +49,32 @@ import torch  # noqa: E402
 
 def _summary(vals):
     vals = sorted(vals)
-    return {"n": len(vals), "median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
+    q = lambda f: vals[min(len(vals) - 1, int(f * len(vals)))]  # noqa: E731
+    return {"n": len(vals), "median": statistics.median(vals), "min": vals[0], "max": vals[-1],
+            "p10": q(0.1), "p90": q(0.9)}
+
+
+def _wait_clock(px):
+    """Cumulative seconds this rank's calling thread spent blocked in the proxy engine's waits
+    (for the peers' headers and data, and for our own writes to leave the send side). The
+    transport reports it itself when it can (``wire.wait_seconds``); older trees are timed by
+    wrapping the engine's blocking calls."""
+    own = getattr(getattr(px, "wire", None), "wait_seconds", None)
+    if callable(own):
+        return own
+    acc = [0.0]
+    eng = px.engine
+    for name in ("wait_counters", "wait_idle"):
+        fn = getattr(eng, name)
+
+        def timed(*a, _fn=fn, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t
+        setattr(eng, name, timed)
+    return lambda: acc[0]
 
 
 def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20, pin: bool = False):
@@ -50,7 +84,7 @@ def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20
     window = torch.zeros(window_bytes, dtype=torch.uint8, pin_memory=pin)
     rings = torch.zeros(num_channels, 1024, 2, dtype=torch.int64, pin_memory=pin)
     ctrl = torch.zeros(num_channels, native.CTRL_STRIDE, dtype=torch.int64, pin_memory=pin)
-    counters = torch.zeros(64, dtype=torch.int64, pin_memory=pin)
+    counters = torch.zeros(num_channels * 64, dtype=torch.int64, pin_memory=pin)  # per channel
     eng = native.Engine(provider, 0, 1, num_channels, window.data_ptr(), window_bytes, rings.data_ptr(),
                         1024, ctrl.data_ptr(), counters.data_ptr(), 64, 64, 1_000_000, 0, 1, -1, 30000)
     keep = (window, rings, ctrl, counters)
@@ -173,10 +207,17 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
                                 px.combine(p[0], p[4]).cpu().view(torch.uint8))
         times = {"proxy": [], "torch": []}
         cpu = {"proxy": [], "torch": []}  # this rank's main-thread CPU time (load-robust)
+        host = []  # proxy: wall time outside the engine's blocking waits
+        waited = _wait_clock(px)
+        for _ in range(3):  # warm-up: first-touch of outputs, allocator, connections
+            for t in (px, ref):
+                o = t.dispatch(x, idx, w)
+                t.combine(o[0], o[4])
         for it in range(iters):
             # interleave the arms (ratios, not absolutes, on a shared machine)
             for arm, t in (("proxy", px), ("torch", ref)) if it % 2 == 0 else (("torch", ref), ("proxy", px)):
                 dist.barrier()
+                w0 = waited()
                 t0, c0 = time.perf_counter(), time.thread_time()
                 o = t.dispatch(x, idx, w)
                 t.combine(o[0], o[4])
@@ -184,34 +225,49 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
                     torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
                 cpu[arm].append(time.thread_time() - c0)
+                if arm == "proxy":
+                    host.append(times[arm][-1] - (waited() - w0))
         stats = px.stats()
         px.close()
         res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "cpu": cpu,
-                    "stats": stats})
+                    "host": host, "stats": stats})
     return res
 
 
-def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu", hmem: str = "off"):
+def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
+              hmem: str = "off", starts: int = 1):
+    """Each start is a fresh pair of rank processes (new transports); every figure is the
+    slowest (or larger) rank per iteration, pooled over all iterations of all starts, plus
+    each start's median."""
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
     if provider == "tcp":
         env["FI_PROVIDER"] = "tcp"
-    per_rank = run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7, device, hmem), timeout_s=1200,
-                         pg_timeout_s=600, env=env)
+    runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem),
+                      timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
                "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
                "num_channels": num_channels, "route": "random", "device": device, "hmem": hmem,
-               "bit_identical_to_torch": all(r[i]["ok"] for r in per_rank)}
+               "starts": starts, "iters_per_start": iters,
+               "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
+        series = {}
         for arm in ("proxy", "torch"):
-            slowest = [max(r[i]["times"][arm][j] for r in per_rank) for j in range(iters)]
-            rec[arm + "_ms"] = _summary([v * 1e3 for v in slowest])
+            series[arm] = [[max(r[i]["times"][arm][j] for r in pr) * 1e3 for j in range(iters)] for pr in runs]
             # main-thread CPU time per D+C (includes the native waits' spinning), the larger rank
-            rec[arm + "_cpu_ms"] = _summary([max(r[i]["cpu"][arm][j] for r in per_rank) * 1e3
-                                             for j in range(iters)])
-        rec["proxy_stats_rank0"] = per_rank[0][i]["stats"]
+            series[arm + "_cpu"] = [[max(r[i]["cpu"][arm][j] for r in pr) * 1e3 for j in range(iters)]
+                                    for pr in runs]
+        series["proxy_host"] = [[max(r[i]["host"][j] for r in pr) * 1e3 for j in range(iters)] for pr in runs]
+        for key, per_start in series.items():
+            rec[key + "_ms"] = _summary([v for s in per_start for v in s])
+            meds = [statistics.median(s) for s in per_start]
+            rec[key + "_start_medians_ms"] = meds
+            rec[key + "_spread_ms"] = {"median_of_starts": statistics.median(meds),
+                                       "min_of_starts": min(meds), "max_of_starts": max(meds)}
+        rec["proxy_over_torch"] = rec["proxy_ms"]["median"] / rec["torch_ms"]["median"]
+        rec["proxy_stats_rank0"] = runs[-1][0][i]["stats"]
         out.append(rec)
     return out
 
@@ -236,6 +292,9 @@ def _plot(records, path):
     labels = [f"{r['provider']}{' hmem' if r.get('hmem', 'off') != 'off' else ''}\n{r['profile']}" for r in a2a]
     xs = range(len(a2a))
     axes[1].bar([x - 0.2 for x in xs], [r["proxy_ms"]["median"] for r in a2a], 0.4, label="proxy")
+    if all("proxy_host_ms" in r for r in a2a):
+        axes[1].bar([x - 0.2 for x in xs], [r["proxy_host_ms"]["median"] for r in a2a], 0.4, fill=False,
+                    hatch="//", label="proxy host part")
     axes[1].bar([x + 0.2 for x in xs], [r["torch_ms"]["median"] for r in a2a], 0.4, label="torch (gloo)")
     axes[1].set_xticks(list(xs)); axes[1].set_xticklabels(labels, fontsize=7)
     axes[1].set_ylabel("dispatch+combine ms (slowest rank, median)"); axes[1].legend(fontsize=7)
@@ -244,11 +303,24 @@ def _plot(records, path):
     fig.savefig(path, dpi=110)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (JSON + PNG)")
     ap.add_argument("--providers", default="tcp,shm")
     ap.add_argument("--iters", type=int, default=30, help="timed dispatch+combine iterations per cell")
+    ap.add_argument("--starts", type=int, default=1,
+                    help="fresh pairs of rank processes per dispatch+combine cell (spread across starts)")
     ap.add_argument("--rt-iters", type=int, default=2000, help="round trips per cell")
     ap.add_argument("--rate-n", type=int, default=20000, help="descriptors per channel per repeat")
     ap.add_argument("--rate-repeats", type=int, default=5)
@@ -280,12 +352,18 @@ def main(argv=None):
         if "a2a" not in skip:
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
-            records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem)
-            print(json.dumps([{k: v for k, v in r.items() if k != "proxy_stats_rank0"}
-                              for r in records[-len(profiles):]]), flush=True)
+            records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
+                                 args.starts)
+            for r in records[-len(profiles):]:
+                print(f"[bench_proxy] {prov} {r['profile']}: proxy D+C {r['proxy_ms']['median']:.3f} ms "
+                      f"[p10 {r['proxy_ms']['p10']:.3f}, p90 {r['proxy_ms']['p90']:.3f}] (host part "
+                      f"{r['proxy_host_ms']['median']:.3f} ms), torch/gloo {r['torch_ms']['median']:.3f} ms, "
+                      f"proxy/torch {r['proxy_over_torch']:.2f}, starts {r['starts']} x {r['iters_per_start']}, "
+                      f"bit-identical {r['bit_identical_to_torch']}", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
             "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "cpu_model": _cpu_model(),
             "load_avg": os.getloadavg(), "libfabric": "system (Debian 1.17)" if not os.path.isdir("/opt/amazon/efa") else "/opt/amazon/efa",
             "spin_us_single_engine": 1_000_000}
     with open(os.path.join(args.out, "bench_proxy.json"), "w") as f:
