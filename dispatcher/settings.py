@@ -1,5 +1,7 @@
-"""Which transport the ``efa`` dispatcher uses, and its knobs.
+"""Which transport the ``efa`` dispatcher uses, and its knobs: the one place that reads them.
 
+Every ``EFA_EP_*`` knob is read here (transports take their options explicitly; the registry's
+``create_transport`` checks once, across the EP group, that every rank passes the same ones).
 Precedence (highest first): :func:`configure` in this process; attributes set on the Megatron
 ``TransformerConfig`` instance (``config.efa_ep_transport``, ``config.efa_ep_max_tokens_per_rank``,
 ``config.efa_ep_transport_options``); environment variables:
@@ -10,6 +12,11 @@ Precedence (highest first): :func:`configure` in this process; attributes set on
   the fixed windows of ``gda``/``proxy``.
 - ``EFA_EP_TRANSPORT_OPTIONS``: comma-separated ``key=value`` knobs passed to the transport,
   e.g. ``num_channels=4,provider=tcp``.
+- One variable per option that has one in the transport's schema (``Option.env`` in
+  :mod:`efa_ep.kernels.options`): ``EFA_EP_PROXY_CHANNELS``, ``EFA_EP_PROXY_PROVIDER``,
+  ``EFA_EP_PROXY_TIMEOUT_S``, ... (``proxy`` and ``hier``), ``EFA_EP_NODE_SIZE`` (``hier``). An
+  option given by any channel above (``EFA_EP_TRANSPORT_OPTIONS`` included) wins over its
+  variable; :meth:`DispatcherSettings.options_for` merges them for the transport that runs.
 - ``EFA_EP_CAPACITY_OVERFLOW``: ``drop`` (default) or ``error``, drop-and-pad mode only
   (``config.efa_ep_capacity_overflow`` wins); see :func:`capacity_overflow_policy`.
 
@@ -29,8 +36,9 @@ import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from efa_ep.kernels.options import (
-    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, ConfigError, check_max_tokens_per_rank,
-    check_resolved, check_transport_name, parse_options_text, validate_options,
+    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, SCHEMAS, ConfigError,
+    check_max_tokens_per_rank, check_resolved, check_transport_name, parse_options_text,
+    validate_options,
 )
 
 ENV_TRANSPORT = "EFA_EP_TRANSPORT"
@@ -53,6 +61,43 @@ def parse_options(text: str, where: str = ENV_OPTIONS) -> Dict[str, Any]:
     return out
 
 
+def option_variables() -> Tuple[str, ...]:
+    """Every per-option environment variable of every transport's schema, sorted."""
+    return tuple(sorted({o.env for schema in SCHEMAS.values() for o in schema.values() if o.env}))
+
+
+def _read_option_variables(env: Mapping[str, str]) -> tuple:
+    """``(variable, value)`` of the per-option variables set (non-empty) in ``env``, sorted."""
+    return tuple((v, env[v].strip()) for v in option_variables() if (env.get(v) or "").strip())
+
+
+def environment_options(transport: str, environ: Optional[Mapping[str, str]] = None,
+                        names: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The options of ``transport`` (a name that runs: ``torch``, ``gda``, ``proxy``, ``hier``)
+    given by their own variables (``EFA_EP_PROXY_CHANNELS=4`` -> ``{"num_channels": 4}``),
+    read from ``environ`` (default ``os.environ``) and converted by the schema.
+
+    Args:
+        names: optional ``{variable: what the user set}`` for messages.
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range, naming the variable.
+    """
+    env = os.environ if environ is None else environ
+    return _convert_option_variables(transport, _read_option_variables(env), names)
+
+
+def _convert_option_variables(transport: str, variables: tuple,
+                              names: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    given = dict(variables)
+    names = dict(names or {})
+    out: Dict[str, Any] = {}
+    for key, opt in SCHEMAS.get(transport, {}).items():
+        if opt.env and opt.env in given:
+            out[key] = opt.convert(given[opt.env], names.get(opt.env, opt.env))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatcherSettings:
     """Settings of the ``efa`` dispatcher, checked against the transport's schema on creation.
@@ -60,14 +105,18 @@ class DispatcherSettings:
     Attributes:
         transport: transport name (``auto``, ``torch``, ``gda``, ``proxy``).
         max_tokens_per_rank: bound on the tokens one rank passes to one dispatch.
-        transport_options: sorted ``(key, value)`` knobs forwarded to ``create_transport``,
-            values converted to the schema's types.
+        transport_options: sorted ``(key, value)`` knobs given explicitly (configure, config
+            attribute, ``EFA_EP_TRANSPORT_OPTIONS``), values converted to the schema's types.
+        option_variables: sorted ``(variable, value)`` of the per-option variables
+            (``EFA_EP_PROXY_*``, ``EFA_EP_NODE_SIZE``) set when the settings were read; they
+            give the options that ``transport_options`` does not (:meth:`options_for`).
         sources: where each field came from (for error messages); not part of equality.
     """
 
     transport: str = DEFAULT_TRANSPORT
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     transport_options: tuple = ()
+    option_variables: tuple = ()
     sources: Tuple[str, str, str] = dataclasses.field(
         default=("DispatcherSettings.transport", "DispatcherSettings.max_tokens_per_rank",
                  "DispatcherSettings.transport_options"), compare=False, repr=False)
@@ -92,6 +141,19 @@ class DispatcherSettings:
         check_resolved(self.transport, resolved, dict(self.transport_options), self.sources[2])
         return resolved
 
+    def options_for(self, transport: str) -> tuple:
+        """Every option ``transport`` (the name that runs, e.g. :meth:`resolved_transport`) gets,
+        as sorted ``(key, value)`` pairs for ``create_transport``: the per-option variables of
+        its schema, overridden by :attr:`transport_options`. This is what the transport uses
+        and what ``create_transport`` compares across the EP group.
+
+        Raises:
+            ConfigError: a per-option variable with a bad value, naming the variable.
+        """
+        merged = _convert_option_variables(transport, self.option_variables)
+        merged.update(dict(self.transport_options))
+        return tuple(sorted(merged.items()))
+
     @staticmethod
     def from_env(environ: Optional[Mapping[str, str]] = None,
                  names: Optional[Mapping[str, str]] = None) -> "DispatcherSettings":
@@ -107,6 +169,7 @@ class DispatcherSettings:
             transport=(env.get(ENV_TRANSPORT) or "").strip() or DEFAULT_TRANSPORT,
             max_tokens_per_rank=(env.get(ENV_MAX_TOKENS) or "").strip() or DEFAULT_MAX_TOKENS_PER_RANK,
             transport_options=env.get(ENV_OPTIONS, ""),
+            option_variables=_read_option_variables(env),
             sources=tuple(names.get(v, v) for v in (ENV_TRANSPORT, ENV_MAX_TOKENS, ENV_OPTIONS)))
 
 
@@ -133,6 +196,7 @@ def configure(transport: Optional[str] = None, max_tokens_per_rank: Optional[int
         transport=transport if given_t else base.transport,
         max_tokens_per_rank=max_tokens_per_rank if given_m else base.max_tokens_per_rank,
         transport_options=tuple(sorted(transport_options.items())) if given_o else base.transport_options,
+        option_variables=base.option_variables,
         sources=("configure(transport=...)" if given_t else base.sources[0],
                  "configure(max_tokens_per_rank=...)" if given_m else base.sources[1],
                  "configure(**transport_options)" if given_o else base.sources[2]))
@@ -164,6 +228,7 @@ def current_settings(config=None) -> DispatcherSettings:
         transport=t or s.transport,
         max_tokens_per_rank=m or s.max_tokens_per_rank,
         transport_options=tuple(sorted(dict(o).items())) if o else s.transport_options,
+        option_variables=s.option_variables,
         sources=("config.efa_ep_transport" if t else s.sources[0],
                  "config.efa_ep_max_tokens_per_rank" if m else s.sources[1],
                  where_o if o else s.sources[2]))
@@ -200,8 +265,8 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
                       names: Optional[Mapping[str, str]] = None,
                       check_available: bool = True) -> DispatcherSettings:
     """What a launcher calls before starting ranks on this machine: the settings the ranks will
-    read from ``environ``, validated, with ``auto`` resolved and (``check_available``) the
-    transport's availability checked here.
+    read from ``environ``, validated (the transport's per-option variables included), with
+    ``auto`` resolved and (``check_available``) the transport's availability checked here.
 
     Raises:
         ConfigError: one line naming the variable, with a hint (e.g. ``gda`` on a machine
@@ -209,11 +274,14 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     """
     s = DispatcherSettings.from_env(environ, names)
     if not check_available:
+        if s.transport != "auto":
+            _convert_option_variables(s.transport, s.option_variables, names)
         return s
     from efa_ep.kernels import transport_status
     from efa_ep.kernels.options import unavailable_hint
 
     resolved = s.resolved_transport()
+    _convert_option_variables(resolved, s.option_variables, names)
     why = _status_keeping_sigint(transport_status).get(resolved)
     if why is not None:
         short = why.split(" (needs ")[0]
@@ -239,4 +307,5 @@ def _status_keeping_sigint(status_fn):
 
 
 __all__ = ["DispatcherSettings", "configure", "reset", "current_settings", "check_environment",
-           "parse_options", "ConfigError", "capacity_overflow_policy"]
+           "parse_options", "ConfigError", "capacity_overflow_policy", "environment_options",
+           "option_variables"]

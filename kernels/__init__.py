@@ -86,14 +86,13 @@ def resolve_transport_name(name: str) -> str:
     return name
 
 
-def _ranks_per_node(group) -> int:
-    """Ranks per host of ``group`` (collective over it); ``EFA_EP_NODE_SIZE`` emulates nodes."""
-    import os
+def _ranks_per_node(group, node_size=None) -> int:
+    """Ranks per host of ``group`` (collective over it); ``node_size`` (hier's option, which the
+    dispatcher's settings fill from ``EFA_EP_NODE_SIZE``) emulates nodes."""
     import socket
 
     world = dist.get_world_size(group)
-    node_size = os.environ.get("EFA_EP_NODE_SIZE")
-    if node_size and node_size.isdigit() and 0 < int(node_size) <= world:
+    if node_size is not None and 0 < int(node_size) <= world:
         return int(node_size)
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
@@ -104,8 +103,8 @@ def auto_choice(world: int, ranks_per_node: int, options: dict,
                 calibration: Optional[str] = None) -> tuple:
     """What ``auto`` runs for an EP group of ``world`` ranks, ``ranks_per_node`` per host:
     ``(name, options, reason)``. Across hosts ``hier``; with a calibration file (written by
-    ``efa-ep-plan calibrate``; env ``EFA_EP_CALIBRATION``) and no ``num_channels`` given, its K
-    is the planner's pick. On one host ``gda`` where usable, else ``torch``."""
+    ``efa-ep-plan calibrate``; env ``EFA_EP_CALIBRATION``) and no ``num_channels`` given, its
+    channel count is the planner's pick. On one host ``gda`` where usable, else ``torch``."""
     if world <= ranks_per_node:
         name = resolve_transport_name("auto")
         return name, options, f"EP group of {world} ranks on one host: {name}"
@@ -145,7 +144,7 @@ def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens
         import os
 
         resolved, options, reason = auto_choice(
-            dist.get_world_size(group), _ranks_per_node(group), options,
+            dist.get_world_size(group), _ranks_per_node(group, options.get("node_size")), options,
             os.environ.get("EFA_EP_CALIBRATION") or None)
         if dist.get_rank(group) == 0:
             logging.getLogger("efa_ep").info("efa-ep: transport auto -> %s: %s", resolved, reason)

@@ -8,8 +8,8 @@ T_MAX = ``max_tokens_per_rank``.
 
 It composes two transports of the same contract (it forks neither):
 
-* ``network``: the transport across nodes (``proxy`` by default, K channels over libfabric;
-  ``torch`` for tests).
+* ``network``: the transport across nodes (``proxy`` by default, ``num_channels`` channels over
+  libfabric; ``torch`` for tests).
 * ``local``: one per node, the node's G ranks (``gda`` when usable, else ``torch``), with the
   node's E / N experts split over them.
 
@@ -31,14 +31,14 @@ rows). A token with experts on several ranks of one remote node crosses the netw
 such rank. Dispatch = both stages' dispatches, their rows merged into (source rank, token)
 order (the sources of each stage are disjoint); no count exchange, no permutation.
 
-Combine sums (both modes accumulate in float32 from +0.0 and round to y's dtype):
+Combine sums (both modes accumulate in float32 from +0.0 and convert to y's dtype):
 
 * ``aggregate=1``: per token and node, the local stage sums the node's destination ranks in
-  ascending order (rounded to y's dtype); the network stage then sums those per-node partials
-  over nodes in ascending order (rounded once).
+  ascending order (converted to y's dtype); the network stage then sums those per-node partials
+  over nodes in ascending order (converted once).
 * ``aggregate=0``: the network stage sums the token's remote destination ranks in ascending
-  order (rounded to y's dtype), the local stage this node's destination ranks in ascending
-  order (rounded to y's dtype); the two partials are added in float32 and rounded once.
+  order (converted to y's dtype), the local stage this node's destination ranks in ascending
+  order (converted to y's dtype); the two partials are added in float32 and converted once.
 
 With at most two destination ranks per token, or with all of a token's destinations in one
 group (one node for ``aggregate=1``; this node, or only other nodes, for ``aggregate=0``), that
@@ -54,7 +54,8 @@ included) in :attr:`HierTransport.last_op_counts`; :meth:`HierTransport.op_total
 Every operation starts with one small status exchange over the whole group, so a bad input on
 any rank raises on every rank (each stage's own exchange covers only its rail or node).
 
-Options: ``node_size`` (G; env ``EFA_EP_NODE_SIZE``; default: ranks grouped by host name,
+Options (explicit; the dispatcher's settings fill them from ``EFA_EP_NODE_SIZE`` and the
+``EFA_EP_PROXY_*`` variables): ``node_size`` (G; default: ranks grouped by host name,
 which must give equal, contiguous blocks), ``network`` (``proxy``|``torch``), ``local``
 (``auto``|``gda``|``torch``), ``aggregate`` (1|0, default 1); other options (``num_channels``,
 ``provider``, ``timeout_s``, ...) go to the network transport, and ``timeout_s`` also to the
@@ -67,7 +68,6 @@ dispatch, plus, with ``aggregate=1``, the count exchange inside the node).
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from typing import Dict, Optional, Tuple
 
@@ -75,8 +75,9 @@ import torch
 import torch.distributed as dist
 
 from efa_ep.kernels.base import (
-    DispatchHandle, DispatchInputError, NetCounter, NetOpCounts, Transport, TransportError,
-    collective_device, compute_send_layout, validate_dispatch_inputs,
+    DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
+    TransportError, agree_on_input, collective_device, compute_send_layout, rows_input_error,
+    validate_dispatch_inputs,
 )
 
 _OWN_OPTIONS = ("node_size", "network", "local", "aggregate")
@@ -115,23 +116,22 @@ def node_layout(group, node_size: Optional[int] = None):
 
 
 @dataclasses.dataclass(frozen=True)
-class HierDispatchState:
+class HierDispatchState(HandleState):
     """``DispatchHandle.state`` of a hier dispatch.
 
     Attributes:
+        owner: the transport object that made it (:class:`~efa_ep.kernels.base.HandleState`).
         net: the network stage's handle. local: the local stage's handle.
         perm: ``aggregate=1``: ``[N]`` int64 (x's device), row i of the result is row
             ``perm[i]`` of the local stage's output; None with ``aggregate=0``.
         split: ``aggregate=0``: ``(a, b)``, the result is the network stage's first ``a`` rows
             (sources on lower nodes), the local stage's ``b`` rows, then the network stage's
             other rows; None with ``aggregate=1``.
-        owner: ``id()`` of the transport that made it.
     """
 
     net: DispatchHandle
     local: DispatchHandle
     perm: Optional[torch.Tensor]
-    owner: int
     split: Optional[Tuple[int, int]] = None
 
 
@@ -156,6 +156,7 @@ class HierTransport(Transport):
     """
 
     name = "hier"
+    state_type = HierDispatchState
 
     def __init__(self, cfg, group):
         super().__init__(cfg, group)
@@ -163,13 +164,8 @@ class HierTransport(Transport):
 
         opts = dict(cfg.options)
         who = f"rank {self.rank}: hier option"
-        if opts.get("node_size") is not None:
-            node_size = _hier_option("node_size", opts["node_size"], who)
-        elif os.environ.get("EFA_EP_NODE_SIZE"):
-            node_size = _hier_option("node_size", os.environ["EFA_EP_NODE_SIZE"],
-                                     f"rank {self.rank}: EFA_EP_NODE_SIZE")
-        else:
-            node_size = None
+        node_size = (_hier_option("node_size", opts["node_size"], who)
+                     if opts.get("node_size") is not None else None)
         self.num_nodes, self.node_size = node_layout(group, node_size)
         n, g = self.num_nodes, self.node_size
         self.node, self.local_rank = divmod(self.rank, g)
@@ -247,16 +243,7 @@ class HierTransport(Transport):
         if self._broken is not None:
             raise TransportError(f"rank {self.rank}: hier transport unusable after an earlier "
                                  f"failure ({self._broken}); create a new one")
-        flags = [torch.zeros(1, dtype=torch.int64, device=self._ctl)
-                 for _ in range(self.world_size)]
-        mine = torch.tensor([1 if error else 0], dtype=torch.int64, device=self._ctl)
-        dist.all_gather(flags, mine, group=self.group)
-        bad = [r for r, f in enumerate(flags) if int(f.item())]
-        if error:
-            raise DispatchInputError(error)
-        if bad:
-            raise DispatchInputError(f"rank {self.rank}: EP peer rank(s) {bad} passed invalid "
-                                     f"{op} inputs (see their error)")
+        agree_on_input(self.group, self.rank, f"hier {op}", error, self._ctl)
 
     def _stage(self, fn, *args):
         try:
@@ -266,20 +253,6 @@ class HierTransport(Transport):
         except TransportError as e:
             self._broken = str(e)
             raise
-
-    def _state(self, handle: DispatchHandle) -> Optional[str]:
-        st = handle.state
-        if not isinstance(st, HierDispatchState) or st.owner != id(self):
-            return f"rank {self.rank}: handle was not made by this hier transport's dispatch"
-        return None
-
-    def _rows_check(self, t, rows: int, what: str, width=None) -> Optional[str]:
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows or (
-                width is not None and t.shape[1] != width):
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            want = f"[{rows}, {width if width is not None else 'D'}]"
-            return f"rank {self.rank}: {what} must be {want}, got {shape}"
-        return None
 
     # ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights):
@@ -319,7 +292,7 @@ class HierTransport(Transport):
             send_token_idx=flat.send_token_idx_S,
             num_send_per_rank=tuple(int(v) for v in flat.num_tokens_per_rank_W.tolist()),
             num_recv_per_rank=num_recv, recv_topk_idx=recv_idx,
-            state=HierDispatchState(net=h1, local=h2, perm=perm, owner=id(self)))
+            state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=perm))
         return x2.index_select(0, perm), recv_idx, w2.index_select(0, perm), tpe, handle
 
     def _dispatch_direct(self, x, topk_idx, topk_weights):
@@ -352,7 +325,7 @@ class HierTransport(Transport):
             send_token_idx=flat.send_token_idx_S,
             num_send_per_rank=tuple(int(v) for v in flat.num_tokens_per_rank_W.tolist()),
             num_recv_per_rank=num_recv, recv_topk_idx=recv_idx,
-            state=HierDispatchState(net=h1, local=h2, perm=None, owner=id(self), split=(a, b)))
+            state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=None, split=(a, b)))
         return merge(x1, x2), recv_idx, merge(w1, w2), tpe1 + tpe2, handle
 
     def _exchange_counts(self, counts_GN: torch.Tensor) -> torch.Tensor:
@@ -370,7 +343,9 @@ class HierTransport(Transport):
 
     def dispatch_cached(self, x, handle):
         """Replays ``handle``'s route for ``x`` ``[T, D]`` (any float dtype): returns ``[N, D]``."""
-        err = self._state(handle) or self._rows_check(x, handle.num_tokens, "cached dispatch x")
+        err = self.handle_error(handle) or rows_input_error(
+            self.rank, "cached dispatch input x", x, handle.num_tokens,
+            device=handle.topk_idx.device)
         self._agree("dispatch_cached", err)
         st = handle.state
         if st.split is not None:
@@ -396,7 +371,8 @@ class HierTransport(Transport):
 
     def combine(self, y, handle):
         """``y`` ``[N, D]`` -> ``[T, D]`` in y's dtype; sums grouped (module docstring)."""
-        err = self._state(handle) or self._rows_check(y, handle.num_recv_tokens, "combine y")
+        err = self.handle_error(handle) or rows_input_error(
+            self.rank, "combine input y", y, handle.num_recv_tokens, device=handle.topk_idx.device)
         self._agree("combine", err)
         st = handle.state
         row_bytes = y.shape[1] * y.element_size()
@@ -406,7 +382,7 @@ class HierTransport(Transport):
             self._count("combine", st.net.num_recv_per_rank, row_bytes)
             z2 = self._stage(self.local.combine, y_loc.contiguous(), st.local)
             # float32 from +0.0: 0 + z1 == z1 exactly (a stage's sum is never -0.0), + z2,
-            # rounded once to y's dtype
+            # converted once to y's dtype
             return (z1.float() + z2.float()).to(y.dtype)
         z1 = self._stage(self.local.combine, self._unpermute(y.contiguous(), st), st.local)
         out = self._stage(self.network.combine, z1, st.net)
@@ -416,8 +392,9 @@ class HierTransport(Transport):
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """``[N, K]`` float32 -> ``[T, K]`` float32 (exact: one non-zero source per slot)."""
         g = grad_recv_topk_weights
-        err = self._state(handle) or self._rows_check(
-            g, handle.num_recv_tokens, "combine_topk_weights input", handle.recv_topk_idx.shape[1])
+        err = self.handle_error(handle) or rows_input_error(
+            self.rank, "combine_topk_weights input", g, handle.num_recv_tokens,
+            width=handle.recv_topk_idx.shape[1], device=handle.topk_idx.device)
         self._agree("combine_topk_weights", err)
         st = handle.state
         row_bytes = 4 * g.shape[1]

@@ -53,7 +53,9 @@ class Option:
         doc: one line for humans.
         choices: allowed values (after conversion), or None.
         min, max: inclusive bounds for numbers, or None.
-        env: a per-transport environment variable the transport also reads, or "".
+        env: the environment variable that gives this option to the Megatron dispatcher, or
+            "" (read only by :mod:`efa_ep.dispatcher.settings`, which passes its value as the
+            option; transports themselves read no environment).
     """
 
     key: str
@@ -135,7 +137,7 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",
                choices=("efa", "tcp", "shm"),
                env="EFA_EP_PROXY_PROVIDER"),
-        Option("num_channels", int, 2, "K proxy channels (threads + endpoints)", min=1, max=64,
+        Option("num_channels", int, 2, "proxy channels (threads + endpoints)", min=1, max=64,
                env="EFA_EP_PROXY_CHANNELS"),
         Option("timeout_s", float, 60.0, "deadline of every wait, seconds", min=1e-3,
                env="EFA_EP_PROXY_TIMEOUT_S"),

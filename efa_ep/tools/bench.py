@@ -509,6 +509,7 @@ class _RankContext:
     def transport(self, name, options, cell: Cell):
         import torch
 
+        from efa_ep.dispatcher.settings import environment_options
         from efa_ep.kernels import create_transport
 
         dtype = getattr(torch, _DTYPES[cell.dtype])
@@ -516,8 +517,10 @@ class _RankContext:
         t = self.transports.get(key)
         if t is None:
             max_tokens = max(int(p["tokens_per_rank"]) for p in self.cfg["profiles"].values())
+            # the arm's options over EFA_EP_PROXY_* & co., as the dispatcher's settings resolve
+            opts = {**environment_options(name), **dict(options)}
             t = create_transport(name, None, cell.num_experts, cell.hidden, max_tokens, dtype,
-                                 **dict(options))
+                                 **opts)
             self.transports[key] = t
         return t
 

@@ -1,10 +1,12 @@
 """Options of the ``proxy`` transport, resolved once per transport.
 
-``create_transport("proxy", ..., **options)``; the environment variable in parentheses is read
-when the option is not given:
+``create_transport("proxy", ..., **options)``: options are explicit. The environment variable in
+parentheses is the option's name for users of the Megatron dispatcher: its settings
+(:mod:`efa_ep.dispatcher.settings`, the one place that reads ``EFA_EP_*``) pass it as the option
+when no other channel gives it; the schema in ``kernels/options.py`` names each variable.
 
     provider (EFA_EP_PROXY_PROVIDER): ``efa`` if usable, else ``tcp``; also ``shm``.
-    num_channels (EFA_EP_PROXY_CHANNELS): K proxy channels (threads + endpoints), default 2.
+    num_channels (EFA_EP_PROXY_CHANNELS): proxy channels (threads + endpoints), default 2.
     inject_reorder (EFA_EP_PROXY_INJECT): test-only fault injection (0 off, 1 target-side hold/
         delay/shuffle/batch of completions + sender-side shuffled posting).
     timeout_s (EFA_EP_PROXY_TIMEOUT_S): deadline of every wait, default 60.
@@ -19,7 +21,8 @@ when the option is not given:
     producer (EFA_EP_PROXY_PRODUCER): who writes descriptors: ``torch`` (host), ``triton`` (a
         kernel into the pinned ring) or ``auto`` (triton for CUDA inputs when importable).
 
-Test-only, on one rank, never part of the agreement check: EFA_EP_PROXY_TAMPER=<kind>.
+Test-only, on one rank, never part of the agreement check (so read here, not an option):
+EFA_EP_PROXY_TAMPER=<kind>.
 """
 from __future__ import annotations
 
@@ -29,27 +32,23 @@ from typing import Optional
 
 import torch
 
-from ..base import TransportError
+from ..base import TransportError, align_up
 from . import native
+from .window import ALIGN
 
 # Providers on which hmem='auto' tries a device window first (GPUDirect RDMA into GPU memory).
 HMEM_AUTO_PROVIDERS = ("efa",)
 # Test-only header/data tampering done in Python (EFA_EP_PROXY_TAMPER); native kinds are in
 # native.TAMPER_KINDS.
 PY_TAMPER = ("rows", "rows_consistent", "capacity", "chunks", "expert_counts", "tag", "ids")
-ALIGN = 16
 
 
 def default_provider() -> str:
     return "efa" if native.probe("efa") is None else "tcp"
 
 
-def _opt(options: dict, key: str, env: str, default, cast):
-    if key in options:
-        return cast(options[key])
-    if env and os.environ.get(env):
-        return cast(os.environ[env])
-    return default
+def _opt(options: dict, key: str, default, cast):
+    return cast(options[key]) if key in options else default
 
 
 @dataclass
@@ -75,15 +74,15 @@ class ProxyOptions:
 
 
 def resolve_options(options: dict) -> ProxyOptions:
-    """Options dict (+ EFA_EP_PROXY_* environment) -> :class:`ProxyOptions`. Raises
+    """Options dict -> :class:`ProxyOptions` (defaults for the options not given). Raises
     TransportError naming the option and the accepted values."""
     o = dict(options)
-    provider = _opt(o, "provider", "EFA_EP_PROXY_PROVIDER", None, str) or default_provider()
-    num_channels = _opt(o, "num_channels", "EFA_EP_PROXY_CHANNELS", 2, int)
-    inj = _opt(o, "inject_reorder", "EFA_EP_PROXY_INJECT", 0, int)
+    provider = _opt(o, "provider", None, str) or default_provider()
+    num_channels = _opt(o, "num_channels", 2, int)
+    inj = _opt(o, "inject_reorder", 0, int)
     inject = (native.INJECT_TARGET | native.INJECT_SENDER) if inj == 1 else inj
-    timeout_ms = int(1000 * _opt(o, "timeout_s", "EFA_EP_PROXY_TIMEOUT_S", 60.0, float))
-    chunk_bytes = -(-_opt(o, "chunk_bytes", "EFA_EP_PROXY_CHUNK_BYTES", 256 << 10, int) // ALIGN) * ALIGN
+    timeout_ms = int(1000 * _opt(o, "timeout_s", 60.0, float))
+    chunk_bytes = align_up(_opt(o, "chunk_bytes", 256 << 10, int), ALIGN)
     tamper = os.environ.get("EFA_EP_PROXY_TAMPER", "")
     if tamper and tamper not in PY_TAMPER and tamper not in native.TAMPER_KINDS:
         raise TransportError(f"EFA_EP_PROXY_TAMPER={tamper!r}: expected one of "
@@ -91,7 +90,7 @@ def resolve_options(options: dict) -> ProxyOptions:
     # Where the window lives (transport docstring). "auto" picks the device window only over
     # efa, where the NIC reads and writes GPU memory directly; on shm a device window is
     # slower than host staging (RESULTS.md) and tcp never offers FI_HMEM.
-    hmem = _opt(o, "hmem", "EFA_EP_PROXY_HMEM", "auto", str)
+    hmem = _opt(o, "hmem", "auto", str)
     if hmem not in ("auto", "off", "cuda"):
         raise TransportError(f"hmem={hmem!r}: expected 'auto', 'off' (host window) or 'cuda'")
     hmem_auto = hmem == "auto"
@@ -100,17 +99,17 @@ def resolve_options(options: dict) -> ProxyOptions:
                           and native.probe(provider, hmem=True) is None) else "off"
     if hmem == "cuda" and not torch.cuda.is_available():
         raise TransportError("hmem='cuda' needs a CUDA device (torch.cuda.is_available() is False)")
-    producer = _opt(o, "producer", "EFA_EP_PROXY_PRODUCER", "auto", str)
+    producer = _opt(o, "producer", "auto", str)
     if producer not in ("auto", "torch", "triton"):
         raise TransportError(f"producer={producer!r}: expected auto, torch or triton")
     out = ProxyOptions(
         provider=provider, num_channels=num_channels, inject=inject, timeout_ms=timeout_ms,
-        chunk_bytes=chunk_bytes, ring_slots=_opt(o, "ring_slots", "", 1024, int),
-        max_inflight=_opt(o, "max_inflight", "", 64, int),
-        spin_us=_opt(o, "spin_us", "EFA_EP_PROXY_SPIN_US", 200, int),
-        cpu_base=_opt(o, "cpu_base", "EFA_EP_PROXY_CPU_BASE", -1, int), hmem=hmem,
-        hmem_auto=hmem_auto, producer=producer, max_topk=_opt(o, "max_topk", "", 8, int),
-        max_row_bytes=_opt(o, "max_row_bytes", "", None, int), tamper=tamper)
+        chunk_bytes=chunk_bytes, ring_slots=_opt(o, "ring_slots", 1024, int),
+        max_inflight=_opt(o, "max_inflight", 64, int),
+        spin_us=_opt(o, "spin_us", 200, int),
+        cpu_base=_opt(o, "cpu_base", -1, int), hmem=hmem,
+        hmem_auto=hmem_auto, producer=producer, max_topk=_opt(o, "max_topk", 8, int),
+        max_row_bytes=_opt(o, "max_row_bytes", None, int), tamper=tamper)
     if out.num_channels < 1 or out.num_channels > 64:
         raise TransportError(f"num_channels={out.num_channels} must be in 1..64")
     if out.chunk_bytes < ALIGN or out.chunk_bytes >= (1 << 32):

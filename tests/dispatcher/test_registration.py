@@ -137,3 +137,35 @@ def test_configure_does_not_carry_options_to_another_transport(monkeypatch):
             ("num_channels", 2),)
     finally:
         settings.reset()
+
+
+def test_option_variables_are_read_by_the_settings_only(monkeypatch):
+    """EFA_EP_PROXY_* / EFA_EP_NODE_SIZE reach a transport only as options the settings resolve:
+    under every explicit option, validated (naming the variable), for the transport that runs."""
+    from efa_ep.dispatcher import settings
+    from efa_ep.kernels.options import ConfigError
+
+    monkeypatch.setenv("EFA_EP_TRANSPORT", "proxy")
+    monkeypatch.setenv("EFA_EP_TRANSPORT_OPTIONS", "num_channels=4")
+    monkeypatch.setenv("EFA_EP_PROXY_CHANNELS", "3")
+    monkeypatch.setenv("EFA_EP_PROXY_TIMEOUT_S", "7")
+    monkeypatch.setenv("EFA_EP_NODE_SIZE", "2")
+    settings.reset()
+    s = settings.current_settings()
+    assert dict(s.transport_options) == {"num_channels": 4}  # explicit only
+    assert dict(s.options_for("proxy")) == {"num_channels": 4, "timeout_s": 7.0}
+    assert dict(s.options_for("hier")) == {"num_channels": 4, "timeout_s": 7.0, "node_size": 2}
+    assert settings.environment_options("torch") == {} == settings.environment_options("gda")
+    assert settings.environment_options("proxy") == {"num_channels": 3, "timeout_s": 7.0}
+    # configure() keeps the variables under its own options
+    try:
+        assert dict(settings.configure(transport="proxy", num_channels=2).options_for("proxy")) == {
+            "num_channels": 2, "timeout_s": 7.0}
+    finally:
+        settings.reset()
+    monkeypatch.setenv("EFA_EP_PROXY_CHANNELS", "three")
+    with pytest.raises(ConfigError, match="EFA_EP_PROXY_CHANNELS: num_channels='three' is not an integer"):
+        settings.check_environment(check_available=False)
+    with pytest.raises(ConfigError, match="EFA_EP_PROXY_CHANNELS"):
+        settings.current_settings().options_for("proxy")
+    settings.reset()

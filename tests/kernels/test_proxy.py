@@ -33,10 +33,14 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _compare_cases(rank, world, cases, options, device):
-    """Runs each case with torch and proxy (built with ``options``) on the same inputs; returns
+    """Runs each case with torch and proxy (built with ``options`` over the EFA_EP_PROXY_*
+    variables, as the dispatcher's settings resolve them) on the same inputs; returns
     (per-case list of mismatching output names, per-channel stats of the proxy)."""
+    from efa_ep.dispatcher.settings import environment_options
     from efa_ep.kernels import create_transport
     from tests.routes import make_route
+
+    options = {**environment_options("proxy"), **options}
 
     report, transports = [], {}
     for (route, num_experts, hidden, topk, dtype_name, tokens, seed) in cases:
@@ -177,7 +181,8 @@ def test_tcp_four_ranks_k2_injected_and_k4():
 
 
 def test_shm_two_ranks_env_knobs_with_injection():
-    """shm provider, K=3 and injection chosen by EFA_EP_PROXY_* env vars (the first-class knobs)."""
+    """shm provider, 3 channels and injection chosen by EFA_EP_PROXY_* env vars (the first-class
+    knobs; the dispatcher's settings turn them into options)."""
     why = proxy_mod.native.probe("shm")
     if why:
         pytest.skip(f"shm provider unusable: {why}")

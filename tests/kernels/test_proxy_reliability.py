@@ -315,14 +315,20 @@ def test_bad_input_on_one_rank_raises_the_same_error_everywhere():
 
 
 def _timeout_disagreement_rank(rank, world):
+    """EFA_EP_PROXY_TIMEOUT_S differs across ranks: the settings resolve it into the options,
+    and create_transport's one agreement check refuses them on every rank."""
+    from efa_ep.dispatcher.settings import environment_options
     from efa_ep.kernels import TransportError, create_transport
 
     os.environ["EFA_EP_PROXY_TIMEOUT_S"] = "5" if rank == 0 else "7"
     try:
-        create_transport("proxy", None, 4, 8, 16, torch.float32, provider="tcp").close()
+        opts = {**environment_options("proxy"), "provider": "tcp"}
+        create_transport("proxy", None, 4, 8, 16, torch.float32, **opts).close()
         return "no error"
     except TransportError as e:
         return str(e)
+    finally:
+        os.environ.pop("EFA_EP_PROXY_TIMEOUT_S", None)
 
 
 
@@ -489,7 +495,8 @@ def test_window_keys_random_interface_bound_memory_reported_timeout_agreed():
     assert len(set(all_keys)) == len(all_keys), all_keys  # random per transport and channel
     assert not any(0x5EED0000 <= k < 0x5EED0000 + 64 for k in all_keys), all_keys
     for keys, addrs, mem, bound, rows, refused in out:
-        assert "differ across ranks" in refused and "5000" in refused and "7000" in refused, refused
+        assert ("disagree" in refused and "'timeout_s': 5.0" in refused
+                and "'timeout_s': 7.0" in refused), refused
         assert bound == "127.0.0.1", bound
         assert set(addrs) == {"127.0.0.1"}, addrs  # not the external interface
         assert mem["window"] > 0 and mem["num_channels"] == 2 and "per_channel" in mem, mem
