@@ -2,7 +2,8 @@
 
 - :class:`EfaTokenDispatcher`: a ``MoETokenDispatcher`` built for ``moe_token_dispatcher_type="efa"``.
 - :func:`configure` / :class:`DispatcherSettings`: which transport and knobs it uses (defaults
-  from ``EFA_EP_*`` environment variables).
+  from ``EFA_EP_*`` environment variables; ``settings`` is the one module that reads them).
+- ``transport_cache``: the transports shared by every layer (one per EP group and setup).
 - :func:`register_with_megatron`: done automatically by ``import efa_ep``.
 
 Megatron is imported lazily: ``import efa_ep.dispatcher`` alone does not import it.

@@ -46,7 +46,7 @@ combine, its output added in combine_postprocess). On CPU the streams are no-ops
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Tuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,9 @@ from megatron.core.transformer.moe.moe_utils import get_capacity, permute, unper
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from efa_ep.dispatcher.settings import capacity_overflow_policy, current_settings
-from efa_ep.kernels import Transport, create_transport
+# The shared transports live in transport_cache; both names stay importable from here.
+from efa_ep.dispatcher.transport_cache import clear_transport_cache, get_shared_transport  # noqa: F401
+from efa_ep.kernels import Transport
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
 _UNSUPPORTED = (
@@ -80,30 +82,6 @@ def check_supported(config) -> None:
             f"moe_token_dispatcher_type='efa' requires expert_tensor_parallel_size=1, got {etp}")
     if not getattr(config, "num_moe_experts", None):
         raise ValueError("moe_token_dispatcher_type='efa' needs num_moe_experts to be set")
-
-
-# One transport per (group, sizes, dtype, settings), shared by every layer: windows are
-# allocated once. Keyed by the group's object id plus the config fingerprint.
-_TRANSPORTS: Dict[Tuple, Transport] = {}
-
-
-def get_shared_transport(name: str, group, num_experts: int, hidden: int,
-                         max_tokens_per_rank: int, dtype: torch.dtype, options: tuple) -> Transport:
-    """Returns the process-wide transport for these settings, creating it (collectively) once."""
-    key = (name, id(group), num_experts, hidden, max_tokens_per_rank, dtype, options)
-    t = _TRANSPORTS.get(key)
-    if t is None:
-        t = create_transport(name, group, num_experts, hidden, max_tokens_per_rank, dtype,
-                             **dict(options))
-        _TRANSPORTS[key] = t
-    return t
-
-
-def clear_transport_cache() -> None:
-    """Closes and forgets every shared transport (tests, process-group teardown)."""
-    for t in _TRANSPORTS.values():
-        t.close()
-    _TRANSPORTS.clear()
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -212,7 +190,9 @@ def _scatter_rows(layout: PaddedLayout, rows_PD: torch.Tensor, num_rows: int) ->
 class _DispatchPadded(torch.autograd.Function):
     """x ``[T, H]`` (the transport's dtype), topk_weights ``[T, E]`` float32, one device ->
     padded expert input ``[L * W * C, H]`` in x's dtype and its weights ``[L * W * C]`` float32,
-    on x's device, through ``transport.dispatch_fixed`` and device-side gathers only.
+    on x's device, through ``transport.dispatch_fixed`` and device-side gathers only; plus,
+    not differentiable, the fixed-layout ``DispatchHandle`` (its ``num_recv_tokens`` is the
+    window's ``W * T_MAX`` rows) and the :class:`PaddedLayout` (for ``_CombinePadded``).
 
     Synchronization: only what ``dispatch_fixed`` does (``gda``: none; the generic default: one
     host wait for its counts). Backward: two ``combine`` calls (rows, then weights), no host
@@ -220,7 +200,7 @@ class _DispatchPadded(torch.autograd.Function):
     an unspecified order, as Megatron's ``unpermute`` does."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, transport, capacity, num_local, out_meta):
+    def forward(ctx, x, topk_weights, topk_idx, transport, capacity, num_local):
         recv_x, recv_idx, recv_w, _num_recv, _tpe, handle = transport.dispatch_fixed(
             x.contiguous(), topk_idx, topk_weights.detach().contiguous())
         world, t_max = transport.world_size, transport.cfg.max_tokens_per_rank
@@ -229,13 +209,12 @@ class _DispatchPadded(torch.autograd.Function):
         padded_x = _rows_where(layout.valid_P, recv_x.index_select(0, layout.src_row_P))
         padded_w = _rows_where(layout.valid_P, recv_w[layout.src_row_P, layout.slot_P])
         ctx.transport, ctx.handle, ctx.layout = transport, handle, layout
-        ctx.num_rows, ctx.k = recv_x.shape[0], recv_idx.shape[1]
-        out_meta.update(handle=handle, layout=layout, num_rows=recv_x.shape[0])
-        return padded_x, padded_w
+        ctx.k = recv_idx.shape[1]
+        return padded_x, padded_w, handle, layout
 
     @staticmethod
-    def backward(ctx, grad_padded_x, grad_padded_w):
-        layout, rows, k = ctx.layout, ctx.num_rows, ctx.k
+    def backward(ctx, grad_padded_x, grad_padded_w, _handle, _layout):
+        layout, rows, k = ctx.layout, ctx.handle.num_recv_tokens, ctx.k
         grad_window = _scatter_rows(layout, grad_padded_x.contiguous(), rows)
         grad_x = ctx.transport.combine(grad_window, ctx.handle)
         grad_w = None
@@ -249,40 +228,49 @@ class _DispatchPadded(torch.autograd.Function):
             g.index_add_(0, flat, grad_padded_w.float().contiguous())
             grad_w = ctx.transport.combine(g[: rows * k].view(rows, k), ctx.handle)
         ctx.transport.after_backward()
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class _CombinePadded(torch.autograd.Function):
     """Padded expert output ``[L * W * C, H]`` -> ``[T, H]`` (same dtype and device): rows summed
-    per window row (local experts ascending, from +0.0), then ``transport.combine``; backward
-    replays the dispatch (``dispatch_cached``) and gathers the padded layout again, copying out
-    of the transport's window at once. No host sync of its own in either direction."""
+    per window row (local experts ascending, from +0.0) into the handle's ``W * T_MAX`` window
+    rows, then ``transport.combine``; backward replays the dispatch (``dispatch_cached``) and
+    gathers the padded layout again, copying out of the transport's window at once. No host
+    sync of its own in either direction."""
 
     @staticmethod
-    def forward(ctx, y, transport, handle, layout, num_rows):
+    def forward(ctx, y, transport, handle, layout):
         ctx.transport, ctx.handle, ctx.layout = transport, handle, layout
-        return transport.combine(_scatter_rows(layout, y.contiguous(), num_rows), handle)
+        return transport.combine(_scatter_rows(layout, y.contiguous(), handle.num_recv_tokens),
+                                 handle)
 
     @staticmethod
     def backward(ctx, grad_out):
         window = ctx.transport.dispatch_cached(grad_out.contiguous(), ctx.handle)
         grad_y = _rows_where(ctx.layout.valid_P, window.index_select(0, ctx.layout.src_row_P))
-        return grad_y, None, None, None, None
+        return grad_y, None, None, None
 
 
 class _Dispatch(torch.autograd.Function):
-    """x [T, H], topk_weights [T, K] -> recv_x [N, H], recv_topk_weights [N, K]."""
+    """x ``[T, H]`` (the transport's dtype), topk_weights ``[T, K]`` float32, one device ->
+    recv_x ``[N, H]`` (x's dtype and device), recv_topk_weights ``[N, K]`` float32, and, not
+    differentiable, tokens_per_expert ``[L]`` int64 CPU and the ``DispatchHandle`` (which holds
+    ``recv_topk_idx [N, K]`` and N for the dispatcher's later steps).
+
+    Synchronization: what ``transport.dispatch`` does (the host waits once, for the counts).
+    Backward: ``combine`` (and ``combine_topk_weights`` when the weights need a gradient), then
+    ``after_backward``; collective on every rank in the same order."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, transport, out_meta):
-        recv_x, recv_idx, recv_w, tokens_per_expert, handle = transport.dispatch(
+    def forward(ctx, x, topk_weights, topk_idx, transport):
+        recv_x, _recv_idx, recv_w, tokens_per_expert, handle = transport.dispatch(
             x.contiguous(), topk_idx, topk_weights.detach().contiguous())
         ctx.transport, ctx.handle = transport, handle
-        out_meta.update(handle=handle, recv_topk_idx=recv_idx, tokens_per_expert=tokens_per_expert)
-        return recv_x, recv_w
+        ctx.mark_non_differentiable(tokens_per_expert)
+        return recv_x, recv_w, tokens_per_expert, handle
 
     @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_w):
+    def backward(ctx, grad_recv_x, grad_recv_w, _tokens_per_expert, _handle):
         # Collective on every rank in the same order: grads are materialized (zeros, never None).
         grad_x = ctx.transport.combine(grad_recv_x.contiguous(), ctx.handle)
         grad_w = None
@@ -292,12 +280,13 @@ class _Dispatch(torch.autograd.Function):
         return (grad_x,      # x
                 grad_w,      # topk_weights
                 None,        # topk_idx (integer)
-                None,        # transport
-                None)        # out_meta
+                None)        # transport
 
 
 class _Combine(torch.autograd.Function):
-    """y [N, H] -> out [T, H]; backward replays the dispatch layout."""
+    """y ``[N, H]`` -> out ``[T, H]`` (y's dtype and device) through ``transport.combine``;
+    backward replays the dispatch layout (``dispatch_cached``). Synchronization: the
+    transport's (no host wait of its own)."""
 
     @staticmethod
     def forward(ctx, y, transport, handle):
@@ -314,8 +303,10 @@ class EfaTokenDispatcher(MoETokenDispatcher):
 
     Built by ``MoELayer`` when ``config.moe_token_dispatcher_type == "efa"`` (after
     ``import efa_ep``). The transport comes from :func:`efa_ep.dispatcher.current_settings`
-    (``EFA_EP_TRANSPORT``, default ``auto``) and is created on the first dispatch, collectively
-    over the EP group, then shared by every layer with the same sizes.
+    (``EFA_EP_TRANSPORT``, default ``auto``), with every option resolved there once
+    (``DispatcherSettings.options_for``), and is created on the first dispatch, collectively
+    over the EP group, then shared by every layer with the same sizes
+    (:mod:`efa_ep.dispatcher.transport_cache`).
 
     Synchronization: dropless and capacity-dropping modes block the host once per dispatch for
     the receive counts (as Megatron's alltoall does). Drop-and-pad mode
@@ -346,26 +337,30 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         if self.drop_and_pad and self.capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor")
         self.capacity_overflow = capacity_overflow_policy(config) if self.drop_and_pad else "drop"
+        # Every option the transport gets (explicit ones over EFA_EP_PROXY_* & co.), resolved
+        # once here; create_transport checks across the EP group that every rank has the same.
+        self.transport_options = self.settings.options_for(self.transport_name)
         self.shared_experts = None       # set by set_shared_experts (moe_shared_expert_overlap)
         # Per-call state (non-differentiable metadata; tensors with grads travel via returns).
+        # What the last dispatch's handle holds (N, recv_topk_idx [N, K], the fixed layout's
+        # W * T_MAX rows) is read from it, never copied here.
         self.hidden_shape = None
         self.topk_idx = None             # [T, K] int64 ([T, E] in drop-and-pad mode)
         self.probs_dtype = None
-        self.transport = None            # transport of the last dispatch
+        self.transport = None            # transport of the last dispatch (it combines the handle)
         self.handle = None               # DispatchHandle of the last dispatch
-        self.recv_topk_idx = None        # [N, K] int64 local expert ids
         self.tokens_per_expert = None    # [L] int64 CPU
         self.local_routing_map = None    # [N, L] bool
         self.sorted_indices = None       # [sum(tokens_per_expert)] int64
-        self.num_recv_tokens = None
         self.capacity = None             # C of the last drop-and-pad dispatch
         self.padded_layout = None        # PaddedLayout of the last drop-and-pad dispatch
-        self.num_window_rows = None      # W * T_MAX of the last drop-and-pad dispatch
 
     def transport_for(self, x: torch.Tensor) -> Transport:
-        s = self.settings
+        """The shared transport for rows like ``x`` (its width H and dtype); created on first
+        use, collectively over the EP group."""
         return get_shared_transport(self.transport_name, self.ep_group, self.num_experts,
-                                    x.shape[-1], s.max_tokens_per_rank, x.dtype, s.transport_options)
+                                    x.shape[-1], self.settings.max_tokens_per_rank, x.dtype,
+                                    self.transport_options)
 
     def set_shared_experts(self, shared_experts):
         """Takes the layer's ``SharedExpertMLP`` (``moe_shared_expert_overlap``): its pieces then
@@ -422,21 +417,14 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         drop-and-pad: (padded expert input [L * W * C, H], its weights [L * W * C] float32)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        meta: dict = {}
         self.transport = self.transport_for(hidden_states)
         if self.drop_and_pad:
-            recv_x, recv_w = _DispatchPadded.apply(
+            recv_x, recv_w, self.handle, self.padded_layout = _DispatchPadded.apply(
                 hidden_states, probs, self.topk_idx, self.transport, self.capacity,
-                self.num_local_experts, meta)
-            self.handle = meta["handle"]
-            self.padded_layout = meta["layout"]
-            self.num_window_rows = meta["num_rows"]
+                self.num_local_experts)
         else:
-            recv_x, recv_w = _Dispatch.apply(hidden_states, probs, self.topk_idx, self.transport,
-                                             meta)
-            self.handle = meta["handle"]
-            self.recv_topk_idx = meta["recv_topk_idx"]
-            self.tokens_per_expert = meta["tokens_per_expert"]
+            recv_x, recv_w, self.tokens_per_expert, self.handle = _Dispatch.apply(
+                hidden_states, probs, self.topk_idx, self.transport)
         if self.shared_experts is not None:
             # After the tokens moved, as Megatron's alltoall (fc1 overlaps the next transfer).
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
@@ -453,10 +441,10 @@ class EfaTokenDispatcher(MoETokenDispatcher):
                 (self.num_local_experts,), self.ep_size * self.capacity, dtype=torch.long)
             return hidden_states, self.tokens_per_expert, probs.to(self.probs_dtype)
         n, num_local = hidden_states.shape[0], self.num_local_experts
-        self.num_recv_tokens = n
-        valid = self.recv_topk_idx >= 0
+        recv_topk_idx = self.handle.recv_topk_idx  # [N, K] int64 local expert ids, -1 elsewhere
+        valid = recv_topk_idx >= 0
         # Column L collects unused slots so they never overwrite a real expert's entry.
-        cols = torch.where(valid, self.recv_topk_idx, num_local)
+        cols = torch.where(valid, recv_topk_idx, num_local)
         local_probs = probs.new_zeros((n, num_local + 1)).scatter(
             1, cols, torch.where(valid, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)))
         local_probs = local_probs[:, :num_local].to(self.probs_dtype)
@@ -475,7 +463,8 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         if self.drop_and_pad:
             return hidden_states
         return unpermute(hidden_states, self.sorted_indices,
-                         restore_shape=torch.Size([self.num_recv_tokens, hidden_states.shape[-1]]),
+                         restore_shape=torch.Size([self.handle.num_recv_tokens,
+                                                   hidden_states.shape[-1]]),
                          routing_map=self.local_routing_map, fused=self.fused)
 
     def token_combine(self, hidden_states):
@@ -486,7 +475,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         # The transport that made the handle combines it (windows and offsets belong to it).
         if self.drop_and_pad:
             out = _CombinePadded.apply(hidden_states, self.transport, self.handle,
-                                       self.padded_layout, self.num_window_rows)
+                                       self.padded_layout)
         else:
             out = _Combine.apply(hidden_states, self.transport, self.handle)
         if self.shared_experts is not None:

@@ -187,13 +187,16 @@ class _FakeFixedTransport:
         raise AssertionError("drop-and-pad called the host-syncing Transport.dispatch")
 
     def dispatch_fixed(self, x, topk_idx, topk_weights):
+        from types import SimpleNamespace
+
         self.calls.append("dispatch_fixed")
         rows, k = self.world_size * self.cfg.max_tokens_per_rank, topk_idx.shape[1]
         dev = self.device
         return (torch.randn(rows, x.shape[1], dtype=x.dtype, device=dev),
                 torch.randint(-1, self.num_local, (rows, k), device=dev),
                 torch.rand(rows, k, device=dev), torch.zeros(self.world_size, dtype=torch.int64, device=dev),
-                torch.zeros(self.num_local, dtype=torch.int64, device=dev), "handle")
+                torch.zeros(self.num_local, dtype=torch.int64, device=dev),
+                SimpleNamespace(num_recv_tokens=rows))  # what the dispatcher reads of a handle
 
     def combine(self, y, handle):
         self.calls.append(f"combine[{y.shape[0]}x{y.shape[1]}]")

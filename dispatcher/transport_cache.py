@@ -1,0 +1,55 @@
+"""The transports the ``efa`` dispatcher shares between layers: one per EP group and setup.
+
+Every MoE layer with the same sizes gets the same transport object, so fixed windows, rings and
+endpoints are allocated once per process, not once per layer. Creation is collective over the EP
+group (``create_transport`` checks there, once, that every rank passes the same settings); it
+happens on the first dispatch of the first layer that needs it, on every rank of the group.
+
+The key is ``(name, id(group), num_experts, hidden, max_tokens_per_rank, dtype, options)``. The
+group's ``id`` cannot be reused by another group while its entry lives: the cached transport
+holds the group object (``Transport.group``), so the group is not collected before
+:func:`clear_transport_cache` drops the entry.
+
+Knows nothing of Megatron; settings come resolved from :mod:`efa_ep.dispatcher.settings`.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from efa_ep.kernels import Transport, create_transport
+
+_TRANSPORTS: Dict[Tuple, Transport] = {}
+
+
+def get_shared_transport(name: str, group, num_experts: int, hidden: int,
+                         max_tokens_per_rank: int, dtype: torch.dtype, options: tuple) -> Transport:
+    """Returns the process-wide transport for these settings, creating it (collectively over
+    ``group``) on the first call.
+
+    Args:
+        name: the transport that runs (``torch``, ``gda``, ``proxy``, ``hier``; ``auto`` already
+            resolved). group: the EP process group.
+        num_experts: E. hidden: H. max_tokens_per_rank: T_MAX. dtype: dtype of the rows.
+        options: sorted ``(key, value)`` pairs, every option the transport gets
+            (:meth:`~efa_ep.dispatcher.settings.DispatcherSettings.options_for`).
+    """
+    key = (name, id(group), num_experts, hidden, max_tokens_per_rank, dtype, options)
+    t = _TRANSPORTS.get(key)
+    if t is None:
+        t = create_transport(name, group, num_experts, hidden, max_tokens_per_rank, dtype,
+                             **dict(options))
+        _TRANSPORTS[key] = t
+    return t
+
+
+def clear_transport_cache() -> None:
+    """Closes and forgets every shared transport (tests, process-group teardown). Collective in
+    the way each transport's ``close`` is: call it on every rank."""
+    for t in _TRANSPORTS.values():
+        t.close()
+    _TRANSPORTS.clear()
+
+
+__all__ = ["get_shared_transport", "clear_transport_cache"]
