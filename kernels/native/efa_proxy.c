@@ -437,7 +437,10 @@ static int channel_open(channel *c) {
      * only (the source of our writes), and one receive region per source with remote write only,
      * each under its own random key that only that source learns; a peer's write outside its own
      * region is refused by the target's provider. */
-    CHECK_FI(register_range(c, 0, e->window_bytes, FI_WRITE, 0, &c->mr), "fi_mr_reg(window, local)");
+    /* a CUDA window registers through fi_mr_regattr (FI_HMEM_CUDA): name the call that failed */
+    const int cuda = e->hmem_cuda_device >= 0;
+    CHECK_FI(register_range(c, 0, e->window_bytes, FI_WRITE, 0, &c->mr),
+             cuda ? "fi_mr_regattr(window, FI_HMEM_CUDA, local)" : "fi_mr_reg(window, local)");
     c->mr_desc = fi_mr_desc(c->mr);
     c->mr_recv = calloc((size_t)e->num_regions, sizeof(struct fid_mr *));
     c->region_key = calloc((size_t)e->num_regions, sizeof(uint64_t));
@@ -454,7 +457,8 @@ static int channel_open(channel *c) {
         if (ks && ks < 8) key &= (1ull << (8 * ks)) - 1;
         int access = FI_REMOTE_WRITE;
         if (!e->recv_stride) access |= FI_WRITE; /* one region: also our local source */
-        CHECK_FI(register_range(c, off, len, access, key, &c->mr_recv[r]), "fi_mr_reg(receive region)");
+        CHECK_FI(register_range(c, off, len, access, key, &c->mr_recv[r]),
+                 cuda ? "fi_mr_regattr(receive region, FI_HMEM_CUDA)" : "fi_mr_reg(receive region)");
         c->region_key[r] = fi_mr_key(c->mr_recv[r]);
         if (c->region_key[r] == FI_KEY_NOTAVAIL) {
             engine_fail(e, "rank %d channel %d: fi_mr_key returned FI_KEY_NOTAVAIL (raw keys are not "

@@ -19,8 +19,8 @@ area and copied once out of the receive window. Buffers are allocated once.
 GPU inputs are host-staged: the routing (16 B per token slot) goes to the host in one copy, rows
 are gathered on the GPU and copied once into the pinned send area (one device-to-host copy for
 all peers), moved by the proxy, and copied once from the pinned window back to the GPU, where the
-combine's reduction also runs (the descriptors of a GPU-input round are produced by a Triton
-kernel into the pinned ring when triton is present).
+combine's reduction also runs (with ``producer="triton"`` a Triton kernel writes the data
+descriptors into the pinned ring instead of the native host producer).
 With ``hmem="cuda"`` the whole window is CUDA memory registered with ``FI_HMEM_CUDA``: rows are
 gathered straight into it and the provider moves them GPU to GPU (GPUDirect RDMA on efa); only
 rings, counters and the small headers' host copies stay on the host. Every call blocks the
@@ -638,12 +638,15 @@ class ProxyTransport(Transport):
                             f"expert ids of the {m.shape[0]} rows it sent ({counted.tolist()})")
 
     def _select_producer(self, dev: torch.device) -> None:
+        """Who writes a round's data descriptors: the native host producer (``auto``, ``torch``),
+        or the Triton kernel (``triton``). Every round synchronizes the stream before its data
+        is posted (the rows are staged or written by the device first), so for ``auto`` the
+        Triton producer would only add launches: about 0.5 ms of Python per round on the H200
+        host, against a few microseconds for efa_post_messages."""
         wire = self.wire
-        if self.producer == "torch":
-            wire.use_triton = False
-        elif self.producer == "triton" or dev.type == "cuda":
+        if self.producer == "triton":
             wire.use_triton = triton_producer() is not None
-            if self.producer == "triton" and not wire.use_triton:
+            if not wire.use_triton:
                 raise TransportError("producer='triton' needs triton (pip install triton)")
         else:
             wire.use_triton = False

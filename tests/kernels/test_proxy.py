@@ -265,7 +265,10 @@ def test_describe_messages_encoding():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_host_staged_two_ranks_bit_identical():
-    _run_compare(2, CASES_2[:2] + CASES_2[4:], [{"provider": "tcp", "num_channels": 2, "timeout_s": 30}],
+    """CUDA inputs, host window: the native host producer (default) and the Triton producer."""
+    _run_compare(2, CASES_2[:2] + CASES_2[4:], [{"provider": "tcp", "num_channels": 2, "timeout_s": 30},
+                                               {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
+                                                "producer": "triton"}],
                  env={"EFA_EP_TEST_DEVICE": "cuda"})
 
 
@@ -360,7 +363,9 @@ def _hmem_auto_falls_back(rank, world):
 
     from efa_ep.kernels import create_transport
 
-    proxy_mod._HMEM_AUTO_PROVIDERS = ("shm",)  # make 'auto' try the device window over shm
+    from efa_ep.kernels.proxy import options as proxy_options
+
+    proxy_options.HMEM_AUTO_PROVIDERS = ("shm",)  # make 'auto' try the device window over shm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t = create_transport("proxy", None, 8, 32, 16, torch.float32, provider="shm")
