@@ -191,10 +191,17 @@ class ProxyTransport(Transport):
         self._layout_scratch = np.zeros(2 * w, dtype=np.int64)
         self._i64_out = np.zeros(1, dtype=np.int64)
         self._meta_buf = np.empty(0, dtype=np.int64)
-        self._cnt_buf = np.empty(0, dtype=np.int64)
         self._meta_srcs, self._meta_n, self._meta_check = (np.zeros(w, dtype=np.int64) for _ in range(3))
         self._red_rows, self._red_n, self._red_idx = (np.zeros(w, dtype=np.int64) for _ in range(3))
         self._slot_buf = np.empty(0, dtype=np.int32)
+        self._counts_L = np.zeros(cfg.num_local_experts, dtype=np.int64)
+        # their addresses, taken once (``ndarray.ctypes`` builds a helper object per access)
+        self._meta_ptr = self._meta_buf.ctypes.data
+        self._addr = {name: a.ctypes.data for name, a in (
+            ("num_send", self._num_send), ("counts_E", self._counts_E), ("layout", self._layout_scratch),
+            ("i64", self._i64_out), ("srcs", self._meta_srcs), ("n", self._meta_n),
+            ("check", self._meta_check), ("red_rows", self._red_rows), ("red_n", self._red_n),
+            ("red_idx", self._red_idx), ("slot", self._slot_buf), ("counts_L", self._counts_L))}
         self._net = NetCounter()
         self.engine = None
         self.gen = 0
@@ -531,7 +538,7 @@ class ProxyTransport(Transport):
             nr[r] = num_recv[r]
             chk[r] = r != me
             if r == me:
-                srcs[r] = meta.ctypes.data + s_me * 16 * k
+                srcs[r] = self._meta_ptr + s_me * 16 * k
             else:
                 m = wire.recv(r, 1)
                 if m.device.type != "cpu":
@@ -539,11 +546,11 @@ class ProxyTransport(Transport):
                     keep.append(m)
                 srcs[r] = m.data_ptr()
         kind = self._i64_out
-        bad = native.unpack_meta(w, k, L, srcs.ctypes.data, nr.ctypes.data, chk.ctypes.data,
-                                 got.ctypes.data + HDR_FIXED * 8, got.shape[1],
+        pa = self._addr
+        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
+                                 wire.got_address + HDR_FIXED * 8, got.shape[1],
                                  recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr(),
-                                 tokens_per_expert.data_ptr(), self._counts_scratch(L).ctypes.data,
-                                 kind.ctypes.data)
+                                 tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
         if bad >= 0:  # name the problem (the checks in Python say what is wrong)
             m = wire.recv(bad, 1).cpu().view(torch.int64).view(-1, 2 * k)
             self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
@@ -579,12 +586,12 @@ class ProxyTransport(Transport):
         send_idx = torch.empty(cap, dtype=torch.int64)
         if self._meta_buf.shape[0] < cap * 2 * k:
             self._meta_buf = np.empty(cap * 2 * k, dtype=np.int64)
+            self._meta_ptr = self._meta_buf.ctypes.data
         meta = self._meta_buf
-        num_send, counts, flags = self._num_send, self._counts_E, self._i64_out
+        num_send, counts, flags, pa = self._num_send, self._counts_E, self._i64_out, self._addr
         s = native.route_layout(idxh.data_ptr(), wh.data_ptr(), t, k, cfg.num_experts, w,
-                                send_idx.data_ptr(), meta.ctypes.data, cap, num_send.ctypes.data,
-                                counts.ctypes.data, self._layout_scratch.ctypes.data,
-                                flags.ctypes.data)
+                                send_idx.data_ptr(), self._meta_ptr, cap, pa["num_send"],
+                                pa["counts_E"], pa["layout"], pa["i64"])
         if s < 0:
             return (describe_value_errors(cfg, self.rank, idxh, wh)
                     or f"rank {self.rank}: the routing layout failed ({s}, flags {int(flags[0])})")
@@ -609,11 +616,6 @@ class ProxyTransport(Transport):
             buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=True)
             self._buffers[("pin", name)] = buf
         return buf[:n]
-
-    def _counts_scratch(self, n: int) -> np.ndarray:
-        if self._cnt_buf.shape[0] < n:
-            self._cnt_buf = np.empty(n, dtype=np.int64)
-        return self._cnt_buf
 
     def _check_meta(self, src: int, m: torch.Tensor, k: int, counts_L: torch.Tensor) -> None:
         """A peer's routing rows are untrusted: local ids in [-1, L), at least one per row (a row
@@ -783,10 +785,12 @@ class ProxyTransport(Transport):
             ips[r] = idx.data_ptr() + 8 * sstarts[r]
         if self._slot_buf.shape[0] < w * num_tokens:
             self._slot_buf = np.empty(w * num_tokens, dtype=np.int32)
+            self._addr["slot"] = self._slot_buf.ctypes.data
         out = torch.empty(num_tokens, d_cols, dtype=dtype)
         dt = _NATIVE_DT[dtype]
-        rc = native.reduce_rows(w, num_tokens, d_cols, dt, dt, ptrs.ctypes.data, nr.ctypes.data,
-                                ips.ctypes.data, self._slot_buf.ctypes.data, out.data_ptr())
+        pa = self._addr
+        rc = native.reduce_rows(w, num_tokens, d_cols, dt, dt, pa["red_rows"], pa["red_n"],
+                                pa["red_idx"], pa["slot"], out.data_ptr())
         if rc < 0:
             raise TransportError(f"rank {self.rank}: combine: the handle's token indices are "
                                  f"outside [0, {num_tokens}) or repeat within a rank's rows")

@@ -116,6 +116,8 @@ class Wire:
         self._got = np.zeros((w, lay.hdr_fields), dtype=np.int64)
         self._rows_from = np.zeros(w, dtype=np.int64)
         self._msgs = np.zeros((4, w * (mp + 1)), dtype=np.int64)
+        self._extras_ptr, self._n_recv_ptr = self._extras.ctypes.data, self._n_recv.ctypes.data
+        self.got_address = self._got.ctypes.data  # the peers' headers of the current round
         self._hmsgs = np.zeros((4, w), dtype=np.int64)
         self._nmsgs = 0
         self._round = None  # (seq, op, widths, fmt, tag, error, n_recv given, count_rows)
@@ -303,10 +305,10 @@ class Wire:
                 st.widths[i] = wd
             if extras is not None and not error:
                 self._extras[:, :extras.shape[1]] = extras
-                st.extras = self._extras.ctypes.data
+                st.extras = self._extras_ptr
             else:
                 st.extras = None
-            st.n_recv = self._n_recv.ctypes.data if n_recv is not None else None
+            st.n_recv = self._n_recv_ptr if n_recv is not None else None
             native_call(self._nw.begin, not (error or tampering))
             self._nmsgs = st.nmsgs
             if error or tampering:
