@@ -110,6 +110,9 @@ class DispatcherSettings:
         option_variables: sorted ``(variable, value)`` of the per-option variables
             (``EFA_EP_PROXY_*``, ``EFA_EP_NODE_SIZE``) set when the settings were read; they
             give the options that ``transport_options`` does not (:meth:`options_for`).
+        calibration: ``EFA_EP_CALIBRATION``, a calibration file of ``efa-ep-plan calibrate``
+            from which ``auto`` takes ``hier``'s ``num_channels`` when none is given (None: the
+            transport's default).
         sources: where each field came from (for error messages); not part of equality.
     """
 
@@ -117,6 +120,7 @@ class DispatcherSettings:
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     transport_options: tuple = ()
     option_variables: tuple = ()
+    calibration: Optional[str] = None
     sources: Tuple[str, str, str] = dataclasses.field(
         default=("DispatcherSettings.transport", "DispatcherSettings.max_tokens_per_rank",
                  "DispatcherSettings.transport_options"), compare=False, repr=False)
@@ -170,6 +174,7 @@ class DispatcherSettings:
             max_tokens_per_rank=(env.get(ENV_MAX_TOKENS) or "").strip() or DEFAULT_MAX_TOKENS_PER_RANK,
             transport_options=env.get(ENV_OPTIONS, ""),
             option_variables=_read_option_variables(env),
+            calibration=(env.get("EFA_EP_CALIBRATION") or "").strip() or None,
             sources=tuple(names.get(v, v) for v in (ENV_TRANSPORT, ENV_MAX_TOKENS, ENV_OPTIONS)))
 
 
@@ -196,7 +201,7 @@ def configure(transport: Optional[str] = None, max_tokens_per_rank: Optional[int
         transport=transport if given_t else base.transport,
         max_tokens_per_rank=max_tokens_per_rank if given_m else base.max_tokens_per_rank,
         transport_options=tuple(sorted(transport_options.items())) if given_o else base.transport_options,
-        option_variables=base.option_variables,
+        option_variables=base.option_variables, calibration=base.calibration,
         sources=("configure(transport=...)" if given_t else base.sources[0],
                  "configure(max_tokens_per_rank=...)" if given_m else base.sources[1],
                  "configure(**transport_options)" if given_o else base.sources[2]))
@@ -228,7 +233,7 @@ def current_settings(config=None) -> DispatcherSettings:
         transport=t or s.transport,
         max_tokens_per_rank=m or s.max_tokens_per_rank,
         transport_options=tuple(sorted(dict(o).items())) if o else s.transport_options,
-        option_variables=s.option_variables,
+        option_variables=s.option_variables, calibration=s.calibration,
         sources=("config.efa_ep_transport" if t else s.sources[0],
                  "config.efa_ep_max_tokens_per_rank" if m else s.sources[1],
                  where_o if o else s.sources[2]))

@@ -55,7 +55,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from efa_ep.dispatcher.settings import capacity_overflow_policy, current_settings
 # The shared transports live in transport_cache; both names stay importable from here.
-from efa_ep.dispatcher.transport_cache import clear_transport_cache, get_shared_transport  # noqa: F401
+from efa_ep.dispatcher.transport_cache import (  # noqa: F401
+    auto_transport_for_group, clear_transport_cache, get_shared_transport,
+)
 from efa_ep.kernels import Transport
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
@@ -357,7 +359,15 @@ class EfaTokenDispatcher(MoETokenDispatcher):
 
     def transport_for(self, x: torch.Tensor) -> Transport:
         """The shared transport for rows like ``x`` (its width H and dtype); created on first
-        use, collectively over the EP group."""
+        use, collectively over the EP group. With ``auto`` the first call also finds out, once
+        per EP group (collective), whether the group spans hosts: then ``hier``."""
+        if self.settings.transport == "auto" and not getattr(self, "_auto_checked", False):
+            name, options = auto_transport_for_group(
+                self.ep_group, self.transport_name, dict(self.settings.options_for("hier")),
+                self.settings.calibration)
+            if name != self.transport_name:
+                self.transport_name, self.transport_options = name, options
+            self._auto_checked = True
         return get_shared_transport(self.transport_name, self.ep_group, self.num_experts,
                                     x.shape[-1], self.settings.max_tokens_per_rank, x.dtype,
                                     self.transport_options)
@@ -377,6 +387,8 @@ class EfaTokenDispatcher(MoETokenDispatcher):
             self.capacity = get_capacity(num_tokens=routing_map.shape[0] * self.topk,
                                          num_experts=self.num_experts,
                                          capacity_factor=self.capacity_factor)
+            if not getattr(self, "_overflow_agreed", False):
+                self._agree_on_overflow_policy()
             if self.capacity_overflow == "error":
                 self._check_capacity(routing_map)
             self.topk_idx, topk_weights = routing_map_to_slots(routing_map, probs)
@@ -385,6 +397,21 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         return x, topk_weights
+
+    def _agree_on_overflow_policy(self) -> None:
+        """Once per dispatcher (collective over the EP group, host objects): every rank must use
+        the same ``EFA_EP_CAPACITY_OVERFLOW``; ``error`` adds a collective that ``drop`` ranks
+        would never join. Raises the same one line on every rank otherwise."""
+        import torch.distributed as dist
+
+        policies = [None] * self.ep_size
+        dist.all_gather_object(policies, self.capacity_overflow, group=self.ep_group)
+        if len(set(policies)) > 1:
+            by = {p: [r for r, q in enumerate(policies) if q == p] for p in sorted(set(policies))}
+            raise ValueError(f"EP ranks disagree on EFA_EP_CAPACITY_OVERFLOW (drop-and-pad): "
+                             + "; ".join(f"{p!r} on rank(s) {r}" for p, r in by.items())
+                             + "; set the same value on every rank")
+        self._overflow_agreed = True
 
     def _check_capacity(self, routing_map) -> None:
         """``capacity_overflow=error``: every EP rank raises the same one-line error when a rank

@@ -86,7 +86,7 @@ def resolve_transport_name(name: str) -> str:
     return name
 
 
-def _ranks_per_node(group, node_size=None) -> int:
+def ranks_per_node(group, node_size=None) -> int:
     """Ranks per host of ``group`` (collective over it); ``node_size`` (hier's option, which the
     dispatcher's settings fill from ``EFA_EP_NODE_SIZE``) emulates nodes."""
     import socket
@@ -144,7 +144,7 @@ def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens
         import os
 
         resolved, options, reason = auto_choice(
-            dist.get_world_size(group), _ranks_per_node(group, options.get("node_size")), options,
+            dist.get_world_size(group), ranks_per_node(group, options.get("node_size")), options,
             os.environ.get("EFA_EP_CALIBRATION") or None)
         if dist.get_rank(group) == 0:
             logging.getLogger("efa_ep").info("efa-ep: transport auto -> %s: %s", resolved, reason)
@@ -167,6 +167,7 @@ def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens
 
 __all__ = [
     "create_transport", "available_transports", "transport_status", "resolve_transport_name",
+    "auto_choice", "ranks_per_node",
     "Transport", "TransportConfig", "DispatchHandle", "TransportError", "TransportUnavailable",
     "DispatchInputError",
 ]

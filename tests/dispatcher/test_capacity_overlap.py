@@ -226,6 +226,7 @@ def _padded_dispatcher(monkeypatch, world, experts, topk, factor):
     td = EfaTokenDispatcher(experts, list(range(experts)), config,
                             pg_collection=SimpleNamespace(ep=None, expt_tp=None, tp_ep=None))
     td.ep_size, td.num_local_experts = world, experts // world  # as if on an EP group of `world`
+    td._overflow_agreed = True  # no EP group here; the policy agreement runs on real groups
     return td
 
 
@@ -320,6 +321,7 @@ def test_gda_capacity_pad_equals_torch_without_host_sync():
 
 
 def _overflow_worker(rank, world, policy):
+    policy = policy[rank] if isinstance(policy, tuple) else policy
     """A routing map that Megatron's router never makes: rank 1 sends every token to expert 3
     (over capacity). ``error``: every rank raises one line naming rank, expert, count and
     capacity. ``drop``: expert 3's block from rank 1 holds rank 1's first C tokens, in order."""
@@ -363,6 +365,14 @@ def test_capacity_overflow_policies():
     blocks = run_ranks(_overflow_worker, 2, ("drop",), timeout_s=120)
     # expert 3 lives on rank 0 (4 local experts); rank 1's tokens are 1000 + t
     assert blocks == [[1000.0, 1001.0, 1002.0, 1003.0], None], blocks
+
+
+def test_capacity_overflow_policies_must_agree():
+    """Ranks with different EFA_EP_CAPACITY_OVERFLOW raise the same line instead of waiting in
+    a collective that the others never join."""
+    msgs = run_ranks(_overflow_worker, 2, (("error", "drop"),), timeout_s=120)
+    assert msgs[0] == msgs[1], msgs
+    assert "disagree on EFA_EP_CAPACITY_OVERFLOW" in msgs[0] and "'drop' on rank(s) [1]" in msgs[0]
 
 
 def test_capacity_overflow_setting():

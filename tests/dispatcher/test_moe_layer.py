@@ -80,7 +80,7 @@ def _moe_layer_worker(rank, world, transport):
         gate = (top_p * (top_idx == e)).sum(-1, keepdim=True)
         dense = dense + gate * (act(tokens @ w1[e].t()) @ w2[e].t())
     torch.testing.assert_close(out_efa.reshape(-1, HIDDEN), dense, rtol=1e-5, atol=1e-5)
-    return n_params, efa.token_dispatcher.tokens_per_expert.device.type
+    return n_params, efa.token_dispatcher.tokens_per_expert.device.type, efa.token_dispatcher.transport.name
 
 
 def _needs(world, name):
@@ -95,13 +95,19 @@ def _needs(world, name):
     (1, "torch"), (2, "torch"), (4, "torch"),
     _needs(2, "proxy"),  # end to end over libfabric (tcp on loopback)
     (4, "hier"),  # 2 emulated nodes x 2 ranks (network stage: torch, to keep CI short)
+    # auto on an EP group across (emulated) hosts runs hier (network stage: proxy over tcp)
+    pytest.param(4, "auto", id="4-auto", marks=_needs(4, "proxy").marks),
 ])
 def test_efa_layer_bitwise_equals_alltoall(world, transport):
     env = {"proxy": {"EFA_EP_TRANSPORT_OPTIONS": "provider=tcp"},
-           "hier": {"EFA_EP_TRANSPORT_OPTIONS": "node_size=2,network=torch"}}.get(transport, {})
+           "hier": {"EFA_EP_TRANSPORT_OPTIONS": "node_size=2,network=torch"},
+           "auto": {"EFA_EP_NODE_SIZE": "2", "EFA_EP_PROXY_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"},
+           }.get(transport, {})
     results = run_ranks(_moe_layer_worker, world, (transport,), timeout_s=240, env=env)
-    for n_params, tpe_device in results:
+    want = {"auto": "hier"}.get(transport, "torch" if world == 1 else transport)
+    for n_params, tpe_device, ran in results:
         assert n_params >= 3 and tpe_device == "cpu"
+        assert ran == want or (world == 1 and ran == "torch"), (transport, ran)
 
 
 def _roundtrip_worker(rank, world):
