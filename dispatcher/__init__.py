@@ -1,4 +1,5 @@
-"""The Megatron side of efa-ep: what Megatron-Core sees. Knows nothing of libfabric.
+"""``efa_ep.dispatcher`` (this folder, ``dispatcher/``): the Megatron side of efa-ep, what
+Megatron-Core sees. Knows nothing of libfabric.
 
 - :class:`EfaTokenDispatcher`: a ``MoETokenDispatcher`` built for ``moe_token_dispatcher_type="efa"``.
 - :func:`configure` / :class:`DispatcherSettings`: which transport and knobs it uses (defaults
@@ -8,13 +9,13 @@
 
 Megatron is imported lazily: ``import efa_ep.dispatcher`` alone does not import it.
 """
-from efa_ep.dispatcher.registration import EFA_DISPATCHER_TYPE, register_with_megatron  # noqa: F401
-from efa_ep.dispatcher.settings import DispatcherSettings, configure, current_settings  # noqa: F401
+from .registration import EFA_DISPATCHER_TYPE, register_with_megatron  # noqa: F401
+from .settings import DispatcherSettings, configure, current_settings  # noqa: F401
 
 
 def __getattr__(name):
     if name in ("EfaTokenDispatcher", "check_supported"):
-        from efa_ep.dispatcher import token_dispatcher
+        from . import token_dispatcher
 
         return getattr(token_dispatcher, name)
     raise AttributeError(name)

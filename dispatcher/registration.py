@@ -56,8 +56,8 @@ def register_with_megatron(moe_layer_module=None) -> None:
             requested = getattr(config, "moe_token_dispatcher_type", None)
             if not uses_efa(requested):
                 return original_init(self, config, *args, **kwargs)
-            from efa_ep.dispatcher import cpu_compat
-            from efa_ep.dispatcher.token_dispatcher import EfaTokenDispatcher, check_supported
+            from . import cpu_compat
+            from .token_dispatcher import EfaTokenDispatcher, check_supported
 
             check_supported(config)
             cpu_compat.enable()  # no-op where CUDA is available

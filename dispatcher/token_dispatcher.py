@@ -53,9 +53,9 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from efa_ep.dispatcher.settings import capacity_overflow_policy, current_settings
+from .settings import capacity_overflow_policy, current_settings
 # The shared transports live in transport_cache; both names stay importable from here.
-from efa_ep.dispatcher.transport_cache import (  # noqa: F401
+from .transport_cache import (  # noqa: F401
     auto_transport_for_group, clear_transport_cache, get_shared_transport,
 )
 from efa_ep.kernels import Transport
@@ -408,7 +408,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         dist.all_gather_object(policies, self.capacity_overflow, group=self.ep_group)
         if len(set(policies)) > 1:
             by = {p: [r for r, q in enumerate(policies) if q == p] for p in sorted(set(policies))}
-            raise ValueError(f"EP ranks disagree on EFA_EP_CAPACITY_OVERFLOW (drop-and-pad): "
+            raise ValueError("EP ranks disagree on EFA_EP_CAPACITY_OVERFLOW (drop-and-pad): "
                              + "; ".join(f"{p!r} on rank(s) {r}" for p, r in by.items())
                              + "; set the same value on every rank")
         self._overflow_agreed = True

@@ -1,4 +1,5 @@
-"""Transports that move tokens between expert-parallel ranks. Knows nothing of Megatron.
+"""``efa_ep.kernels`` (this folder, ``kernels/``): transports that move tokens between
+expert-parallel ranks. Knows nothing of Megatron.
 
     from efa_ep.kernels import create_transport, available_transports
     t = create_transport(name, group, num_experts, hidden, max_tokens_per_rank, dtype, **options)
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from efa_ep.kernels.base import (  # noqa: F401  (re-exported)
+from .base import (  # noqa: F401  (re-exported)
     DispatchHandle, DispatchInputError, Transport, TransportConfig, TransportError,
     TransportUnavailable, check_group_agreement,
 )

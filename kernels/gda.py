@@ -99,7 +99,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from efa_ep.kernels.base import (
+from .base import (
     STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, Transport,
     TransportError, TransportUnavailable, align_up, describe_status, group_input_error,
     rows_input_error, validate_dispatch_inputs,
@@ -337,7 +337,7 @@ class GdaTransport(Transport):
             raise TransportUnavailable(f"rank {self.rank}: gda is not available: {why}")
         if self.world_size > _MAX_WORLD:
             raise TransportError(f"gda supports up to {_MAX_WORLD} ranks, got {self.world_size}")
-        from efa_ep.kernels import gda_kernels  # triton import stays lazy
+        from . import gda_kernels  # triton import stays lazy
         symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
 
         self._kern = gda_kernels

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, ceil_div
+from .base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, ceil_div
 
 __all__ = [
     "layout", "dispatch_store", "recv_header", "recv_header_fixed", "wait_for_sources", "gather_rows", "combine_store",

@@ -74,7 +74,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from efa_ep.kernels.base import (
+from .base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
     TransportError, agree_on_input, collective_device, compute_send_layout, rows_input_error,
     validate_dispatch_inputs,
@@ -137,7 +137,7 @@ class HierDispatchState(HandleState):
 
 def _hier_option(key: str, value, where: str):
     """``value`` checked against the hier schema (kernels/options.py); one-line TransportError."""
-    from efa_ep.kernels.options import SCHEMAS, ConfigError
+    from .options import SCHEMAS, ConfigError
 
     try:
         return SCHEMAS["hier"][key].convert(value, where)
@@ -160,7 +160,7 @@ class HierTransport(Transport):
 
     def __init__(self, cfg, group):
         super().__init__(cfg, group)
-        from efa_ep.kernels import create_transport
+        from . import create_transport
 
         opts = dict(cfg.options)
         who = f"rank {self.rank}: hier option"
@@ -173,7 +173,7 @@ class HierTransport(Transport):
         local_name = _hier_option("local", opts.get("local", "auto"), who)
         self.aggregate = _hier_option("aggregate", opts.get("aggregate", 1), who)
         if local_name == "auto":
-            from efa_ep.kernels import gda
+            from . import gda
             local_name = "gda" if gda.availability() is None else "torch"
         ranks = [dist.get_global_rank(group, i) for i in range(self.world_size)]
         backend = dist.get_backend(group)

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from efa_ep.kernels.base import align_up
+from .base import align_up
 
 TRANSPORTS_WITH_WINDOWS = ("gda", "proxy", "hier")
 
@@ -33,7 +33,7 @@ def _elem(dtype: torch.dtype) -> int:
 def gda_window_bytes(*, world: int, hidden: int, dtype: torch.dtype, max_tokens_per_rank: int,
                      num_experts: int, max_topk: int = 16) -> int:
     """Bytes of one rank's gda window (``efa_ep.kernels.gda.WindowLayout.total_bytes``)."""
-    from efa_ep.kernels.gda import WindowLayout
+    from .gda import WindowLayout
 
     layout = WindowLayout(world=world, t_max=max_tokens_per_rank,
                           row_bytes=align_up(hidden * _elem(dtype), 16), k_cap=max_topk,
@@ -45,7 +45,7 @@ def proxy_window_bytes(*, world: int, hidden: int, dtype: torch.dtype, max_token
                        num_experts: int, max_topk: int = 8, chunk_bytes: int = 256 << 10) -> int:
     """Bytes of one rank's proxy window (``efa_ep.kernels.proxy.window.WindowLayout``), with the
     default row capacity ``hidden * elem + 16 * max_topk``."""
-    from efa_ep.kernels.proxy.window import WindowLayout
+    from .proxy.window import WindowLayout
 
     row_cap = align_up(hidden * _elem(dtype) + 16 * max_topk, 16)
     return WindowLayout.build(world, num_experts // world, max_tokens_per_rank, row_cap,

@@ -5,6 +5,6 @@ attribute here patches the transport's loader too.
 """
 import sys
 
-from efa_ep.kernels.proxy import native as _native
+from .proxy import native as _native
 
 sys.modules[__name__] = _native

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from efa_ep.kernels.base import (
+from .base import (
     H_AUX, H_D, H_DTYPE, H_K, H_REF, H_ROWS, H_STATUS, OP_HEADER_FIELDS, STATUS_BAD_RECEIVED,
     DispatchHandle, DispatchInputError, HandleState, PeerFailure, ProtocolError, Transport,
     TransportBroken, TransportError, check_received_counts, compute_send_layout, count_sends,

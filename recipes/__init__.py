@@ -1,4 +1,5 @@
-"""NeMo-RL GRPO recipes for the ``efa`` dispatcher, their launcher, and the built-in trainer.
+"""``efa_ep.recipes`` (this folder, ``recipes/``): NeMo-RL GRPO recipes for the ``efa``
+dispatcher, their launcher, and the built-in trainer.
 
 - ``*.yaml`` here and under ``llm/``: recipes in NeMo-RL's GRPO schema (``grpo_tiny_moe_efa.yaml``
   runs anywhere; ``llm/`` holds the p5en production recipes and their ``alltoall`` twins).

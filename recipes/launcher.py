@@ -87,7 +87,7 @@ exit codes: 0 done, 1 a rank failed, 2 a setting is wrong, 130 interrupted (part
 
 
 def _shipped_recipes() -> str:
-    from efa_ep.recipes.config_loader import RECIPES_DIR
+    from .config_loader import RECIPES_DIR
 
     names = sorted(str(q.relative_to(RECIPES_DIR)) for q in RECIPES_DIR.rglob("*.yaml")
                    if "nemo_rl_base" not in q.parts)
@@ -117,7 +117,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 
 def load(args, overrides: List[str]) -> dict:
-    from efa_ep.recipes.config_loader import compose_conf, load_recipe
+    from .config_loader import compose_conf, load_recipe
 
     if args.config:
         return load_recipe(args.config, overrides)
@@ -159,15 +159,15 @@ def _main(args, overrides: List[str]) -> int:
         return 0
     if trainer == "nemo_rl":
         from efa_ep.dispatcher.settings import check_environment
-        from efa_ep.recipes.nemo_rl_ext import run_nemo_rl_grpo, transport_env
+        from .nemo_rl_ext import run_nemo_rl_grpo, transport_env
 
         # The workers run elsewhere (Ray): check the schema here, not availability.
         check_environment(transport_env(cfg), check_available=False)
         run_nemo_rl_grpo(cfg, config_path=args.config, overrides=overrides)
         return 0
     from efa_ep.distributed import RankFailure
-    from efa_ep.recipes.grpo.config import trainer_config
-    from efa_ep.recipes.grpo.trainer import check_before_start, run
+    from .grpo.config import trainer_config
+    from .grpo.trainer import check_before_start, run
 
     tcfg = trainer_config(cfg)
     check_before_start(tcfg)
@@ -228,7 +228,7 @@ def _rank_failed(e, tcfg) -> int:
 
 
 def _last_step(tcfg) -> int:
-    from efa_ep.recipes.grpo.metrics import JSONL_NAME, read_jsonl
+    from .grpo.metrics import JSONL_NAME, read_jsonl
 
     jsonl = os.path.join(tcfg.logger.log_dir, JSONL_NAME)
     rows = read_jsonl(jsonl) if os.path.exists(jsonl) else []
@@ -236,7 +236,7 @@ def _last_step(tcfg) -> int:
 
 
 def _plot_partial(tcfg) -> None:
-    from efa_ep.recipes.grpo.metrics import JSONL_NAME, plot_curves
+    from .grpo.metrics import JSONL_NAME, plot_curves
 
     jsonl = os.path.join(tcfg.logger.log_dir, JSONL_NAME)
     if _last_step(tcfg) and tcfg.logger.plot:

@@ -10,7 +10,7 @@ import ray
 from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 
-from efa_ep.recipes.nemo_rl_ext import install_dispatcher_in_worker
+from .nemo_rl_ext import install_dispatcher_in_worker
 
 
 # Classes decorated with @ray.remote can't be subclassed: extend the Impl, as NeMo-RL's own

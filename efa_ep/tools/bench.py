@@ -72,7 +72,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from efa_ep.tools import bench_stats
+from . import bench_stats
 
 SCHEMA = "efa_ep.bench/2"
 TIMING_MODES = ("single", "steady")
@@ -1035,7 +1035,7 @@ def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: L
     logging.getLogger("megatron").setLevel(logging.ERROR)
     torch.set_num_threads(int(cfg["num_threads"]))
     ctx = _RankContext(rank, world, cfg)
-    from efa_ep.tools.provenance import collect
+    from .provenance import collect
 
     records = []
     try:
@@ -1316,7 +1316,7 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from efa_ep.tools.config import config_names
+    from .config import config_names
 
     parser = argparse.ArgumentParser(
         prog="efa-ep-bench", description=__doc__.split("\n\n")[0],
@@ -1333,7 +1333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     from efa_ep.kernels.options import ConfigError
-    from efa_ep.tools.config import compose
+    from .config import compose
 
     name = args.config_name or ("quick" if args.quick else "default")
     try:

@@ -648,7 +648,7 @@ def run(cfg: Dict[str, Any], *, fault=None, import_paths: Sequence[str] = (),
         assert_equal: bool = False, export_dir: Optional[str] = None, log=print) -> Dict[str, Any]:
     """The whole command minus argument parsing: returns the report dict (also written)."""
     from efa_ep.kernels import available_transports
-    from efa_ep.tools.provenance import collect
+    from .provenance import collect
 
     out_dir = os.path.abspath(cfg["out_dir"])
     os.makedirs(out_dir, exist_ok=True)
@@ -703,7 +703,7 @@ def _flip_text(r) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from efa_ep.tools.config import config_names
+    from .config import config_names
 
     parser = argparse.ArgumentParser(
         prog="efa-ep-loss-match",
@@ -740,7 +740,7 @@ output: <out_dir>/loss_match.json (every loss, the comparisons, provenance) and
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     from efa_ep.kernels.options import ConfigError
-    from efa_ep.tools.config import compose
+    from .config import compose
 
     try:
         cfg = compose("loss_match", args.config_name, args.overrides)

@@ -10,9 +10,7 @@ One concern per module, read top to bottom along a token's path:
 - ``native.py``: the one ctypes boundary to the C engine (``kernels/native/``).
 """
 from . import native
-from .options import HMEM_AUTO_PROVIDERS as _HMEM_AUTO_PROVIDERS
 from .options import ProxyOptions, default_provider, resolve_options
-from .ring import HostPtr as _HostPtr
 from .ring import describe_messages
 from .transport import ProxyTransport, availability
 

@@ -19,7 +19,8 @@ when no other channel gives it; the schema in ``kernels/options.py`` names each 
         FI_HMEM; raises at construction, naming the verb, if this libfabric cannot register CUDA
         memory: Debian's 1.17 build cannot, the AWS EFA installer's can).
     producer (EFA_EP_PROXY_PRODUCER): who writes descriptors: ``torch`` (host), ``triton`` (a
-        kernel into the pinned ring) or ``auto`` (triton for CUDA inputs when importable).
+        kernel into the pinned ring) or ``auto`` (the native host producer: every round syncs
+        the stream before posting, so a kernel saves nothing and costs launches).
 
 Test-only, on one rank, never part of the agreement check (so read here, not an option):
 EFA_EP_PROXY_TAMPER=<kind>.

@@ -225,7 +225,7 @@ class ProxyTransport(Transport):
     def _start_engine(self) -> None:
         if self.provider.split(";")[0] == "shm":
             # segments of killed processes (SIGKILL skips the provider's unlink) go first
-            from efa_ep.kernels.shm_segments import remove_stale_segments
+            from ..shm_segments import remove_stale_segments
 
             remove_stale_segments()
         rss0 = _rss_bytes()

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from efa_ep.recipes.grpo.algorithm import clipped_pg_loss, grpo_advantages
-from efa_ep.recipes.grpo.config import TrainerConfig
-from efa_ep.recipes.grpo.task import EOS, PAD, VOCAB_SIZE, make_task
+from .algorithm import clipped_pg_loss, grpo_advantages
+from .config import TrainerConfig
+from .task import EOS, PAD, VOCAB_SIZE, make_task
 
 # Summed over microbatches and ranks (each is a share of the global mean); the rest min/max.
 _SHARE_METRICS = ("loss", "actor_loss", "kl_penalty", "probs_ratio", "probs_ratio_clamped",
@@ -175,7 +175,7 @@ def quiet_megatron() -> Optional[str]:
 def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
     import signal
 
-    from efa_ep.recipes.grpo.config import trainer_config
+    from .config import trainer_config
 
     # Ctrl-C reaches every process of the terminal's group; the launcher alone handles it (it
     # stops the ranks, then writes the partial run's plot), so ranks do not die mid-collective
@@ -395,7 +395,7 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
     log.metrics.close()
     png = None
     if cfg.logger.plot:
-        from efa_ep.recipes.grpo.metrics import plot_curves
+        from .metrics import plot_curves
 
         png = plot_curves(log.metrics.jsonl_path)
     return _summary(history, wall, log.metrics.jsonl_path, png)
@@ -429,7 +429,7 @@ class _RankZeroLog:
         self.progress = cfg.logger.progress_bar
         self.metrics = None
         if is_main:
-            from efa_ep.recipes.grpo.metrics import MetricsLogger
+            from .metrics import MetricsLogger
 
             self.metrics = MetricsLogger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled)
 
@@ -548,7 +548,7 @@ def run(cfg_dict: dict, log: Callable[[str], None] = print) -> dict:
         RankFailure: a rank failed (its error and traceback inside).
     """
     from efa_ep.distributed import run_ranks
-    from efa_ep.recipes.grpo.config import trainer_config
+    from .config import trainer_config
 
     cfg = trainer_config(cfg_dict)  # validate before spawning
     check_before_start(cfg)

@@ -1,4 +1,4 @@
-"""``efa-ep-plan``: a calibrated cost model that says whether an MoE training job on
+"""``efa_ep.tools.plan`` (``efa-ep-plan``): a calibrated cost model that says whether an MoE training job on
 p5/p5en/p6 should use the ``efa`` dispatcher (``gda`` inside a node, ``proxy`` with K channels
 across nodes) or Megatron's ``alltoall``/``allgather``, before renting the cluster.
 
@@ -7,4 +7,4 @@ its provenance), :mod:`.presets` (model/fabric sources and the seeds' EFA figure
 :mod:`.calibrate` (fit from bench records, held-out check), :mod:`.report` (tables, JSON,
 PNG), :mod:`.cli` (the console script).
 """
-from efa_ep.tools.plan.model import Fig, Inputs, choose_transport, make_plan  # noqa: F401
+from .model import Fig, Inputs, choose_transport, make_plan  # noqa: F401

@@ -30,8 +30,8 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from efa_ep.tools.plan.model import DTYPE_BYTES, Fig, p_rank
-from efa_ep.tools.plan.presets import seed_efa
+from .model import DTYPE_BYTES, Fig, p_rank
+from .presets import seed_efa
 
 SCHEMA = "efa_ep.plan.calibration/1"
 NVLINK4_GBPS = 450.0   # H200 NVLink 4, GB/s per direction (NVIDIA spec: 900 GB/s bidirectional)
@@ -73,7 +73,7 @@ def dc_bytes(tokens: int, hidden: int, num_experts: int, topk: int, ep: int, dty
 
 def _rel(path: str) -> str:
     """``path`` relative to the repository root when inside it (stable names in shipped files)."""
-    from efa_ep.tools.provenance import repo_root
+    from ..provenance import repo_root
 
     ap, root = os.path.abspath(path), repo_root()
     return os.path.relpath(ap, root) if ap.startswith(root + os.sep) else ap
@@ -383,7 +383,7 @@ def read(path: str) -> Dict[str, Fig]:
     missing = sorted(set(PARAMS) - set(params))
     if missing:
         raise ValueError(f"{path}: calibration lacks {missing}; rebuild it with `efa-ep-plan calibrate`")
-    from efa_ep.tools.provenance import repo_root
+    from ..provenance import repo_root
 
     ap, root = os.path.abspath(path), repo_root()
     name = os.path.relpath(ap, root) if ap.startswith(root + os.sep) else ap

@@ -20,10 +20,10 @@ import os
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from efa_ep.tools.plan import calibrate as cal_mod
-from efa_ep.tools.plan import report
-from efa_ep.tools.plan.model import Fig, Inputs, make_plan
-from efa_ep.tools.plan.presets import FABRICS, MODELS
+from . import calibrate as cal_mod
+from . import report
+from .model import Fig, Inputs, make_plan
+from .presets import FABRICS, MODELS
 
 _MODEL_KEYS = ("hidden", "num_experts", "topk", "moe_layers", "moe_ffn_hidden", "seq_length", "micro_batch", "dtype")
 _PLAN_KEYS = ("nodes", "gpus_per_node", "ep", "tp", "tokens_per_rank", "micro_batches_per_step", "gemm_efficiency",
@@ -31,7 +31,7 @@ _PLAN_KEYS = ("nodes", "gpus_per_node", "ep", "tp", "tokens_per_rank", "micro_ba
 
 
 def repo_root() -> str:
-    from efa_ep.tools.provenance import repo_root as rr
+    from ..provenance import repo_root as rr
 
     return rr()
 
@@ -135,7 +135,7 @@ def shipped_counts() -> str:
 
 
 def counts_main(argv: Sequence[str]) -> int:
-    from efa_ep.tools.plan import counts as counts_mod
+    from . import counts as counts_mod
 
     p = argparse.ArgumentParser(
         prog="efa-ep-plan counts",
@@ -167,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "counts":
         return counts_main(argv[1:])
     if argv and argv[0] == "memory":
-        from efa_ep.tools.plan.memory import main as memory_main
+        from .memory import main as memory_main
 
         return memory_main(argv[1:])
     p = argparse.ArgumentParser(
@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config-name", default="default", help="conf/plan/<name>.yaml (default: default)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    from efa_ep.tools.config import compose
+    from ..config import compose
 
     try:
         cfg = compose("plan", a.config_name, a.overrides)

@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from efa_ep.tools.plan.model import DTYPE_BYTES, hier_net
+from .model import DTYPE_BYTES, hier_net
 
 ROUTE_MODEL = "uniform"
 FIELDS = ("messages", "rows", "bytes")

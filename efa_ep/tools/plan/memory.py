@@ -69,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--pad-mode", action="store_true", help="drop-and-pad sizing (max_topk = experts)")
     p.add_argument("--json", help="also write the rows here")
     a = p.parse_args(argv)
-    from efa_ep.tools.config import compose
+    from ..config import compose
 
     try:
         if a.max_tokens_per_rank < 1 or a.node_size < 1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from efa_ep.tools.plan.model import Fig
+from .model import Fig
 
 SEED_STUDY = "seed 'DeepEP on AWS EFA' (2x p5en.48xlarge, Qwen3-30B-A3B EP16)"
 

@@ -5,7 +5,7 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from efa_ep.tools.plan.model import Fig, Inputs, Plan, make_plan
+from .model import Fig, Inputs, Plan, make_plan
 
 _TAG = {"measured": "M", "derived": "D", "assumed": "A"}
 
