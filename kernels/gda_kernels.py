@@ -184,6 +184,20 @@ def _token_ranks(topk_idx_ptr, t, tmask, num_topk, num_experts, num_local, W_PAD
     return ids, m, valid, is_in
 
 
+@triton.jit
+def _count_and_check(num_per_expert_ptr, topk_w_ptr, ids, m, valid, t, num_topk, num_experts,
+                     K_PAD: tl.constexpr, BAD_ID: tl.constexpr, BAD_WEIGHT: tl.constexpr):
+    """Adds the tokens' valid (token, expert) pairs to the per-expert counts (integers: atomic
+    order cannot change them) and returns their status bits (bad id, NaN/Inf weight)."""
+    tl.atomic_add(num_per_expert_ptr + tl.where(valid, ids, 0), tl.full(ids.shape, 1, tl.int64),
+                  mask=valid, sem="relaxed")
+    w = tl.load(topk_w_ptr + t[:, None] * num_topk + tl.arange(0, K_PAD)[None, :], mask=m,
+                other=0.0)
+    bad_id = tl.max(((ids < -1) | (ids >= num_experts)).to(tl.int64))
+    bad_w = tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int64))
+    return (bad_id * BAD_ID) | (bad_w * BAD_WEIGHT)
+
+
 # -------------------------------------------------------------------------------------------
 # 1. Layout (two launches over token blocks; deterministic prefix sums, no ordering atomics)
 # -------------------------------------------------------------------------------------------
@@ -207,14 +221,8 @@ def _layout_count_kernel(
                                         W_PAD, K_PAD)
     r = tl.arange(0, W_PAD)
     tl.store(block_counts_ptr + b * W + r, tl.sum(is_in, axis=0), mask=r < W)
-    # Per-expert counts are integers: atomic order cannot change them.
-    tl.atomic_add(num_per_expert_ptr + tl.where(valid, ids, 0), tl.full(ids.shape, 1, tl.int64),
-                  mask=valid, sem="relaxed")
-    w = tl.load(topk_w_ptr + t[:, None] * num_topk + tl.arange(0, K_PAD)[None, :], mask=m,
-                other=0.0)
-    bad_id = tl.max(((ids < -1) | (ids >= num_experts)).to(tl.int64))
-    bad_w = tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int64))
-    st = (bad_id * BAD_ID) | (bad_w * BAD_WEIGHT)
+    st = _count_and_check(num_per_expert_ptr, topk_w_ptr, ids, m, valid, t, num_topk,
+                          num_experts, K_PAD, BAD_ID, BAD_WEIGHT)
     if st != 0:
         tl.atomic_or(status_ptr, st, sem="relaxed")
 
@@ -290,13 +298,8 @@ def _layout_small_kernel(
     e = tl.arange(0, E_PAD)
     tl.store(num_per_expert_ptr + e, tl.zeros([E_PAD], dtype=tl.int64), mask=e < num_experts)
     tl.debug_barrier()  # the zeros land before this program's own atomics below
-    tl.atomic_add(num_per_expert_ptr + tl.where(valid, ids, 0), tl.full(ids.shape, 1, tl.int64),
-                  mask=valid, sem="relaxed")
-    w = tl.load(topk_w_ptr + t[:, None] * num_topk + tl.arange(0, K_PAD)[None, :], mask=m,
-                other=0.0)
-    bad_id = tl.max(((ids < -1) | (ids >= num_experts)).to(tl.int64))
-    bad_w = tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int64))
-    tl.store(status_ptr, (bad_id * BAD_ID) | (bad_w * BAD_WEIGHT))
+    tl.store(status_ptr, _count_and_check(num_per_expert_ptr, topk_w_ptr, ids, m, valid, t,
+                                          num_topk, num_experts, K_PAD, BAD_ID, BAD_WEIGHT))
 
 
 # -------------------------------------------------------------------------------------------
