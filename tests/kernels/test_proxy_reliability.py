@@ -421,6 +421,9 @@ def _dead_or_absent_rank(rank, world, mode, timeout_s):
                          timeout_s=timeout_s)
     idx = torch.tensor([[0, 3], [2, 1]], dtype=torch.int64)
     t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))  # one good round first
+    # ...finished on both ranks: rank 1 may finish receiving while rank 0 still waits for its
+    # own writes' completions, and a death then would hit that round, not the next call
+    torch.distributed.barrier()
     if rank == 1:
         if mode == "killed":
             os._exit(0)  # dies without closing anything
