@@ -46,6 +46,8 @@ if _ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from efa_ep.tools.provenance import cpu_model  # noqa: E402
+
 
 def _summary(vals):
     vals = sorted(vals)
@@ -303,17 +305,6 @@ def _plot(records, path):
     fig.savefig(path, dpi=110)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (JSON + PNG)")
@@ -363,7 +354,7 @@ def main(argv=None):
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
             "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "cpu_model": _cpu_model(),
+            "cpu_model": cpu_model(),
             "load_avg": os.getloadavg(), "libfabric": "system (Debian 1.17)" if not os.path.isdir("/opt/amazon/efa") else "/opt/amazon/efa",
             "spin_us_single_engine": 1_000_000}
     with open(os.path.join(args.out, "bench_proxy.json"), "w") as f:
