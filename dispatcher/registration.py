@@ -45,12 +45,7 @@ def register_with_megatron(moe_layer_module=None) -> None:
     """
     if moe_layer_module is None:
         moe_layer_module = importlib.import_module(_MOE_LAYER_MODULE)
-    layer_cls = moe_layer_module.MoELayer
-    with _lock:
-        if getattr(layer_cls.__init__, "_efa_ep_wrapped", False):
-            return
-        original_init = layer_cls.__init__
-
+    def wrap(original_init):
         @functools.wraps(original_init)
         def __init__(self, config, *args, **kwargs):
             requested = getattr(config, "moe_token_dispatcher_type", None)
@@ -76,9 +71,9 @@ def register_with_megatron(moe_layer_module=None) -> None:
                 pg_collection=pg_collection)
             if self.shared_experts is not None and self.shared_expert_overlap:
                 self.token_dispatcher.set_shared_experts(self.shared_experts)
+        return __init__
 
-        __init__._efa_ep_wrapped = True
-        layer_cls.__init__ = __init__
+    _wrap_once(moe_layer_module.MoELayer, "__init__", wrap)
 
 
 def register_config_validation(config_module=None) -> None:
@@ -87,12 +82,7 @@ def register_config_validation(config_module=None) -> None:
     Idempotent."""
     if config_module is None:
         config_module = importlib.import_module(_CONFIG_MODULE)
-    cls = config_module.TransformerConfig
-    with _lock:
-        if getattr(cls.__post_init__, "_efa_ep_wrapped", False):
-            return
-        original = cls.__post_init__
-
+    def wrap(original):
         @functools.wraps(original)
         def __post_init__(self, *args, **kwargs):
             requested = getattr(self, "moe_token_dispatcher_type", None)
@@ -103,9 +93,20 @@ def register_config_validation(config_module=None) -> None:
                 return original(self, *args, **kwargs)
             finally:
                 self.moe_token_dispatcher_type = requested
+        return __post_init__
 
-        __post_init__._efa_ep_wrapped = True
-        cls.__post_init__ = __post_init__
+    _wrap_once(config_module.TransformerConfig, "__post_init__", wrap)
+
+
+def _wrap_once(cls, name: str, wrap) -> None:
+    """Replaces ``cls.<name>`` by ``wrap(original)`` unless that was done already (marked)."""
+    with _lock:
+        original = getattr(cls, name)
+        if getattr(original, "_efa_ep_wrapped", False):
+            return
+        wrapped = wrap(original)
+        wrapped._efa_ep_wrapped = True
+        setattr(cls, name, wrapped)
 
 
 _HOOKS = {_MOE_LAYER_MODULE: register_with_megatron, _CONFIG_MODULE: register_config_validation}
