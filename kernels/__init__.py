@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .base import (  # noqa: F401  (re-exported)
-    DispatchHandle, DispatchInputError, Transport, TransportConfig, TransportError,
-    TransportUnavailable, check_group_agreement,
+    DispatchHandle, DispatchInputError, TooManyTokensError, Transport, TransportConfig,
+    TransportError, TransportUnavailable, check_group_agreement,
 )
 
 
@@ -170,5 +170,5 @@ __all__ = [
     "create_transport", "available_transports", "transport_status", "resolve_transport_name",
     "auto_choice", "ranks_per_node",
     "Transport", "TransportConfig", "DispatchHandle", "TransportError", "TransportUnavailable",
-    "DispatchInputError",
+    "DispatchInputError", "TooManyTokensError",
 ]

@@ -48,11 +48,14 @@ regular ``dispatch`` (one host sync, for the counts) and copies the rows into th
 Errors. Every operation is collective, and a rank that finds bad input still takes part in the
 operation's status exchange (:func:`exchange_status`) with its error set, so every rank raises
 the same :class:`DispatchInputError`, naming the offending rank, the tensor and what was
-expected, before any row moves; the transport stays usable. A deadline, a dead peer
-(:class:`PeerFailure`) or received data that fails validation (:class:`ProtocolError`) breaks
-the transport on the ranks that see it; later calls raise :class:`TransportBroken` carrying the
-original error. Everything received is validated before use (:func:`check_received_counts`,
-:func:`received_metadata_errors`).
+expected, before any row moves; the transport stays usable. When every offending rank's only
+fault is more tokens than T_MAX, the error is a :class:`TooManyTokensError` carrying how many
+each passed, so a caller can enlarge the windows and replay (the efa dispatcher's ``grow``
+policy; gda's other ranks learn no text and see a plain :class:`DispatchInputError`). A
+deadline, a dead peer (:class:`PeerFailure`) or received data that fails validation
+(:class:`ProtocolError`) breaks the transport on the ranks that see it; later calls raise
+:class:`TransportBroken` carrying the original error. Everything received is validated
+before use (:func:`check_received_counts`, :func:`received_metadata_errors`).
 
 What every transport shares from here (one definition each):
 
@@ -74,7 +77,8 @@ import abc
 import dataclasses
 import functools
 import itertools
-from typing import Callable, Optional
+import re
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -91,7 +95,34 @@ class TransportUnavailable(TransportError):
 class DispatchInputError(TransportError, ValueError):
     """A rank passed tensors that break the contract (shape, dtype, expert range, NaN).
 
-    The transport stays usable: the operation was refused on every rank before any row moved."""
+    The transport stays usable: the operation was refused on every rank before any row moved.
+
+    Attributes:
+        messages: ``{offending rank: its own words, or None where this rank cannot know them}``
+            when the error is a group's (:func:`group_input_error`); None otherwise (e.g. ranks
+            that disagree on K, or a check on this rank only).
+    """
+
+    messages: Optional[dict] = None
+
+
+class TooManyTokensError(DispatchInputError):
+    """Every offending rank of the EP group passed more tokens than the transport's
+    ``max_tokens_per_rank`` (T_MAX), and nothing else is known to be wrong: the windows are too
+    small for this call. Raised by :func:`group_input_error`, so on every rank with the same
+    message wherever the offending ranks' words reach every rank (``torch``, ``proxy``,
+    ``hier``); ``gda``'s window header carries no text, so its other ranks raise a plain
+    :class:`DispatchInputError` naming the rank.
+
+    Attributes:
+        needed: ``{offending rank: its T}`` (tokens of its ``x``).
+        max_tokens_per_rank: the refusing transport's T_MAX.
+    """
+
+    def __init__(self, message: str, needed: dict, max_tokens_per_rank: int):
+        super().__init__(message)
+        self.needed = dict(needed)
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
 
 
 class ProtocolError(TransportError):
@@ -410,9 +441,7 @@ def validate_dispatch_inputs(
         return f"{who}: x must be {cfg.dtype} (the transport's dtype), got {x.dtype}"
     t = x.shape[0]
     if t > cfg.max_tokens_per_rank:
-        return (f"{who}: x has {t} tokens > max_tokens_per_rank={cfg.max_tokens_per_rank}; "
-                f"create the transport with a larger max_tokens_per_rank "
-                f"(Megatron dispatcher: EFA_EP_MAX_TOKENS_PER_RANK)")
+        return too_many_tokens_message(rank, t, cfg.max_tokens_per_rank)
     if topk_idx.dim() != 2 or topk_idx.shape[0] != t:
         return f"{who}: topk_idx must be [{t}, K], got {tuple(topk_idx.shape)}"
     if topk_idx.dtype != torch.int64:
@@ -485,10 +514,34 @@ def rows_input_error(rank: int, what: str, t, num_rows: int, *, width: Optional[
     return None
 
 
+def too_many_tokens_message(rank: int, tokens: int, max_tokens_per_rank: int) -> str:
+    """The words of a rank whose ``x`` has more rows than T_MAX; every transport's dispatch
+    check (:func:`validate_dispatch_inputs`) says it this way, and :func:`parse_too_many_tokens`
+    reads it back from the text that reached a peer (``proxy`` carries only text)."""
+    return (f"rank {rank}: x has {tokens} tokens > max_tokens_per_rank={max_tokens_per_rank}; "
+            f"create the transport with a larger max_tokens_per_rank (Megatron dispatcher: "
+            f"EFA_EP_MAX_TOKENS_PER_RANK, or EFA_EP_CAPACITY_OVERFLOW=grow)")
+
+
+_TOO_MANY_TOKENS = re.compile(r"rank (\d+): x has (\d+) tokens > max_tokens_per_rank=(\d+);")
+
+
+def parse_too_many_tokens(message: Optional[str]) -> Optional[Tuple[int, int, int]]:
+    """``(rank, tokens, max_tokens_per_rank)`` when ``message`` is
+    :func:`too_many_tokens_message`'s (its start survives a peer's truncation), else None."""
+    m = _TOO_MANY_TOKENS.match(message) if isinstance(message, str) else None
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
 def group_input_error(tag: str, messages) -> DispatchInputError:
     """The one error every rank of the EP group raises when ranks passed invalid input:
     ``"<tag> refused on every rank of the EP group: invalid input on rank(s) [r, ...]: <each
     offending rank's own words>"``. The caller raises it (the transport stays usable).
+
+    A :class:`TooManyTokensError` (its ``needed`` says how many tokens each offending rank
+    passed) when every offending rank's words are known here and each is
+    :func:`too_many_tokens_message`'s; else a :class:`DispatchInputError`. Either carries
+    ``messages``.
 
     Args:
         tag: the operation, e.g. ``"dispatch #3"`` or ``"proxy combine"``.
@@ -498,8 +551,16 @@ def group_input_error(tag: str, messages) -> DispatchInputError:
     bad = sorted(messages)
     words = "; ".join(messages[r] or f"rank {r}: invalid input (its own error names the tensor)"
                       for r in bad)
-    return DispatchInputError(f"{tag} refused on every rank of the EP group: invalid input on "
-                              f"rank(s) {bad}: {words}")
+    text = f"{tag} refused on every rank of the EP group: invalid input on rank(s) {bad}: {words}"
+    parsed = {r: parse_too_many_tokens(messages[r]) for r in bad}
+    if bad and all(parsed.values()):
+        err: DispatchInputError = TooManyTokensError(
+            text, needed={r: p[1] for r, p in parsed.items()},
+            max_tokens_per_rank=max(p[2] for p in parsed.values()))
+    else:
+        err = DispatchInputError(text)
+    err.messages = dict(messages)
+    return err
 
 
 def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None) -> None:
@@ -991,9 +1052,10 @@ def nbytes_of(dtype: torch.dtype) -> int:
 __all__ = [
     "Transport", "TransportConfig", "DispatchHandle", "HandleState", "FixedLayoutState",
     "NetOpCounts", "NetCounter", "SendLayout", "TransportError", "TransportUnavailable",
-    "DispatchInputError", "ProtocolError", "PeerFailure", "TransportBroken",
+    "DispatchInputError", "TooManyTokensError", "ProtocolError", "PeerFailure", "TransportBroken",
     "compute_send_layout", "count_sends", "validate_dispatch_inputs", "value_error_flags",
-    "describe_value_errors", "rows_input_error", "group_input_error", "agree_on_input",
+    "describe_value_errors", "rows_input_error", "group_input_error", "too_many_tokens_message",
+    "parse_too_many_tokens", "agree_on_input",
     "check_group_agreement", "reduce_rows_by_rank", "collective_device", "exchange_status",
     "new_op_header", "dtype_code", "check_received_counts", "received_metadata_errors",
     "ranks_in_mask", "OP_CODES", "OP_HEADER_FIELDS", "H_STATUS", "H_OP", "H_SEQ", "H_K", "H_D",
