@@ -184,10 +184,11 @@ def bench_gpu_roundtrip(provider: str, iters: int):
     return out
 
 
-def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off"):
+def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off",
+              torch_staging=False):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route as make_route
 
     torch.set_num_threads(1)
     hidden, experts, topk = 7168, 256, 8
@@ -196,28 +197,36 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
         ref = create_transport("torch", None, experts, hidden, tokens, torch.bfloat16)
         px = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
                               provider=provider, num_channels=num_channels, hmem=hmem)
+        arms = [("proxy", px), ("torch", ref)]
+        if torch_staging:  # the same transport with its CUDA device work as torch ops
+            px_t = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
+                                    provider=provider, num_channels=num_channels, hmem=hmem)
+            px_t.device_kernels = False
+            arms.append(("proxy_torch_staging", px_t))
         idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         if device != "cpu":
             x, idx, w = x.to(device), idx.to(device), w.to(device)
         # correctness before timing (a failed check voids the cell)
-        r, p = ref.dispatch(x, idx, w), px.dispatch(x, idx, w)
-        ok = all(torch.equal(a.cpu().view(torch.uint8) if a.dtype == torch.bfloat16 else a.cpu(),
-                             b.cpu().view(torch.uint8) if b.dtype == torch.bfloat16 else b.cpu())
-                 for a, b in zip(r[:4], p[:4]))
-        ok = ok and torch.equal(ref.combine(r[0], r[4]).cpu().view(torch.uint8),
-                                px.combine(p[0], p[4]).cpu().view(torch.uint8))
-        times = {"proxy": [], "torch": []}
-        cpu = {"proxy": [], "torch": []}  # this rank's main-thread CPU time (load-robust)
+        r, ok = ref.dispatch(x, idx, w), True
+        want = ref.combine(r[0], r[4]).cpu().view(torch.uint8)
+        for t in [t for _, t in arms if t is not ref]:  # every proxy arm
+            p = t.dispatch(x, idx, w)
+            ok = ok and all(torch.equal(a.cpu().view(torch.uint8) if a.dtype == torch.bfloat16 else a.cpu(),
+                                        b.cpu().view(torch.uint8) if b.dtype == torch.bfloat16 else b.cpu())
+                            for a, b in zip(r[:4], p[:4]))
+            ok = ok and torch.equal(want, t.combine(p[0], p[4]).cpu().view(torch.uint8))
+        times = {a: [] for a, _ in arms}
+        cpu = {a: [] for a, _ in arms}  # this rank's main-thread CPU time (load-robust)
         host = []  # proxy: wall time outside the engine's blocking waits
         waited = _wait_clock(px)
         for _ in range(3):  # warm-up: first-touch of outputs, allocator, connections
-            for t in (px, ref):
+            for _, t in arms:
                 o = t.dispatch(x, idx, w)
                 t.combine(o[0], o[4])
         for it in range(iters):
-            # interleave the arms (ratios, not absolutes, on a shared machine)
-            for arm, t in (("proxy", px), ("torch", ref)) if it % 2 == 0 else (("torch", ref), ("proxy", px)):
+            # interleave the arms, rotated per iteration (ratios, not absolutes, on a shared machine)
+            for arm, t in arms[it % len(arms):] + arms[:it % len(arms)]:
                 dist.barrier()
                 w0 = waited()
                 t0, c0 = time.perf_counter(), time.thread_time()
@@ -230,14 +239,16 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
                 if arm == "proxy":
                     host.append(times[arm][-1] - (waited() - w0))
         stats = px.stats()
-        px.close()
+        for _, t in arms:
+            if t is not ref:
+                t.close()
         res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "cpu": cpu,
                     "host": host, "stats": stats})
     return res
 
 
 def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
-              hmem: str = "off", starts: int = 1):
+              hmem: str = "off", starts: int = 1, torch_staging: bool = False):
     """Each start is a fresh pair of rank processes (new transports); every figure is the
     slowest (or larger) rank per iteration, pooled over all iterations of all starts, plus
     each start's median."""
@@ -246,7 +257,8 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
     if provider == "tcp":
         env["FI_PROVIDER"] = "tcp"
-    runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem),
+    runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem,
+                                     torch_staging),
                       timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
@@ -256,7 +268,7 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
                "starts": starts, "iters_per_start": iters,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}
-        for arm in ("proxy", "torch"):
+        for arm in runs[0][0][i]["times"]:
             series[arm] = [[max(r[i]["times"][arm][j] for r in pr) * 1e3 for j in range(iters)] for pr in runs]
             # main-thread CPU time per D+C (includes the native waits' spinning), the larger rank
             series[arm + "_cpu"] = [[max(r[i]["cpu"][arm][j] for r in pr) * 1e3 for j in range(iters)]
@@ -269,6 +281,9 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
             rec[key + "_spread_ms"] = {"median_of_starts": statistics.median(meds),
                                        "min_of_starts": min(meds), "max_of_starts": max(meds)}
         rec["proxy_over_torch"] = rec["proxy_ms"]["median"] / rec["torch_ms"]["median"]
+        if "proxy_torch_staging_ms" in rec:
+            rec["proxy_over_torch_staging"] = (rec["proxy_ms"]["median"]
+                                               / rec["proxy_torch_staging_ms"]["median"])
         rec["proxy_stats_rank0"] = runs[-1][0][i]["stats"]
         out.append(rec)
     return out
@@ -322,6 +337,9 @@ def main(argv=None):
     ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")
+    ap.add_argument("--torch-staging", action="store_true",
+                    help="CUDA inputs: also the proxy with its device work as torch ops (the path "
+                         "before the device kernels), interleaved in the same ranks")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a")
     ap.add_argument("--profiles", default="decode,prefill",
                     help="dispatch+combine profiles to run (comma list of decode, prefill)")
@@ -344,13 +362,15 @@ def main(argv=None):
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
             records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
-                                 args.starts)
+                                 args.starts, args.torch_staging)
             for r in records[-len(profiles):]:
                 print(f"[bench_proxy] {prov} {r['profile']}: proxy D+C {r['proxy_ms']['median']:.3f} ms "
                       f"[p10 {r['proxy_ms']['p10']:.3f}, p90 {r['proxy_ms']['p90']:.3f}] (host part "
                       f"{r['proxy_host_ms']['median']:.3f} ms), torch/gloo {r['torch_ms']['median']:.3f} ms, "
                       f"proxy/torch {r['proxy_over_torch']:.2f}, starts {r['starts']} x {r['iters_per_start']}, "
-                      f"bit-identical {r['bit_identical_to_torch']}", flush=True)
+                      f"bit-identical {r['bit_identical_to_torch']}"
+                      + (f", torch-staged proxy {r['proxy_torch_staging_ms']['median']:.3f} ms"
+                         if "proxy_torch_staging_ms" in r else ""), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
             "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

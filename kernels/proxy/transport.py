@@ -109,6 +109,14 @@ def _group_local_address() -> str:
         return ""
 
 
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -124,10 +132,15 @@ class ProxyHandleState(HandleState):
     Attributes:
         owner: the transport object that made it (:class:`~efa_ep.kernels.base.HandleState`).
         send_token_idx_cpu: ``[S]`` int64 CPU, the handle's ``send_token_idx`` on the host (the
-            handle keeps it on x's device too), for CPU rows without a device copy.
+            handle keeps it on x's device too), for CPU rows without a device copy; None when
+            the layout ran on the device (the device path of a CUDA dispatch).
+        slot_TW: ``[T, W]`` int64 on x's device, the row of token t in its block to rank r (-1:
+            not sent), from the device layout; None on the host path. Combine's device
+            reduction reads it.
     """
 
-    send_token_idx_cpu: torch.Tensor
+    send_token_idx_cpu: Optional[torch.Tensor]
+    slot_TW: Optional[torch.Tensor] = None
 
 
 class ProxyTransport(Transport):
@@ -203,6 +216,12 @@ class ProxyTransport(Transport):
             ("check", self._meta_check), ("red_rows", self._red_rows), ("red_n", self._red_n),
             ("red_idx", self._red_idx), ("slot", self._slot_buf), ("counts_L", self._counts_L))}
         self._net = NetCounter()
+        # CUDA inputs on a host window: layout, packing, receive and reduction run as kernels
+        # (device.py) when triton is importable. False forces the torch ops around the host
+        # layout (tests and benchmarks compare both); "always" runs the kernels for CPU inputs
+        # too (tests, under the Triton interpreter).
+        self.device_kernels = _triton_importable()
+        self._reads_done = None  # CUDA event: the last op's kernels finished reading host buffers
         self.engine = None
         self.gen = 0
         self.bind_address = ""
@@ -392,6 +411,7 @@ class ProxyTransport(Transport):
         operation handed to the wire (:attr:`last_op_counts`), also when it raised."""
         before = dict(self.wire.posted)
         try:
+            self._wait_reads()
             return fn(*args)
         except (DispatchInputError, GroupError):
             raise
@@ -470,6 +490,8 @@ class ProxyTransport(Transport):
     def _dispatch(self, x, topk_idx, topk_weights):
         cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire
         dev = x.device
+        if self._device_path(x):
+            return self._dispatch_device(x, topk_idx, topk_weights)
         error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights))
         route = None
         if error is None:
@@ -597,6 +619,148 @@ class ProxyTransport(Transport):
                     or f"rank {self.rank}: the routing layout failed ({s}, flags {int(flags[0])})")
         return send_idx[:s], meta[:s * 2 * k].reshape(s, 2 * k), num_send.tolist(), counts
 
+    # Device path: CUDA inputs on a host window (kernels in device.py) ------------------------
+    def _device_path(self, x) -> bool:
+        """Whether a CUDA call runs its device work as the kernels of ``device.py`` (one
+        synchronization per op) rather than as torch ops around host-side layout and reduction:
+        CUDA input, a host window, rows of whole 16-byte units in one round."""
+        return (bool(self.device_kernels) and isinstance(x, torch.Tensor)
+                and (x.is_cuda or self.device_kernels == "always")
+                and not self.window.is_cuda and x.dim() == 2
+                and (x.shape[1] * x.element_size()) % 16 == 0
+                and x.shape[1] * x.element_size() <= self.row_cap)
+
+    def _wait_reads(self) -> None:
+        """The previous op's kernels have finished reading the receive window and the pinned
+        buffers (so a header may let peers overwrite it, and the host may rewrite them)."""
+        if self._reads_done is not None:
+            self._reads_done.synchronize()
+            self._reads_done = None
+
+    @staticmethod
+    def _sync(dev: torch.device) -> None:
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+
+    def _record_reads(self, dev: torch.device) -> None:
+        if dev.type != "cuda":
+            return  # CPU kernels (interpreter) have finished when they return
+        ev = self._buffers.get(("event", str(dev)))
+        if ev is None:
+            ev = self._buffers[("event", str(dev))] = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        self._reads_done = ev
+
+    def _src_ptrs(self, dev: torch.device) -> torch.Tensor:
+        """``[W]`` int64 on ``dev``: the address of plane 0 of each source's receive region
+        (pinned host memory, mapped into the GPU's address space)."""
+        key = ("src_ptrs", str(dev), self.window.data_ptr())
+        t = self._buffers.get(key)
+        if t is None:
+            base = self.window.data_ptr()
+            t = torch.tensor([base + self.layout.data_recv_off(r) for r in range(self.world_size)],
+                             dtype=torch.int64).to(dev)
+            self._buffers[key] = t
+        return t
+
+    def _num_programs(self, dev: torch.device) -> int:
+        key = ("sms", str(dev))
+        n = self._buffers.get(key)
+        if n is None:
+            n = self._buffers[key] = (torch.cuda.get_device_properties(dev).multi_processor_count
+                                      if dev.type == "cuda" else 4)
+        return n
+
+    def _dispatch_device(self, x, topk_idx, topk_weights):
+        """:meth:`dispatch` of CUDA rows on a host window: layout and packing on the device
+        straight into the window (one stream synchronization), the wire, then one kernel for
+        the outputs (no synchronization: the next op waits for its event before its header)."""
+        from .. import gda_kernels as kern
+        from . import device as dk
+
+        cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire
+        dev = x.device
+        error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights)
+                              or self._row_cap_error(x, topk_idx))
+        if error is not None:
+            wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
+            raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
+        t, k = topk_idx.shape
+        H, L, E = cfg.hidden, cfg.num_local_experts, cfg.num_experts
+        xd, idx, wts = dense(x), topk_idx.contiguous(), topk_weights.contiguous()
+        lay = kern.layout(idx, wts, E, w)
+        slot, send_token_idx = lay[0], lay[1]
+        meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
+        counts = self._pinned("counts", 1 + w + E, torch.int64)
+        nsm = self._num_programs(dev)
+        wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
+        dk.pack_dispatch(xd, idx, wts, lay, me, self.window[self.layout.off_data_send:self.layout.off_recv],
+                         meta, counts, num_programs=nsm)
+        self._sync(dev)  # the rows, routing rows and counts are in host memory
+        cn = counts.numpy()
+        if cn[0]:  # a bad expert id or weight: named from a host copy (error path only)
+            error = (describe_value_errors(cfg, me, idx.cpu(), wts.cpu())
+                     or f"rank {me}: the device layout flagged the routing (status {int(cn[0])})")
+            wire.round(OP_DISPATCH, {}, [0], None, None, error)
+            raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
+        num_send = cn[1:1 + w].tolist()
+        counts_E = cn[1 + w:].copy()
+        starts = _prefix(num_send)
+        s_me, e_me, s_all = starts[me], starts[me + 1], starts[-1]
+        row_x = H * x.element_size()
+
+        wire.begin(OP_DISPATCH, [row_x, 16 * k], num_send, extras=counts_E.reshape(w, L), fmt=k)
+        xs, ms = wire.plane(0), wire.plane(1)
+        if xs.numel() and xs.data_ptr() != self.window.data_ptr() + self.layout.off_data_send:
+            raise TransportError(f"rank {me}: the send plane moved (at {xs.data_ptr()}, the "
+                                 f"device packed at the send area's start)")
+        metan = meta.numpy()[:s_all * 2 * k].reshape(s_all, 2 * k)
+        msn = ms.numpy().view(np.int64).reshape(-1, 2 * k)
+        msn[:s_me] = metan[:s_me]
+        msn[s_me:] = metan[e_me:]
+        got = wire.exchange()
+        num_recv = [num_send[me] if r == me else wire.rows_from(r) for r in range(w)]
+        rstarts = _prefix(num_recv)
+        n_recv = rstarts[-1]
+        wire.finish()
+        # routing rows: checked (ids, weights, per-expert counts vs the header) and unpacked on
+        # the host into pinned buffers the output kernel reads
+        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
+        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+        tokens_per_expert = torch.empty(L, dtype=torch.int64)
+        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
+        for r in range(w):
+            nr[r] = num_recv[r]
+            chk[r] = r != me
+            srcs[r] = meta.data_ptr() + s_me * 16 * k if r == me else wire.recv(r, 1).data_ptr()
+        pa = self._addr
+        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
+                                 wire.got_address + HDR_FIXED * 8, got.shape[1],
+                                 in_idx.data_ptr(), in_w.data_ptr(),
+                                 tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
+        if bad >= 0:
+            m = wire.recv(bad, 1).view(torch.int64).view(-1, 2 * k)
+            self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
+            wire.violation(f"rank {bad} sent routing rows the native check refuses (kind "
+                           f"{int(self._i64_out[0])}) and the Python check accepts")
+        recv_off = self._pinned("recv_off", w + 1, torch.int64)
+        recv_off.numpy()[:] = rstarts
+        recv_x = torch.empty(n_recv, H, dtype=x.dtype, device=dev)
+        recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
+        recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
+        dk.gather_dispatch(xd, send_token_idx, self._src_ptrs(dev), recv_off,
+                           in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
+                           in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
+                           recv_x, recv_topk_idx, recv_topk_weights, me=me, own_start=s_me,
+                           num_programs=nsm)
+        self._record_reads(dev)
+        handle = DispatchHandle(
+            num_tokens=t, num_recv_tokens=n_recv, topk_idx=topk_idx,
+            send_token_idx=send_token_idx[:s_all], num_send_per_rank=tuple(num_send),
+            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
+            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=None, slot_TW=slot))
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
+
     def _gather_into(self, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> None:
         """``out[i] = x[idx[i]]`` into a view of the window: in place when both are on one device;
         for a GPU input and a host window one gather on the device and one D2H copy
@@ -613,7 +777,7 @@ class ProxyTransport(Transport):
         small): staging of D2H copies that must not wait on pageable memory."""
         buf = self._buffers.get(("pin", name))
         if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=True)
+            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=torch.cuda.is_available())
             self._buffers[("pin", name)] = buf
         return buf[:n]
 
@@ -656,7 +820,7 @@ class ProxyTransport(Transport):
 
     def _send_idx(self, handle, device: torch.device) -> torch.Tensor:
         """``[S]`` int64 source token of each sent row, on ``device`` (the handle keeps both)."""
-        if device.type != "cpu":
+        if device.type != "cpu" or handle.state.send_token_idx_cpu is None:
             return handle.send_token_idx.to(device)
         return handle.state.send_token_idx_cpu
 
@@ -763,6 +927,15 @@ class ProxyTransport(Transport):
         self_rows = yc[starts[me]:starts[me + 1]]
         views = [self_rows if r == me else wire.recv(r, 0).view(yc.dtype).view(-1, d_cols)
                  for r in range(w)]
+        slot = handle.state.slot_TW
+        if slot is not None and self._device_path(yc):
+            from . import device as dk
+
+            out = torch.empty(handle.num_tokens, d_cols, dtype=yc.dtype, device=yc.device)
+            dk.reduce_combine(yc, slot, self._src_ptrs(yc.device), out, me=me,
+                              own_start=starts[me], num_programs=self._num_programs(yc.device))
+            self._record_reads(yc.device)  # the next op waits for it before its header
+            return out
         out = None
         if yc.device.type == "cpu" and yc.dtype in _NATIVE_DT and views[0].device.type == "cpu":
             out = self._reduce_native(views, idx, n_send, sstarts, handle.num_tokens, yc.dtype)

@@ -1,0 +1,268 @@
+"""Device side of the proxy transport for CUDA inputs on a host window (the host-staged path).
+
+Without these kernels a CUDA dispatch + combine is a chain of ~20 small launches, copies and
+five stream synchronizations driven from Python (routing to the host, layout there, a gather, a
+device-to-host copy, per-peer host-to-device copies, a reduction in several torch ops). Here:
+
+- dispatch: the routing layout runs on the device (:func:`~efa_ep.kernels.gda_kernels.layout`,
+  the same kernels and value checks as ``gda``), then :func:`pack_dispatch` stores every row for
+  a peer straight into the window's send plane (GPU stores into pinned host memory: no staging
+  buffer, no separate copy), the routing metadata of every sent row into a pinned host buffer,
+  and the counts and status word into pinned host memory: one synchronization, then the wire.
+  After the wire, :func:`gather_dispatch` builds the outputs in one launch: the peers' rows read
+  from the receive window (GPU loads from pinned memory), this rank's own rows from ``x``, and
+  the ids and weights the host unpacked and checked.
+- combine: :func:`reduce_combine` sums each token's partial rows in float32 over source ranks in
+  ascending order from +0.0, reading the peers' rows from the receive window and this rank's own
+  rows from ``y``, rounded once: bit-equal to :func:`~efa_ep.kernels.base.reduce_rows_by_rank`
+  followed by the cast, as the host path is.
+
+Host buffers are passed to the kernels by address (:class:`~efa_ep.kernels.proxy.ring.HostPtr`:
+pinned memory is mapped into the GPU's address space). Under ``TRITON_INTERPRET=1`` (the CPU
+tests) every buffer is a CPU tensor and is passed as one.
+
+Symbols: W ranks, T tokens, K top-k, E experts, L = E // W, D row width in elements, S rows sent
+(rank-major: rows to rank 0, then rank 1, ...), N rows received.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import gda_kernels as kern
+from ..gda_kernels import _round_f32_to, _source_of_row, next_pow2
+from .ring import HostPtr
+
+__all__ = ["pack_dispatch", "gather_dispatch", "reduce_combine", "host_arg"]
+
+
+def host_arg(t: torch.Tensor, dtype: torch.dtype = None):
+    """A host tensor as a kernel argument: its pinned address on a GPU (UVA), the tensor itself
+    under the interpreter. ``dtype`` reinterprets the bytes (the window is uint8)."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.view(dtype)
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return t
+    return HostPtr(t)
+
+
+@triton.jit
+def _copy_row(src, dst, D, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
+    offs = tl.arange(0, BLOCK_D)
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + offs
+        cm = cols < D
+        tl.store(dst + cols, tl.load(src + cols, mask=cm), mask=cm)
+
+
+@triton.jit(do_not_specialize=["me", "num_topk", "num_local", "num_experts", "D", "stride_x"])
+def _pack_dispatch_kernel(
+    x_ptr,                                          # [T, D] rows, row stride stride_x
+    topk_idx_ptr: tl.pointer_type(tl.int64),        # [T, K] global expert ids
+    topk_w_ptr: tl.pointer_type(tl.float32),        # [T, K]
+    send_token_idx_ptr: tl.pointer_type(tl.int64),  # [S] from the layout, rank-major
+    num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows sent to each rank
+    num_per_expert_ptr: tl.pointer_type(tl.int64),  # [E] (token, expert) pairs per expert
+    status_ptr: tl.pointer_type(tl.int64),          # [1] the layout's status word
+    plane_ptr,                                      # out (host) [S - S_me, D] rows to peers
+    meta_ptr: tl.pointer_type(tl.int64),            # out (host) [S, 2K] routing rows
+    counts_ptr: tl.pointer_type(tl.int64),          # out (host) [1 + W + E] status, W, E counts
+    me, num_topk, num_local, num_experts, D, stride_x,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Send row i (to rank d, token t): metadata row i = [local ids of t's experts on d (-1
+    elsewhere), their weights' float32 bits sign-extended (0 elsewhere)], as the host layout
+    writes it; for d != me, ``x[t]`` -> plane row i (i - S_me past this rank's block)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    ws = tl.arange(0, W_PAD)
+    n_r = tl.load(num_per_rank_ptr + ws, mask=ws < W, other=0)
+    ends = tl.cumsum(n_r, axis=0)           # padded lanes hold the total: never <= a row index
+    total = tl.sum(n_r, axis=0)
+    n_me = tl.load(num_per_rank_ptr + me)
+    if pid == 0:
+        tl.store(counts_ptr, tl.load(status_ptr))
+        tl.store(counts_ptr + 1 + ws, n_r, mask=ws < W)
+        e = tl.arange(0, E_PAD)
+        em = e < num_experts
+        tl.store(counts_ptr + 1 + W + e, tl.load(num_per_expert_ptr + e, mask=em), mask=em)
+    k = tl.arange(0, K_PAD)
+    km = k < num_topk
+    for i in range(pid, total, nprog):
+        i64 = tl.cast(i, tl.int64)
+        d = tl.sum((ends <= i64).to(tl.int64), axis=0)
+        t = tl.load(send_token_idx_ptr + i64)
+        ids = tl.load(topk_idx_ptr + t * num_topk + k, mask=km, other=-1)
+        wv = tl.load(topk_w_ptr + t * num_topk + k, mask=km, other=0.0)
+        on = (ids >= 0) & (ids // num_local == d)
+        row = meta_ptr + i64 * 2 * num_topk
+        tl.store(row + k, tl.where(on, ids - d * num_local, -1), mask=km)
+        tl.store(row + num_topk + k, tl.where(on, wv.to(tl.int32, bitcast=True).to(tl.int64), 0),
+                 mask=km)
+        if d != me:
+            pos = tl.where(d > me, i64 - n_me, i64)
+            _copy_row(x_ptr + t * stride_x, plane_ptr + pos * D, D, BLOCK_D, ALIGNED)
+
+
+@triton.jit(do_not_specialize=["me", "own_start", "num_rows", "num_topk", "D", "stride_x"])
+def _gather_dispatch_kernel(
+    x_ptr,                                          # [T, D] this rank's input rows
+    send_token_idx_ptr: tl.pointer_type(tl.int64),  # [S] of this dispatch
+    src_ptrs_ptr: tl.pointer_type(tl.int64),        # [W] address of source s's rows (host)
+    recv_off_ptr: tl.pointer_type(tl.int64),        # (host) [W + 1] prefix of rows per source
+    in_idx_ptr: tl.pointer_type(tl.int64),          # (host) [N, K] checked local ids
+    in_w_ptr: tl.pointer_type(tl.float32),          # (host) [N, K] weights
+    out_x_ptr,                                      # out [N, D]
+    out_idx_ptr: tl.pointer_type(tl.int64),         # out [N, K]
+    out_w_ptr: tl.pointer_type(tl.float32),         # out [N, K]
+    me, own_start, num_rows, num_topk, D, stride_x,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Output row i (the j-th row from source s) = ``x[send_token_idx[own_start + j]]`` when s
+    is this rank, else row j of s's block in the receive window; ids and weights row i from the
+    host's unpacked copy."""
+    elt = out_x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    k = tl.arange(0, K_PAD)
+    km = k < num_topk
+    for i in range(pid, num_rows, nprog):
+        i64 = tl.cast(i, tl.int64)
+        s, j = _source_of_row(recv_off_ptr, i64, W, W_PAD)
+        if s == me:
+            t = tl.load(send_token_idx_ptr + own_start + j)
+            src = x_ptr + t * stride_x
+        else:
+            src = tl.load(src_ptrs_ptr + s).to(tl.pointer_type(elt)) + j * D
+        _copy_row(src, out_x_ptr + i64 * D, D, BLOCK_D, ALIGNED)
+        tl.store(out_idx_ptr + i64 * num_topk + k, tl.load(in_idx_ptr + i64 * num_topk + k, mask=km),
+                 mask=km)
+        tl.store(out_w_ptr + i64 * num_topk + k, tl.load(in_w_ptr + i64 * num_topk + k, mask=km),
+                 mask=km)
+
+
+@triton.jit(do_not_specialize=["me", "own_start", "num_tokens", "D", "stride_y"])
+def _reduce_combine_kernel(
+    y_ptr,                                          # [N, D] this rank's expert outputs
+    slot_ptr: tl.pointer_type(tl.int64),            # [T, W] of the dispatch (-1: not sent)
+    src_ptrs_ptr: tl.pointer_type(tl.int64),        # [W] address of rank r's returned rows
+    out_ptr,                                        # out [T, D]
+    me, own_start, num_tokens, D, stride_y,
+    W: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over ranks r ascending with slot[t, r] >= 0,
+    in float32, rounded once (the rule of ``gda``'s reduce); rank ``me``'s part is row
+    ``own_start + slot`` of ``y``, a peer's is row ``slot`` of its block in the window."""
+    elt = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    for t in range(pid, num_tokens, nprog):
+        t64 = tl.cast(t, tl.int64)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            cm = cols < D
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for r in tl.static_range(W):
+                slot = tl.load(slot_ptr + t64 * W + r)
+                if slot >= 0:
+                    if r == me:
+                        src = y_ptr + (own_start + slot) * stride_y
+                    else:
+                        src = tl.load(src_ptrs_ptr + r).to(tl.pointer_type(elt)) + slot * D
+                    if ALIGNED:
+                        src = tl.multiple_of(src, 16)
+                    acc += tl.load(src + cols, mask=cm).to(tl.float32)
+            tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
+
+
+def _grid(n: int, num_programs: int):
+    return (max(1, min(n, num_programs)),)
+
+
+def _aligned(d: int, elem: int, stride: int) -> bool:
+    return (d * elem) % 16 == 0 and (stride * elem) % 16 == 0
+
+
+def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, counts, *,
+                  num_programs: int) -> None:
+    """Stores a dispatch's send side (asynchronous, on the current stream).
+
+    Args:
+        x: ``[T, D]`` rows (device, any float dtype, unit column stride).
+        topk_idx, topk_weights: ``[T, K]`` int64 / float32 (device, contiguous).
+        layout: the outputs of :func:`~efa_ep.kernels.gda_kernels.layout` for them.
+        plane: host ``[>= (S - S_me) * D * elem]`` uint8, the window's send plane 0 (pinned).
+        meta: host ``[>= S * 2K]`` int64 (pinned). counts: host ``[1 + W + E]`` int64 (pinned):
+            status word, rows per rank, (token, expert) pairs per expert.
+    The caller synchronizes the stream before it reads the host buffers.
+    """
+    slot, send_token_idx, num_per_rank, num_per_expert, status = layout
+    t, d = x.shape
+    k = topk_idx.shape[1]
+    world = num_per_rank.numel()
+    num_experts = num_per_expert.numel()
+    elem = x.element_size()
+    bd = kern._block_d(d, elem)
+    _pack_dispatch_kernel[_grid(t * min(world, k), num_programs)](
+        x, topk_idx, topk_weights, send_token_idx, num_per_rank, num_per_expert, status,
+        host_arg(plane, x.dtype), host_arg(meta), host_arg(counts),
+        me, k, num_experts // world, num_experts, d, max(1, x.stride(0)),
+        W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)),
+        E_PAD=max(2, next_pow2(num_experts)), BLOCK_D=bd,
+        ALIGNED=_aligned(d, elem, max(1, x.stride(0))), num_warps=kern._warps(bd, elem))
+
+
+def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, out_idx, out_w, *,
+                    me: int, own_start: int, num_programs: int) -> None:
+    """Builds a dispatch's outputs (asynchronous, on the current stream).
+
+    Args:
+        x: ``[T, D]`` this rank's rows (device). send_token_idx: ``[S]`` int64 (device).
+        src_ptrs: ``[W]`` int64 (device), the address of each source's rows in the receive
+            window (entry ``me`` unused). recv_off: host ``[W + 1]`` int64, rows per source as a
+            prefix. in_idx, in_w: host ``[N, K]`` int64 / float32 (the checked routing rows).
+        out_x, out_idx, out_w: ``[N, D]`` / ``[N, K]`` / ``[N, K]`` outputs (device).
+    The host buffers must not change until the kernel ran (the caller records an event).
+    """
+    n, d = out_x.shape
+    if n == 0:
+        return
+    k = out_idx.shape[1]
+    world = src_ptrs.numel()
+    elem = out_x.element_size()
+    bd = kern._block_d(d, elem)
+    _gather_dispatch_kernel[_grid(n, num_programs)](
+        x, send_token_idx, src_ptrs, host_arg(recv_off), host_arg(in_idx), host_arg(in_w),
+        out_x, out_idx, out_w, me, own_start, n, k, d, max(1, x.stride(0)),
+        W=world, W_PAD=max(2, next_pow2(world)), K_PAD=max(2, next_pow2(k)), BLOCK_D=bd,
+        ALIGNED=_aligned(d, elem, max(1, x.stride(0))), num_warps=kern._warps(bd, elem))
+
+
+def reduce_combine(y, slot, src_ptrs, out, *, me: int, own_start: int, num_programs: int) -> None:
+    """``out`` ``[T, D]`` = combine's reduction (asynchronous, on the current stream).
+
+    Args:
+        y: ``[N, D]`` this rank's expert outputs (device); its own block starts at row
+            ``own_start``. slot: ``[T, W]`` int64 (device) of the matching dispatch.
+        src_ptrs: ``[W]`` int64 (device), the address of each rank's returned rows in the
+            receive window (entry ``me`` unused). out: ``[T, D]`` in y's dtype (device).
+    """
+    t, d = out.shape
+    if t == 0:
+        return
+    world = slot.shape[1]
+    elem = out.element_size()
+    bd = kern._block_d(d, elem)
+    _reduce_combine_kernel[_grid(t, num_programs)](
+        y, slot, src_ptrs, out, me, own_start, t, d, max(1, y.stride(0)),
+        W=world, BLOCK_D=bd, ALIGNED=_aligned(d, elem, max(1, y.stride(0))),
+        num_warps=kern._warps(bd, elem))

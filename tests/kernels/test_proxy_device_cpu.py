@@ -1,0 +1,267 @@
+"""CPU tests of the proxy's device-path kernels (``kernels/proxy/device.py``) under the Triton
+interpreter: packing of a dispatch's send side, the receive gather and combine's reduction.
+
+Each check runs this file as a subprocess with ``TRITON_INTERPRET=1`` (set before triton is
+imported). Host buffers and the window are CPU tensors; the per-source address tables hold their
+``data_ptr()``, as the GPU path holds pinned host addresses. References: the torch layout
+(``compute_send_layout``), the host path's metadata format (local ids, float32 bits of the
+weights) and ``reduce_rows_by_rank`` followed by the cast, bit for bit. ``transport`` runs the
+whole device path of the transport (kernels forced on for CPU tensors) over libfabric tcp on
+loopback in two ranks against the ``torch`` transport.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECKS = ["pack", "gather", "reduce", "transport"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_proxy_device_kernels_interpreted(check):
+    if check == "transport":
+        from efa_ep.kernels import proxy as proxy_mod
+
+        why = proxy_mod.availability()
+        if why is not None:
+            pytest.skip(f"proxy unavailable: {why}")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), check], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{check} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert f"OK {check}" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side (runs in the subprocess, interpreter on)
+# ------------------------------------------------------------------------------------------
+def _route(t, num_experts, topk, seed, drop=True):
+    """Distinct experts per token, ~25% of slots -1 (``drop``); weights in (0, 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.rand(t, num_experts, generator=g).topk(topk, dim=1).indices
+    if drop and t:
+        idx = torch.where(torch.rand(t, topk, generator=g) < 0.25, torch.full_like(idx, -1), idx)
+    w = torch.where(idx >= 0, torch.rand(t, topk, generator=g), torch.zeros(()))
+    return idx.to(torch.int64).contiguous(), w.float().contiguous()
+
+
+def _cases():
+    for world in (1, 2, 4):
+        for num_experts in (world * 2, 16):
+            for topk in (1, 2, 4):
+                if topk > num_experts:
+                    continue
+                for t in (0, 1, 37):
+                    for dtype in ("bfloat16", "float32"):
+                        for me in sorted({0, world - 1}):
+                            yield world, num_experts, topk, t, dtype, me
+
+
+def _reference_meta(idx, w, send_idx, num_send, L):
+    """``[S, 2K]`` int64: the host layout's routing rows (local ids on the destination, -1
+    elsewhere; weights' float32 bits, 0 elsewhere)."""
+    import torch
+    from efa_ep.kernels.base import float_bits_to_int64
+
+    dest = torch.repeat_interleave(torch.arange(len(num_send)), torch.tensor(num_send))
+    ids = idx[send_idx]
+    on = (ids >= 0) & (torch.div(ids, L, rounding_mode="floor") == dest[:, None])
+    loc = torch.where(on, ids - dest[:, None] * L, torch.full_like(ids, -1))
+    bits = torch.where(on, float_bits_to_int64(w[send_idx]), torch.zeros_like(ids))
+    return torch.cat([loc, bits], dim=1)
+
+
+def _check_pack():
+    import torch
+    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.base import compute_send_layout
+    from efa_ep.kernels.proxy import device as dk
+
+    n = 0
+    for world, num_experts, topk, t, dtype_name, me in _cases():
+        dtype = getattr(torch, dtype_name)
+        d = 24
+        idx, w = _route(t, num_experts, topk, seed=n)
+        x = torch.randn(t, d).to(dtype)
+        lay = kern.layout(idx, w, num_experts, world)
+        ref = compute_send_layout(idx, num_experts, world)
+        num_send = ref.num_tokens_per_rank_W.tolist()
+        s_all = sum(num_send)
+        plane = torch.zeros(max(1, t * world) * d * x.element_size() + 64, dtype=torch.uint8)
+        meta = torch.full((max(1, t * min(world, topk)) * 2 * topk,), 7, dtype=torch.int64)
+        counts = torch.zeros(1 + world + num_experts, dtype=torch.int64)
+        dk.pack_dispatch(x, idx, w, lay, me, plane, meta, counts, num_programs=3)
+        case = (world, num_experts, topk, t, dtype_name, me)
+        assert counts[0] == 0, (case, counts)
+        assert counts[1:1 + world].tolist() == num_send, (case, counts)
+        assert torch.equal(counts[1 + world:], torch.bincount(idx[idx >= 0], minlength=num_experts)), case
+        send_idx = ref.send_token_idx_S
+        want_meta = _reference_meta(idx, w, send_idx, num_send, num_experts // world)
+        assert torch.equal(meta[:s_all * 2 * topk].view(s_all, 2 * topk), want_meta), case
+        starts = [sum(num_send[:r]) for r in range(world + 1)]
+        peer = torch.cat([send_idx[:starts[me]], send_idx[starts[me + 1]:]])
+        got_rows = plane[:peer.numel() * d * x.element_size()].view(dtype).view(-1, d)
+        assert torch.equal(got_rows.view(torch.uint8), x[peer].contiguous().view(torch.uint8)), case
+        n += 1
+    # a bad id and a NaN weight reach the host's status word
+    idx, w = _route(5, 8, 2, seed=1, drop=False)
+    idx[2, 1] = 99
+    w[3, 0] = float("nan")
+    counts = torch.zeros(1 + 2 + 8, dtype=torch.int64)
+    lay = kern.layout(idx, w, 8, 2)
+    dk.pack_dispatch(torch.zeros(5, 16), idx, w, lay, 0, torch.zeros(4096, dtype=torch.uint8),
+                     torch.zeros(64, dtype=torch.int64), counts, num_programs=2)
+    from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT
+    assert int(counts[0]) == STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT, counts
+    print(f"OK pack ({n} cases)")
+
+
+def _blocks(world, me, n_from, d, dtype, g):
+    """Per-source row blocks standing in for the receive window (``me``'s own block unused)."""
+    import torch
+
+    return [torch.randn(n_from[r], d, generator=g).to(dtype) for r in range(world)]
+
+
+def _check_gather():
+    import torch
+    from efa_ep.kernels.proxy import device as dk
+
+    n = 0
+    g = torch.Generator().manual_seed(5)
+    for world, num_experts, topk, t, dtype_name, me in _cases():
+        dtype = getattr(torch, dtype_name)
+        d = 40
+        x = torch.randn(t, d, generator=g).to(dtype)
+        n_own = int(torch.randint(0, t + 1, (1,), generator=g)) if t else 0
+        own_start = int(torch.randint(0, 3, (1,), generator=g))
+        send_token_idx = torch.cat([torch.zeros(own_start, dtype=torch.int64),
+                                    torch.randperm(t, generator=g)[:n_own].sort().values])
+        n_from = [n_own if r == me else int(torch.randint(0, 9, (1,), generator=g)) for r in range(world)]
+        blocks = _blocks(world, me, n_from, d, dtype, g)
+        src_ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64)
+        rstarts = torch.tensor([0] + n_from, dtype=torch.int64).cumsum(0)
+        n_recv = int(rstarts[-1])
+        in_idx = torch.randint(-1, 4, (n_recv, topk), generator=g)
+        in_w = torch.rand(n_recv, topk, generator=g)
+        out_x = torch.full((n_recv, d), 3.0).to(dtype)
+        out_idx = torch.full((n_recv, topk), 5, dtype=torch.int64)
+        out_w = torch.full((n_recv, topk), 5.0)
+        dk.gather_dispatch(x, send_token_idx, src_ptrs, rstarts, in_idx, in_w, out_x, out_idx,
+                           out_w, me=me, own_start=own_start, num_programs=4)
+        want = torch.cat([x[send_token_idx[own_start:own_start + n_own]] if r == me else blocks[r]
+                          for r in range(world)])
+        case = (world, topk, t, dtype_name, me, n_from)
+        assert torch.equal(out_x.view(torch.uint8), want.view(torch.uint8)), case
+        assert torch.equal(out_idx, in_idx) and torch.equal(out_w, in_w), case
+        n += 1
+    print(f"OK gather ({n} cases)")
+
+
+def _check_reduce():
+    import torch
+    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.base import compute_send_layout, reduce_rows_by_rank
+    from efa_ep.kernels.proxy import device as dk
+
+    n = 0
+    g = torch.Generator().manual_seed(9)
+    for world, num_experts, topk, t, dtype_name, me in _cases():
+        dtype = getattr(torch, dtype_name)
+        d = 33 if dtype == torch.float32 else 48
+        idx, w = _route(t, num_experts, topk, seed=100 + n)
+        slot = kern.layout(idx, w, num_experts, world)[0]
+        ref = compute_send_layout(idx, num_experts, world)
+        num_send = ref.num_tokens_per_rank_W.tolist()
+        blocks = _blocks(world, me, num_send, d, dtype, g)
+        own_start = int(torch.randint(0, 4, (1,), generator=g))
+        y = torch.cat([torch.randn(own_start, d, generator=g).to(dtype), blocks[me],
+                       torch.randn(2, d, generator=g).to(dtype)])
+        src_ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64)
+        out = torch.full((t, d), 3.0).to(dtype)
+        dk.reduce_combine(y, slot, src_ptrs, out, me=me, own_start=own_start, num_programs=5)
+        want = reduce_rows_by_rank(torch.cat(blocks), ref.send_token_idx_S, num_send, t).to(dtype)
+        case = (world, num_experts, topk, t, dtype_name, me)
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), case
+        n += 1
+    print(f"OK reduce ({n} cases)")
+
+
+def _transport_rank(rank, world):
+    """Both paths of the proxy transport in one rank, on the same inputs: the device kernels
+    (``device_kernels="always"``: CPU tensors, interpreted kernels) and the torch reference."""
+    import torch
+    from efa_ep.kernels import create_transport
+
+    torch.set_num_threads(1)
+    bad = []
+    for dtype, hidden, num_experts, topk, tokens in ((torch.bfloat16, 64, 8, 2, (13, 9)),
+                                                     (torch.float32, 36, 16, 4, (0, 21)),
+                                                     (torch.float32, 36, 16, 4, (21, 17))):
+        ref = create_transport("torch", None, num_experts, hidden, 32, dtype)
+        px = create_transport("proxy", None, num_experts, hidden, 32, dtype, provider="tcp",
+                              num_channels=2, timeout_s=60)
+        px.device_kernels = "always"
+        t = tokens[rank]
+        idx, w = _route(t, num_experts, topk, seed=rank + 3 * hidden)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(t, hidden, generator=g).to(dtype)
+        for it in range(2):  # a second call reuses every buffer
+            r, p = ref.dispatch(x, idx, w), px.dispatch(x, idx, w)
+            for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights",
+                                   "tokens_per_expert"), r[:4], p[:4]):
+                if a.shape != b.shape or not torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                                                         b.view(torch.uint8) if b.is_floating_point() else b):
+                    bad.append((str(dtype), it, name))
+            if p[4].state.slot_TW is None:
+                bad.append((str(dtype), it, "device layout not used"))
+            y = torch.randn(r[0].shape[0], hidden, generator=g).to(dtype)
+            if not torch.equal(ref.combine(y, r[4]).view(torch.uint8), px.combine(y, p[4]).view(torch.uint8)):
+                bad.append((str(dtype), it, "combine"))
+            x2 = torch.randn(t, hidden, generator=g).to(dtype)
+            if not torch.equal(ref.dispatch_cached(x2, r[4]).view(torch.uint8),
+                               px.dispatch_cached(x2, p[4]).view(torch.uint8)):
+                bad.append((str(dtype), it, "dispatch_cached"))
+            gw = torch.randn(r[0].shape[0], topk, generator=g)
+            if not torch.equal(ref.combine_topk_weights(gw, r[4]), px.combine_topk_weights(gw, p[4])):
+                bad.append((str(dtype), it, "combine_topk_weights"))
+        px.close()
+    # a bad expert id on rank 1 only: the device layout flags it, every rank raises the same error
+    from efa_ep.kernels import DispatchInputError
+
+    px = create_transport("proxy", None, 8, 16, 8, torch.float32, provider="tcp", timeout_s=60)
+    px.device_kernels = "always"
+    idx = torch.tensor([[0, 5], [3, -1]])
+    if rank == 1:
+        idx[1, 0] = 8
+    try:
+        px.dispatch(torch.ones(2, 16), idx, torch.ones(2, 2))
+        msg = "no error"
+    except DispatchInputError as e:
+        msg = str(e)
+    px.close()
+    return bad, msg
+
+
+def _check_transport():
+    from efa_ep.distributed import run_ranks
+
+    env = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1"}
+    results = run_ranks(_transport_rank, 2, (), timeout_s=500, env=env)
+    for rank, (bad, msg) in enumerate(results):
+        assert not bad, (rank, bad)
+        assert "rank 1" in msg and "expert id 8" in msg, (rank, msg)
+    print("OK transport")
+
+
+if __name__ == "__main__":
+    {"pack": _check_pack, "gather": _check_gather, "reduce": _check_reduce,
+     "transport": _check_transport}[sys.argv[1]]()
