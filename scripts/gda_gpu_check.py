@@ -7,16 +7,16 @@ Run after the command has started the MPS daemon (several ranks share one GPU):
     PYTHONUNBUFFERED=1 PYTHONPATH=. python scripts/gda_gpu_check.py [--skip-tests] [--worlds 2,4,8]
     echo quit | nvidia-cuda-mps-control
 
-Benchmark: H 7168, bf16, top-8 of 256 experts, routes from ``tests/routes.py`` (``random`` and
-``skewed``), decode (128 tokens/rank) and prefill (4096 tokens/rank), EP 2/4/8 as processes on
-one GPU. Each cell is checked before it is timed (dispatch then combine of the received rows
-must give ``x * number of destination ranks`` bit for bit). Timing: CUDA events on every rank
-around each dispatch (which includes its one host sync) and each combine, back to back, after
-warm-up; per-rank median; the reported figure is the slowest rank's median. Bytes: rows sent
-summed over all ranks x row bytes; "HBM frac" = 2 x bytes (each byte read once and written once)
-/ time / 4.26 TB/s (the H200's measured device copy rate): all ranks share one GPU's HBM here,
-so this is an HBM-bound stand-in for NVLink, not an NVLink figure. Launch floor: the same number
-of empty Triton launches plus one device-to-host copy, timed the same way on every rank.
+Benchmark: H 7168, bf16, top-8 of 256 experts, contract routes of :mod:`efa_ep.testing.routes`
+(``random`` and ``hot_experts``), decode (128 tokens/rank) and prefill (4096 tokens/rank), EP 2/4/8
+as processes on one GPU. Each cell is checked before it is timed (dispatch then combine of the
+received rows must give ``x * number of destination ranks`` bit for bit). Timing: CUDA events on
+every rank around each dispatch (which includes its one host sync) and each combine, back to back,
+after warm-up; per-rank median; the reported figure is the slowest rank's median. Bytes: rows sent
+summed over all ranks x row bytes; "HBM frac" = 2 x bytes (each byte read once and written once) /
+time / 4.26 TB/s (the H200's measured device copy rate): all ranks share one GPU's HBM here, so
+this is an HBM-bound stand-in for NVLink, not an NVLink figure. Launch floor: the same number of
+empty Triton launches plus one device-to-host copy, timed the same way on every rank.
 
 Writes ``$OUT/gda_gpu_check.json`` (and pytest's log) and prints a short table last.
 """
@@ -105,7 +105,7 @@ def _bench_rank(rank, world, routes, modes=("regular",)):
 def _bench_mode(rank, world, routes, mode):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     _empty = _empty_kernel()
     torch.cuda.set_device(0)
@@ -114,7 +114,7 @@ def _bench_mode(rank, world, routes, mode):
     out = {}
     for route in routes:
         for prof, t in PROFILES.items():
-            idx, w = make_route(route, t, EXPERTS, TOPK, world, seed=1234 + rank)
+            idx, w = contract_route(route, t, EXPERTS, TOPK, world, seed=1234 + rank)
             idx, w = idx.to(dev), w.to(dev)
             g = torch.Generator(device=dev).manual_seed(99 + rank)
             x = torch.randn(t, HIDDEN, device=dev, generator=g).to(torch.bfloat16)
@@ -200,7 +200,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--worlds", default="2,4,8")
-    ap.add_argument("--routes", default="random,skewed")
+    ap.add_argument("--routes", default="random,hot_experts")
     ap.add_argument("--pytest-args", default="")
     ap.add_argument("--modes", default="regular",
                     help="regular,fixed (dispatch_fixed),graph (fixed D+C in a CUDA graph)")

@@ -25,12 +25,12 @@ def _rank(rank, world, tokens, iters):
     from torch.profiler import ProfilerActivity, profile
 
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     tr = create_transport("gda", None, 256, 7168, 4096, torch.bfloat16, timeout_s=60)
-    idx, w = make_route("random", tokens, 256, 8, world, seed=rank)
+    idx, w = contract_route("random", tokens, 256, 8, world, seed=rank)
     idx, w = idx.to(dev), w.to(dev)
     x = torch.randn(tokens, 7168, device=dev).to(torch.bfloat16)
 

@@ -22,12 +22,12 @@ import torch  # noqa: E402
 
 def _rank(rank, world, mode, iters):
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     tr = create_transport("gda", None, 256, 7168, 4096, torch.bfloat16, timeout_s=60)
-    idx, w = make_route("random", 128, 256, 8, world, seed=rank)
+    idx, w = contract_route("random", 128, 256, 8, world, seed=rank)
     idx, w = idx.to(dev), w.to(dev)
     x = torch.randn(128, 7168, device=dev).to(torch.bfloat16)
     fn = tr.dispatch_fixed if mode == "fixed" else tr.dispatch

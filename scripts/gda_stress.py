@@ -2,15 +2,14 @@
 """Stress suite of the ``gda`` transport (GPU): randomized rounds bit-identical to the contract,
 and repeated Megatron layer runs bit-identical to the ``torch`` transport.
 
-Rounds: every round draws, from a seed shared by all ranks, every rank's token count T
-(0..4096), top-k K (1..8), route kind (random, skewed, one-rank, dropped with -1 slots) and rows,
-so each rank computes its expected outputs locally (a vectorized brute-force reference on the
-GPU, no communication) and checks, bit for bit: dispatch (rows, local ids, weights,
-tokens_per_expert, counts), combine (float32 sum in ascending rank order), cached dispatch of
-token rows and of float32 [T, K] rows, and the weight combine. Every ``--torch-every``-th round
-with T <= 512 is also run through the ``torch`` transport (CPU, gloo) and compared bit for bit.
-Layouts (E, H, dtype) cycle through E in {64, 256, 384} (E up to 384), H in {2048, 7168}, bf16
-and fp32.
+Rounds: every round draws, from a seed shared by all ranks, every rank's token count T (0..4096),
+top-k K (1..8), route kind (random, hot_experts, one_rank, dropped with -1 slots) and rows, so each
+rank computes its expected outputs locally (a vectorized brute-force reference on the GPU, no
+communication) and checks, bit for bit: dispatch (rows, local ids, weights, tokens_per_expert,
+counts), combine (float32 sum in ascending rank order), cached dispatch of token rows and of
+float32 [T, K] rows, and the weight combine. Every ``--torch-every``-th round with T <= 512 is also
+run through the ``torch`` transport (CPU, gloo) and compared bit for bit. Layouts (E, H, dtype)
+cycle through E in {64, 256, 384} (E up to 384), H in {2048, 7168}, bf16 and fp32.
 
 Layer runs: the Megatron MoE layer (tests/dispatcher/test_moe_layer_gpu.py) forward + backward
 over ``gda`` against ``torch``: output, x.grad and every parameter gradient bitwise equal;
@@ -34,33 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from efa_ep.testing.routes import contract_route_from  # noqa: E402
+
 T_MAX = 4096
 LAYOUTS = [(64, 2048, torch.bfloat16), (256, 7168, torch.bfloat16), (384, 2048, torch.float32),
            (256, 2048, torch.bfloat16), (64, 7168, torch.float32), (384, 7168, torch.bfloat16)]
-KINDS = ("random", "skewed", "one_rank", "dropped")
-
-
-def _route(kind, t, e, k, world, gen, dev):
-    """[t, k] int64 ids (-1 = unused) and float32 weights (0 where -1), drawn on ``dev``."""
-    if t == 0:
-        return (torch.empty(0, k, dtype=torch.int64, device=dev),
-                torch.empty(0, k, dtype=torch.float32, device=dev))
-    if kind == "one_rank":
-        local = e // world
-        kk = min(k, local)
-        idx = torch.rand(t, local, generator=gen, device=dev).topk(kk, dim=1).indices
-        idx = torch.cat([idx, torch.full((t, k - kk), -1, device=dev)], dim=1)
-    else:
-        scores = torch.rand(t, e, generator=gen, device=dev)
-        if kind == "skewed":
-            scores[:, :4] += 3.0
-        idx = scores.topk(k, dim=1).indices
-        if kind == "dropped":
-            drop = torch.rand(t, k, generator=gen, device=dev) < 0.3
-            drop[::7] = True
-            idx = torch.where(drop, torch.full_like(idx, -1), idx)
-    w = torch.rand(t, k, generator=gen, device=dev)
-    return idx.to(torch.int64), torch.where(idx >= 0, w, torch.zeros_like(w))
+# contract route kinds of efa_ep.testing.routes (a round draws one by index: keep the order)
+KINDS = ("random", "hot_experts", "one_rank", "dropped")
 
 
 def _round_inputs(seed, world, e, h, dtype, dev):
@@ -77,7 +56,7 @@ def _round_inputs(seed, world, e, h, dtype, dev):
     gd = torch.Generator(device=dev).manual_seed(seed)
     ins = []
     for s in range(world):
-        idx, w = _route(kind, ts[s], e, k, world, gd, dev)
+        idx, w = contract_route_from(gd, kind, ts[s], e, k, world)
         x = torch.randn(ts[s], h, generator=gd, device=dev).to(dtype)
         ins.append((x, idx, w))
     return ins, k, kind, ts

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from efa_ep.testing.routes import bench_route
 from efa_ep.tools import bench, bench_stats
 from efa_ep.tools.config import compose
 
@@ -56,18 +57,18 @@ def test_balanced_route_is_balanced_and_skewed_is_not():
     import torch
 
     world, t, e, k = 2, 128, 256, 8
-    bal = [bench.make_route("balanced", t, e, k, r, world, 1)[0] for r in range(world)]
+    bal = [bench_route("balanced", t, e, k, r, world, 1)[0] for r in range(world)]
     counts = torch.bincount(torch.cat(bal).flatten(), minlength=e)
     assert counts.min() == counts.max() == world * t * k // e
     for idx in bal:
         assert all(len(set(row)) == k for row in idx.tolist())  # distinct experts per token
-    skew = [bench.make_route("skewed", t, e, k, r, world, 1, skew=1.2)[0] for r in range(world)]
+    skew = [bench_route("skewed", t, e, k, r, world, 1, skew=1.2)[0] for r in range(world)]
     st = bench.route_stats(skew, e, world)
     assert st["expert_max_over_mean"] > 5
     for idx in skew:
         assert all(len(set(row)) == k for row in idx.tolist())
     assert bench.route_stats(bal, e, world)["expert_max_over_mean"] == 1.0
-    _, w = bench.make_route("skewed", t, e, k, 0, world, 1)
+    _, w = bench_route("skewed", t, e, k, 0, world, 1)
     assert w.dtype == torch.float32 and torch.allclose(w.sum(1), torch.ones(t))
 
 

@@ -72,6 +72,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from efa_ep.testing.routes import bench_route, derived_seed
+
 from . import bench_stats
 
 SCHEMA = "efa_ep.bench/2"
@@ -350,49 +352,8 @@ def rotate(items: Sequence[Any], start: int) -> List[Any]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Routes
+# Routes (drawn by efa_ep.testing.routes.bench_route)
 # ----------------------------------------------------------------------------------------------
-def _seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
-
-def make_route(kind: str, num_tokens: int, num_experts: int, topk: int, rank: int, world: int,
-               seed: int, skew: float = 1.2):
-    """Top-k routes of one rank's tokens: ``(topk_idx [T, K] int64, topk_weights [T, K] f32)``.
-
-    - ``balanced``: every expert receives exactly the same number of slots over all ranks when
-      W*T is a multiple of E/K (token g takes experts P[(g + j*E/K) mod E] for a seeded
-      permutation P shared by all ranks: K distinct experts, spread over ranks).
-    - ``skewed``: K distinct experts per token sampled without replacement with Zipf weights
-      1/(i+1)^skew over a seeded expert order (same on all ranks): a few experts are hot.
-    - ``uniform``: K distinct experts per token, every K-subset equally likely (the planner's
-      routing assumption: its predicted network counts are checked against this route).
-    """
-    import torch
-
-    g = torch.Generator().manual_seed(_seed(seed, "perm", num_experts))
-    perm = torch.randperm(num_experts, generator=g)
-    gr = torch.Generator().manual_seed(_seed(seed, kind, rank, num_tokens, num_experts, topk))
-    if kind == "balanced":
-        stride = max(1, num_experts // topk)
-        gtok = torch.arange(num_tokens) + rank * num_tokens
-        slots = (gtok.unsqueeze(1) + stride * torch.arange(topk).unsqueeze(0)) % num_experts
-        idx = perm[slots]
-    elif kind == "skewed":
-        w = 1.0 / (torch.arange(num_experts, dtype=torch.float64) + 1) ** skew
-        probs = torch.empty(num_experts, dtype=torch.float64)
-        probs[perm] = w / w.sum()
-        idx = torch.multinomial(probs.float().expand(num_tokens, -1), topk, replacement=False,
-                                generator=gr)
-    elif kind == "uniform":
-        idx = torch.rand(num_tokens, num_experts, generator=gr).topk(topk, dim=1).indices
-    else:
-        raise ValueError(f"route {kind!r}: expected balanced, skewed or uniform")
-    weights = torch.rand(num_tokens, topk, generator=gr)
-    weights = weights / weights.sum(1, keepdim=True)
-    return idx.to(torch.int64).contiguous(), weights.float().contiguous()
-
-
 def route_stats(idx_all, num_experts: int, world: int) -> Dict[str, float]:
     """Load imbalance of the routes of all ranks: expert max/mean slots, rank max/mean rows
     (rows = de-duplicated (token, destination rank) pairs)."""
@@ -542,9 +503,9 @@ def _inputs(ctx: _RankContext, cell: Cell, rank: int):
 
     dtype = getattr(torch, _DTYPES[cell.dtype])
     seed = int(ctx.cfg["seed"])
-    idx, w = make_route(cell.route, cell.tokens_per_rank, cell.num_experts, cell.topk, rank,
-                        ctx.world, seed, float(ctx.cfg["skew"]))
-    g = torch.Generator().manual_seed(_seed(seed, "x", rank, cell.tokens_per_rank, cell.hidden))
+    idx, w = bench_route(cell.route, cell.tokens_per_rank, cell.num_experts, cell.topk, rank,
+                         ctx.world, seed, float(ctx.cfg["skew"]))
+    g = torch.Generator().manual_seed(derived_seed(seed, "x", rank, cell.tokens_per_rank, cell.hidden))
     x = torch.randn(cell.tokens_per_rank, cell.hidden, generator=g).to(dtype)
     return x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
 
@@ -984,7 +945,7 @@ def _run_layer_cell(ctx: _RankContext, cell: Cell) -> Dict[str, Any]:
 
     dtype = getattr(torch, _DTYPES[cell.dtype])
     seq, batch = cell.tokens_per_rank // int(ctx.cfg["layer"]["micro_batch"]), int(ctx.cfg["layer"]["micro_batch"])
-    g = torch.Generator().manual_seed(_seed(ctx.cfg["seed"], "layer", ctx.rank))
+    g = torch.Generator().manual_seed(derived_seed(ctx.cfg["seed"], "layer", ctx.rank))
     x = torch.randn(seq, batch, cell.hidden, generator=g).to(dtype).to(ctx.device)
     grad = torch.randn(seq, batch, cell.hidden, generator=g).to(dtype).to(ctx.device)
     err = None
@@ -1058,8 +1019,8 @@ def _start_main(rank: int, world: int, cfg: Dict[str, Any], start: int, cells: L
             if cell.arm.view != "transport":
                 routes_cache[rkey] = {"note": "routed by the layer's own router"}
             elif rkey not in routes_cache:
-                idx_all = [make_route(cell.route, cell.tokens_per_rank, cell.num_experts, cell.topk,
-                                      r, world, int(cfg["seed"]), float(cfg["skew"]))[0] for r in range(world)]
+                idx_all = [bench_route(cell.route, cell.tokens_per_rank, cell.num_experts, cell.topk,
+                                       r, world, int(cfg["seed"]), float(cfg["skew"]))[0] for r in range(world)]
                 routes_cache[rkey] = route_stats(idx_all, cell.num_experts, world)
             if rank == 0:
                 records.append({**_record_head(cfg, run_id, start, i, cell, world, routes_cache[rkey], ctx),

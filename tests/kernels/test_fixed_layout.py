@@ -11,7 +11,7 @@ T_MAX, EXPERTS, HIDDEN = 24, 12, 8
 
 
 def _fixed_worker(rank, world, kinds, name="torch", options=None):
-    from routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     from efa_ep.kernels import DispatchInputError, create_transport
 
@@ -19,7 +19,7 @@ def _fixed_worker(rank, world, kinds, name="torch", options=None):
     checked = 0
     for case, (kind, k) in enumerate(kinds):
         n = 0 if (rank == 1 and case % 2) else 3 + 4 * rank + case
-        idx, w = make_route(kind, n, EXPERTS, k, world, seed=100 * case + rank)
+        idx, w = contract_route(kind, n, EXPERTS, k, world, seed=100 * case + rank)
         x = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(case * 7 + rank))
         rx, ri, rw, tpe, h = t.dispatch(x, idx, w)
         fx, fi, fw, num_recv, ftpe, hf = t.dispatch_fixed(x, idx, w)
@@ -62,7 +62,7 @@ def _case(name, world, **options):
     _case("hier", 4, node_size=2, network="torch"),
 ])
 def test_generic_dispatch_fixed_matches_dispatch(name, world, options):
-    kinds = [("random", 2), ("dropped", 3), ("one_rank", 4), ("skewed", 1)]
+    kinds = [("random", 2), ("dropped", 3), ("one_rank", 4), ("hot_experts", 1)]
     for checked, refused in run_ranks(_fixed_worker, world, (kinds, name, options), timeout_s=120):
         assert checked == len(kinds)
         assert refused is not None and "3, 8" in refused, refused  # the wrong shape named

@@ -28,11 +28,11 @@ CASES = [
     ("random", 1, 2048, 1),
     ("one_rank", 64, 2048, 2),
     ("dropped", 300, 2048, 4),
-    ("skewed", 128, 7168, 8),
+    ("hot_experts", 128, 7168, 8),
     ("random", 1000, 7168, 3),
     ("dropped", 777, 7168, 6),
     ("random", 4096, 2048, 8),
-    ("skewed", 4096, 7168, 8),
+    ("hot_experts", 4096, 7168, 8),
 ]
 
 
@@ -52,7 +52,7 @@ def _same(a, b, what, case):
 def _equal_to_torch(rank, world, cases):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -65,7 +65,7 @@ def _equal_to_torch(rank, world, cases):
         case = (world, kind, t0, h, k, rank)
         t = t0 if rank == 0 else max(0, t0 - 37 * rank)
         g = torch.Generator().manual_seed(1000 * ci + rank)
-        idx, w = make_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
+        idx, w = contract_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
         x = torch.randn(t, h, generator=g).to(torch.bfloat16)
         ref = refs[h].dispatch(x, idx, w)
         got = gdas[h].dispatch(x.to(dev), idx.to(dev), w.to(dev))
@@ -215,7 +215,7 @@ def _fixed_equals_regular(rank, world, cases):
     fixed handle equal the regular ones bit for bit; no host sync is needed for any of it."""
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -226,7 +226,7 @@ def _fixed_equals_regular(rank, world, cases):
         tr = trs[h]
         t = t0 if rank == 0 else max(0, t0 - 37 * rank)
         g = torch.Generator().manual_seed(1000 * ci + rank)
-        idx, w = make_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
+        idx, w = contract_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
         x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
         idx, w = idx.to(dev), w.to(dev)
         rx, ri, rw, tpe, hr = tr.dispatch(x, idx, w)
@@ -275,7 +275,7 @@ def _graph_replays_equal_eager(rank, world):
     written in place equals the regular eager path bit for bit, with eager calls of the same
     transport between replays (the device op counter and the host's stay in step)."""
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -289,8 +289,8 @@ def _graph_replays_equal_eager(rank, world):
 
     def fill(i):
         g = torch.Generator().manual_seed(500 * i + rank)
-        idx, w = make_route(("random", "skewed", "dropped", "one_rank")[i % 4], t, NUM_EXPERTS,
-                            k, world, seed=31 * i + rank)
+        kind = ("random", "hot_experts", "dropped", "one_rank")[i % 4]
+        idx, w = contract_route(kind, t, NUM_EXPERTS, k, world, seed=31 * i + rank)
         idxs.copy_(idx)
         ws.copy_(w)
         xs.copy_(torch.randn(t, h, generator=g).to(torch.bfloat16))

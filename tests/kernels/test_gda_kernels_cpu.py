@@ -39,7 +39,7 @@ def _check_layout():
     import torch
     from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.base import compute_send_layout
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     cases = 0
     small = kern.LAYOUT_SMALL_ELEMS
@@ -49,14 +49,14 @@ def _check_layout():
             for num_experts in ((world * 2, 64) if world in (2, 8) else (64,))
             for topk in (1, 2, 8) if topk <= num_experts
             for t in ((0, 1, 65, 130, 300) if path == "one program" else (0, 1, 65, 130))
-            for kind in ("random", "skewed", "dropped", "one_rank")]
+            for kind in ("random", "hot_experts", "dropped", "one_rank")]
     for path, world, num_experts, topk, t, kind in grid:
         # the one-program kernel for small batches (t = 300 falls back to blocks), then the
         # block kernels for every size
         kern.LAYOUT_SMALL_ELEMS = small if path == "one program" else 0
         case = (path, world, num_experts, topk, t, kind)
         seed = hash((world, num_experts, topk, t, kind)) % 10_000
-        idx, w = make_route(kind, t, num_experts, topk, world, seed)
+        idx, w = contract_route(kind, t, num_experts, topk, world, seed)
         slot, send_idx, per_rank, per_expert, status = kern.layout(idx, w, num_experts, world)
         ref = compute_send_layout(idx, num_experts, world)
         s = int(ref.num_tokens_per_rank_W.sum())
@@ -133,14 +133,14 @@ def _run_dispatch_combine(row_dtype_name):
     import torch
     from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     dtype = getattr(torch, row_dtype_name)
     cases = 0
     for world, num_experts, topk, hidden, kind, progs in [
         (1, 4, 2, 16, "random", 3),
         (2, 8, 2, 24, "random", 1),
-        (2, 8, 8, 32, "skewed", 4),
+        (2, 8, 8, 32, "hot_experts", 4),
         (4, 16, 4, 24, "dropped", 2),
         (4, 8, 1, 8, "one_rank", 5),
         (3, 12, 3, 40, "random", 64),
@@ -150,7 +150,7 @@ def _run_dispatch_combine(row_dtype_name):
         g = torch.Generator().manual_seed(world * 100 + topk)
         ts = [(t_max - 3 * r) % (t_max + 1) for r in range(world)]  # includes 0 for some cases
         xs = [torch.randn(t, hidden, generator=g).to(dtype) for t in ts]
-        routes = [make_route(kind, t, num_experts, topk, world, 7 + r) for r, t in enumerate(ts)]
+        routes = [contract_route(kind, t, num_experts, topk, world, 7 + r) for r, t in enumerate(ts)]
         idxs = [i for i, _ in routes]
         ws = [w for _, w in routes]
         num_local = num_experts // world
@@ -314,7 +314,7 @@ def _check_fixed_capacity():
     import torch
     from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     world, num_experts, hidden, t_max = 3, 12, 24, 10
     num_local = num_experts // world
@@ -323,11 +323,12 @@ def _check_fixed_capacity():
     epoch = 0
     # (tokens per rank, top-k): shrink after a large dispatch, then change the top-k width
     for step, (ts, topk, kind) in enumerate([([10, 7, 9], 3, "random"), ([2, 0, 4], 3, "dropped"),
-                                             ([5, 3, 1], 2, "skewed"), ([4, 4, 4], 2, "one_rank")]):
+                                             ([5, 3, 1], 2, "hot_experts"),
+                                             ([4, 4, 4], 2, "one_rank")]):
         epoch += 2  # same parity every time: each step overwrites the previous step's rows
         offs = peers.layout.offsets(epoch % 2)
         xs = [torch.randn(t, hidden, generator=g).to(torch.bfloat16) for t in ts]
-        routes = [make_route(kind, t, num_experts, topk, world, 100 * step + r)
+        routes = [contract_route(kind, t, num_experts, topk, world, 100 * step + r)
                   for r, t in enumerate(ts)]
         lays = []
         for me in range(world):

@@ -11,29 +11,15 @@ import pytest
 import torch
 
 from efa_ep.distributed import RankFailure, run_ranks
+from efa_ep.testing.routes import contract_route
 
 # one_node: every token's experts on one node (a different node per token), over several ranks
-KINDS = ("random", "skewed", "one_rank", "dropped", "one_node")
+KINDS = ("random", "hot_experts", "one_rank", "dropped", "one_node")
 ENV = {"FI_TCP_IFACE": "lo"}
 
 
 def _tokens(rank, case):
     return 0 if (rank == 1 and case % 3 == 1) else 2 + 3 * rank + 2 * case
-
-
-def _route(kind, n, experts, k, world, node_size, seed):
-    from routes import make_route
-
-    if kind != "one_node":
-        return make_route(kind, n, experts, k, world, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    per_node = experts // (world // node_size)
-    node = torch.randint(0, world // node_size, (n, 1), generator=g)
-    kk = min(k, per_node)
-    idx = torch.rand(n, per_node, generator=g).topk(kk, dim=1).indices + node * per_node
-    idx = torch.cat([idx, torch.full((n, k - kk), -1, dtype=torch.int64)], 1)
-    w = torch.where(idx >= 0, torch.rand(n, k, generator=g), torch.zeros(n, k))
-    return idx, w
 
 
 def _expected_counts(data, rank, world, node_size, experts, aggregate, row_bytes):
@@ -82,7 +68,8 @@ def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_
         data = []
         for r in range(world):
             n = _tokens(r, case)
-            idx, w = _route(kind, n, experts, k, world, node_size, seed=1000 * case + r)
+            idx, w = contract_route(kind, n, experts, k, world, seed=1000 * case + r,
+                                    node_size=node_size)
             g = torch.Generator().manual_seed(case * 31 + r)
             data.append((torch.randn(n, hidden, generator=g).to(dtype), idx, w))
         x, idx, w = data[rank]
@@ -285,7 +272,8 @@ def _hier_gpu_worker(rank, world, node_size, topks, network, aggregate):
         data = []
         for r in range(world):
             n = 17 * (r + 1) + case
-            idx, w = _route(kind, n, experts, k, world, node_size, seed=1000 * case + r)
+            idx, w = contract_route(kind, n, experts, k, world, seed=1000 * case + r,
+                                    node_size=node_size)
             g = torch.Generator().manual_seed(case * 31 + r)
             data.append((torch.randn(n, hidden, generator=g).to(torch.bfloat16), idx, w))
         x, idx, w = data[rank]

@@ -38,7 +38,7 @@ def _compare_cases(rank, world, cases, options, device):
     (per-case list of mismatching output names, per-channel stats of the proxy)."""
     from efa_ep.dispatcher.settings import environment_options
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     options = {**environment_options("proxy"), **options}
 
@@ -52,7 +52,7 @@ def _compare_cases(rank, world, cases, options, device):
                 create_transport("proxy", None, num_experts, hidden, 64, dtype, **options))
         ref, px = transports[key]
         t = tokens[rank] if isinstance(tokens, (list, tuple)) else tokens
-        idx, w = make_route(route, t, num_experts, topk, world, seed + 17 * rank)
+        idx, w = contract_route(route, t, num_experts, topk, world, seed + 17 * rank)
         g = torch.Generator().manual_seed(seed * 31 + rank)
         x = torch.randn(t, hidden, generator=g).to(dtype)
         n_dev = lambda v: v.to(device)  # noqa: E731
@@ -135,7 +135,7 @@ def _run_compare(world, cases, configs, env=None, timeout_s=200, base_env=None, 
 
 CASES_2 = [
     ("random", 8, 32, 4, "float32", 24, 1),
-    ("skewed", 8, 32, 4, "float32", 24, 2),
+    ("hot_experts", 8, 32, 4, "float32", 24, 2),
     ("dropped", 8, 32, 4, "float32", 24, 3),
     ("one_rank", 8, 32, 4, "float32", 24, 4),
     ("random", 8, 32, 4, "float32", [0, 24], 5),      # T=0 on rank 0
@@ -170,7 +170,7 @@ def test_tcp_two_ranks_k124_bit_identical_and_bad_input():
 def test_tcp_four_ranks_k2_injected_and_k4():
     cases = [
         ("random", 16, 32, 4, "float32", 32, 11),
-        ("skewed", 16, 32, 6, "float32", [32, 0, 9, 31], 12),
+        ("hot_experts", 16, 32, 6, "float32", [32, 0, 9, 31], 12),
         ("dropped", 16, 24, 4, "bfloat16", [20, 0, 0, 7], 13),
         ("one_rank", 16, 32, 4, "float32", 16, 14),
     ]

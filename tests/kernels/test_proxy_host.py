@@ -41,11 +41,11 @@ def _layout(idx: torch.Tensor, w: torch.Tensor, num_experts: int, world: int):
 
 @pytest.mark.parametrize("world,num_experts,topk,tokens", [
     (2, 256, 8, 128), (2, 8, 1, 5), (4, 16, 4, 33), (3, 12, 6, 0), (8, 64, 8, 17)])
-@pytest.mark.parametrize("kind", ["random", "skewed", "dropped", "one_rank"])
+@pytest.mark.parametrize("kind", ["random", "hot_experts", "dropped", "one_rank"])
 def test_route_layout_matches_compute_send_layout(world, num_experts, topk, tokens, kind):
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
-    idx, w = make_route(kind, tokens, num_experts, topk, world, 3 + tokens)
+    idx, w = contract_route(kind, tokens, num_experts, topk, world, 3 + tokens)
     w = w * torch.where(torch.rand(w.shape) < 0.1, -1.0, 1.0)  # negative weights and -0.0
     s, send_idx, meta, num_send, counts, flags = _layout(idx, w, num_experts, world)
     ref = compute_send_layout(idx, num_experts, world)
@@ -167,7 +167,7 @@ def test_unpack_meta_unpacks_and_refuses_what_check_meta_refuses():
 # --------------------------------------------------------------------------------------------
 def _rounds_rank(rank, world, provider, python_rounds):
     from efa_ep.kernels import create_transport
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
     bad = []
@@ -182,7 +182,7 @@ def _rounds_rank(rank, world, provider, python_rounds):
         px.wire.native_rounds = not python_rounds
         for seed, kind in enumerate(("random", "dropped", "one_rank")):
             t = tokens[rank]
-            idx, w = make_route(kind, t, num_experts, topk, world, seed * 7 + rank)
+            idx, w = contract_route(kind, t, num_experts, topk, world, seed * 7 + rank)
             x = torch.randn(t, hidden).to(dtype)
             r, p = ref.dispatch(x, idx, w), px.dispatch(x, idx, w)
             same = lambda a, b: a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731

@@ -56,13 +56,13 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 def _inputs(world, num_experts, hidden, topk, dtype, tokens, seed):
     """Every rank's inputs from one seed (each rank rebuilds all of them for the reference)."""
-    from tests.routes import make_route
+    from efa_ep.testing.routes import contract_route
 
-    kinds = ("random", "skewed", "dropped", "one_rank")
+    kinds = ("random", "hot_experts", "dropped", "one_rank")
     xs, idxs, ws = [], [], []
     for r in range(world):
         kind = kinds[(seed + r) % len(kinds)]
-        idx, w = make_route(kind, tokens[r], num_experts, topk, world, seed * 101 + r)
+        idx, w = contract_route(kind, tokens[r], num_experts, topk, world, seed * 101 + r)
         g = torch.Generator().manual_seed(seed * 7 + r)
         xs.append(torch.randn(tokens[r], hidden, generator=g).to(dtype))
         idxs.append(idx)

@@ -63,17 +63,17 @@ BAD_CASES = [
 
 def _all_inputs(world, seed, experts, hidden, k, max_tokens, dtype, kind=None):
     """Every rank's (x, topk_idx, topk_weights), the same on every rank (shared seed)."""
-    from routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     g = torch.Generator().manual_seed(seed)
-    kinds = ("random", "skewed", "one_rank", "dropped")
+    kinds = ("random", "hot_experts", "one_rank", "dropped")
     data = []
     for r in range(world):
         n = int(torch.randint(0, max_tokens + 1, (1,), generator=g))
         if n and int(torch.randint(0, 5, (1,), generator=g)) == 0:
             n = 0  # T = 0 often
         kd = kind or kinds[int(torch.randint(0, len(kinds), (1,), generator=g))]
-        idx, w = make_route(kd, n, experts, k, world, seed=seed * 17 + r)
+        idx, w = contract_route(kd, n, experts, k, world, seed=seed * 17 + r)
         x = torch.randn(n, hidden, generator=g).to(dtype)
         data.append((x, idx, w))
     return data

@@ -7,7 +7,7 @@ import torch
 
 from efa_ep.distributed import RankFailure, run_ranks
 
-KINDS = ("random", "skewed", "one_rank", "dropped")
+KINDS = ("random", "hot_experts", "one_rank", "dropped")
 
 
 def _tokens(rank, case):
@@ -16,7 +16,7 @@ def _tokens(rank, case):
 
 
 def _contract_worker(rank, world, experts, hidden, topks):
-    from routes import make_route
+    from efa_ep.testing.routes import contract_route
 
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.reference import reference_combine, reference_dispatch
@@ -27,7 +27,7 @@ def _contract_worker(rank, world, experts, hidden, topks):
         data = []
         for r in range(world):
             n = _tokens(r, case)
-            idx, w = make_route(kind, n, experts, k, world, seed=1000 * case + r)
+            idx, w = contract_route(kind, n, experts, k, world, seed=1000 * case + r)
             x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(case * 31 + r))
             data.append((x, idx, w))
         x, idx, w = data[rank]

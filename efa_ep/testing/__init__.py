@@ -1,0 +1,10 @@
+"""``efa_ep.testing``: what the tests, the tools (``efa-ep-bench``) and the GPU scripts share to
+build inputs and check results; nothing in the dispatcher or the transports imports it.
+
+- :mod:`efa_ep.testing.routes`: seeded top-k routes, two families with distinct kind names:
+  the contract routes of the transport tests and GPU scripts (``random``, ``hot_experts``,
+  ``one_rank``, ``dropped``, ``one_node``) and the benchmark's routes (``balanced``,
+  ``skewed``, ``uniform``: the names its configs and recorded results use).
+
+Importing ``efa_ep.testing`` or its modules needs only torch.
+"""
