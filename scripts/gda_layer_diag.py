@@ -20,7 +20,7 @@ def _worker(rank, world, dtype, deterministic, names):
 
     import efa_ep  # noqa: F401
     from efa_ep.tiny_moe import init_megatron
-    from tests.dispatcher.test_moe_layer_gpu import BATCH, HIDDEN, SEQ, _layer
+    from efa_ep.testing.moe_layer import HIDDEN, MICRO_BATCH, SEQ_LEN, efa_moe_layer
 
     if deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -32,7 +32,7 @@ def _worker(rank, world, dtype, deterministic, names):
              "proxy": ("proxy", {"provider": "tcp", "num_channels": 2}), "gda": ("gda", {}),
              "gda_sync_each_call": ("gda", {"check_every_call": 1}),
              "gda_4_programs": ("gda", {"num_programs": 4})}
-    layers = {k: _layer(every[k][0], world, dtype, **every[k][1])
+    layers = {k: efa_moe_layer(every[k][0], world, dtype, **every[k][1])
               for k in ["torch_a"] + [n for n in names if n != "torch_a"]}
     dist.broadcast(layers["torch_a"].router.weight.data, src=0)
     for k in layers:
@@ -40,8 +40,8 @@ def _worker(rank, world, dtype, deterministic, names):
             layers[k].load_state_dict(layers["torch_a"].state_dict())
     gen = torch.Generator().manual_seed(100 + rank)
     act = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to("cuda", act)
-    g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to("cuda", act)
+    x = torch.randn(SEQ_LEN, MICRO_BATCH, HIDDEN, generator=gen).to("cuda", act)
+    g = torch.randn(SEQ_LEN, MICRO_BATCH, HIDDEN, generator=gen).to("cuda", act)
     import time
 
     res, notes = {}, []

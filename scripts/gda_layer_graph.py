@@ -2,10 +2,10 @@
 """A Megatron MoE layer's forward + backward in drop-and-pad mode over ``gda``: eager against
 one CUDA-graph replay (``GdaTransport.capture``), ranks as processes on one GPU (MPS on).
 
-Each start checks graph == eager bit for bit first (the GPU test's worker), then times
-``--iters`` back-to-back eager fwd+bwd and replays with CUDA events (per rank; the slowest
-rank is reported). Layer: hidden 256, 16 experts, top-2, 64 x 4 tokens per rank, capacity
-factor 1.0 (see ``tests/dispatcher/test_moe_layer_gpu.py``).
+Each start checks graph == eager bit for bit first (the GPU test's worker,
+:func:`efa_ep.testing.moe_layer.capacity_graph_worker`), then times ``--iters`` back-to-back
+eager fwd+bwd and replays with CUDA events (per rank; the slowest rank is reported). Layer:
+hidden 256, 16 experts, top-2, 64 x 4 tokens per rank, capacity factor 1.0.
 
     python3 scripts/gda_layer_graph.py [--worlds 2,4] [--dtype bf16] [--starts 3] [--iters 50]
 
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 def main():
     from efa_ep.distributed import run_ranks
-    from tests.dispatcher.test_moe_layer_gpu import _capacity_graph_worker
+    from efa_ep.testing.moe_layer import capacity_graph_worker
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4")
@@ -39,7 +39,7 @@ def main():
     for world in [int(w) for w in a.worlds.split(",")]:
         starts = []
         for _ in range(a.starts):
-            res = run_ranks(_capacity_graph_worker, world, (a.dtype, 1, a.iters), timeout_s=300,
+            res = run_ranks(capacity_graph_worker, world, (a.dtype, 1, a.iters), timeout_s=300,
                             env=env)
             starts.append(dict(eager_us=max(r["timing"]["eager_us"] for r in res),
                                graph_us=max(r["timing"]["graph_us"] for r in res),

@@ -11,7 +11,7 @@ float32 [T, K] rows, and the weight combine. Every ``--torch-every``-th round wi
 run through the ``torch`` transport (CPU, gloo) and compared bit for bit. Layouts (E, H, dtype)
 cycle through E in {64, 256, 384} (E up to 384), H in {2048, 7168}, bf16 and fp32.
 
-Layer runs: the Megatron MoE layer (tests/dispatcher/test_moe_layer_gpu.py) forward + backward
+Layer runs: the Megatron MoE layer (:mod:`efa_ep.testing.moe_layer`) forward + backward
 over ``gda`` against ``torch``: output, x.grad and every parameter gradient bitwise equal;
 ``--layer-launches`` fresh process groups x ``--layer-iters`` fresh layers and transports each.
 
@@ -175,11 +175,11 @@ def layer_worker(rank, world, iters, dtype, options):
     import torch.distributed as dist
 
     from efa_ep.dispatcher.token_dispatcher import clear_transport_cache
-    from tests.dispatcher.test_moe_layer_gpu import _gpu_layer_worker
+    from efa_ep.testing.moe_layer import gda_vs_torch_layer_worker
 
     done = 0
     for i in range(iters):
-        _gpu_layer_worker(rank, world, dtype, seed=i, init=(i == 0), options=options)
+        gda_vs_torch_layer_worker(rank, world, dtype, seed=i, init=(i == 0), options=options)
         clear_transport_cache()
         dist.barrier()
         done += 1

@@ -15,9 +15,9 @@ TAILN=${TAILN:-6}
 # 1. with Debian's libfabric: hmem='cuda' must be refused with a message naming the verb
 step refusal 60 env EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so python3 -c "
 from efa_ep.distributed import run_ranks
-from tests.kernels.test_proxy import _hmem_create_error
+from efa_ep.testing.transports import hmem_creation_error_worker
 for prov in ('shm', 'tcp'):
-    print(prov, '->', run_ranks(_hmem_create_error, 1, (prov,), timeout_s=50)[0])"
+    print(prov, '->', run_ranks(hmem_creation_error_worker, 1, (prov,), timeout_s=50)[0])"
 # 2. CUDA-enabled libfabric + the proxy built against it
 step build_libfabric 240 bash scripts/build_libfabric_cuda.sh /tmp/lfcuda || true
 [ -f /tmp/lfcuda/env.sh ] || { echo "libfabric build failed"; tail -40 "$OUT/build_libfabric.log"; exit 1; }

@@ -55,7 +55,8 @@ def test_route_families_share_no_kind_name():
 
 
 def test_importing_efa_ep_testing_imports_no_megatron():
-    code = ("import sys, efa_ep.testing, efa_ep.testing.routes; "
+    code = ("import sys, efa_ep.testing.routes, efa_ep.testing.moe_layer, "
+            "efa_ep.testing.transports; "
             "print(any(m.startswith('megatron') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=__file__.rsplit("/tests/", 1)[0])

@@ -5,6 +5,12 @@ build inputs and check results; nothing in the dispatcher or the transports impo
   the contract routes of the transport tests and GPU scripts (``random``, ``hot_experts``,
   ``one_rank``, ``dropped``, ``one_node``) and the benchmark's routes (``balanced``,
   ``skewed``, ``uniform``: the names its configs and recorded results use).
+- :mod:`efa_ep.testing.moe_layer`: the Megatron ``MoELayer`` of the GPU layer tests and the
+  per-rank workers that check it (``gda`` against ``torch``; drop-and-pad CUDA-graph replay
+  against eager).
+- :mod:`efa_ep.testing.transports`: probes of transport creation (the error a ``proxy`` with
+  given options gives).
 
-Importing ``efa_ep.testing`` or its modules needs only torch.
+Importing ``efa_ep.testing`` or its modules needs only torch: Megatron and the transports are
+imported inside the functions that use them.
 """

@@ -14,6 +14,7 @@ import torch
 
 from efa_ep.distributed import RankFailure, run_ranks
 from efa_ep.kernels import proxy as proxy_mod
+from efa_ep.testing.transports import proxy_creation_error
 
 pytestmark = pytest.mark.skipif(proxy_mod.availability() is not None,
                                 reason=f"proxy unavailable: {proxy_mod.availability()}")
@@ -272,22 +273,6 @@ def test_gpu_host_staged_two_ranks_bit_identical():
                  env={"EFA_EP_TEST_DEVICE": "cuda"})
 
 
-def _creation_error(**opts) -> str:
-    """'no error' if a proxy transport with ``opts`` starts (and closes), else its TransportError."""
-    from efa_ep.kernels import TransportError, create_transport
-
-    try:
-        create_transport("proxy", None, 4, 8, 16, torch.float32, **opts).close()
-        return "no error"
-    except TransportError as e:
-        return f"TransportError: {e}"
-
-
-def _hmem_create_error(rank, world, provider):
-    """The error hmem='cuda' gives over ``provider`` here (scripts/gpu_hmem_check.sh)."""
-    return _creation_error(provider=provider, hmem="cuda")
-
-
 def _hmem_option_errors(rank, world):
     from efa_ep.kernels import create_transport
 
@@ -295,7 +280,7 @@ def _hmem_option_errors(rank, world):
     out = [t.hmem]  # auto resolves to a host window: tcp has no FI_HMEM (and no GPU here)
     t.close()
     for opts in ({"hmem": "cuda"}, {"hmem": "gpu"}, {"provider": "no_such_provider"}):
-        out.append(_creation_error(**{"provider": "tcp", **opts}))
+        out.append(proxy_creation_error(**{"provider": "tcp", **opts}))
     return out
 
 
