@@ -128,11 +128,11 @@ def test_quick_run_schema_and_outputs(tmp_path, capsys):
 
 
 def test_failed_check_voids_the_cell(monkeypatch):
-    """_compare reports a differing tensor; a void record carries the reason and no timings."""
+    """compare_to_reference reports a differing tensor; a void record carries the reason and no timings."""
     import torch
 
-    assert bench._compare("recv_x", torch.ones(2, 2), torch.ones(2, 2)) is None
-    msg = bench._compare("combine_out", torch.ones(2, 2), torch.zeros(2, 2))
+    assert bench.compare_to_reference("recv_x", torch.ones(2, 2), torch.ones(2, 2)) is None
+    msg = bench.compare_to_reference("combine_out", torch.ones(2, 2), torch.zeros(2, 2))
     assert "combine_out" in msg and "differs" in msg
     recs = [{"view": "transport", "profile": "decode", "shape": "s", "route": "balanced", "dtype": "bf16",
              "arm": a, "num_channels": None, "tokens_per_rank": 8, "hidden": 4, "num_experts": 4,
@@ -192,12 +192,13 @@ def test_control_collectives_use_the_groups_device(monkeypatch):
     import torch.distributed as dist
 
     strict = _StrictGroup("meta")
-    monkeypatch.setattr(bench, "collective_device", lambda group=None: torch.device("meta"))
+    # the control collectives live in bench.rank and look the helper up there
+    monkeypatch.setattr(bench.rank, "collective_device", lambda group=None: torch.device("meta"))
     for name in ("all_reduce", "broadcast"):
         monkeypatch.setattr(dist, name, getattr(strict, name))
     monkeypatch.setattr(torch.Tensor, "item", lambda self: 1)  # a meta flag has no value
-    assert bench._agree(True) is True
-    bench._broadcast_(torch.zeros(3, device="meta"), src=0)
+    assert bench.all_ranks_ok(True) is True
+    bench.broadcast_(torch.zeros(3, device="meta"), src=0)
     assert strict.calls == [("all_reduce", "meta"), ("broadcast", "meta")]
 
 

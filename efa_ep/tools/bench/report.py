@@ -1,0 +1,165 @@
+"""The parent's outputs from the records of all starts: one summary row per cell, the markdown
+table (latency, tokens/s, ratios, network counts) and box plots per profile."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Tuple
+
+from .. import bench_stats
+from .arms import timing_modes
+from .schema import COLLECTIVE_ARM_NAMES, timing_boundary
+
+
+def summarize_records(records: List[Dict[str, Any]], cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One summary row per cell: n (non-void starts), n_void, stats of the per-start medians,
+    tokens/s, the ratio to the reference arm (``torch`` / ``alltoall``) of the same cell and,
+    where a raw collective arm ran, the ratio to it (``vs_collective``)."""
+    def cell_of(r):
+        return (r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r.get("timing", "single"))
+
+    groups: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(cell_of(r) + (r["arm"],), []).append(r)
+    rows = []
+    for key, recs in groups.items():
+        view, profile, shape, route, dtype, timing, arm = key
+        good = [r["start_median_us"] for r in recs if not r["void"]]
+        st = bench_stats.summarize(good, alpha=float(cfg["alpha"]), min_n_for_ci=int(cfg["min_n_for_ci"]),
+                                   seed=int(cfg["seed"]))
+        r0 = recs[0]
+        tok_s = (r0["ep_size"] * r0["tokens_per_rank"] / (st["median"] * 1e-6)) if st["median"] else None
+        rows.append({"view": view, "profile": profile, "shape": shape, "route": route, "dtype": dtype,
+                     "timing": timing, "arm": arm, "num_channels": r0["num_channels"],
+                     "tokens_per_rank": r0["tokens_per_rank"],
+                     "hidden": r0["hidden"], "num_experts": r0["num_experts"], "topk": r0["topk"],
+                     "ep_size": r0["ep_size"], "n_void": sum(1 for r in recs if r["void"]),
+                     "void_reasons": sorted({(r["void_reason"] or "")[:200] for r in recs if r["void"]}),
+                     "latency_us": st, "tokens_per_s": tok_s, "route_stats": r0["route_stats"],
+                     "collective": r0["arm"] in COLLECTIVE_ARM_NAMES,
+                     # deterministic per cell (same route every start): the first record's
+                     "net_counts": next((r.get("net_counts") for r in recs
+                                         if not r["void"] and r.get("net_counts")), None)})
+    ref_of = {"transport": "torch", "layer": "alltoall"}
+    by_key = {(r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["timing"], r["arm"]): r
+              for r in rows}
+    for r in rows:
+        cell = (r["view"], r["profile"], r["shape"], r["route"], r["dtype"], r["timing"])
+        ref = by_key.get(cell + (ref_of[r["view"]],))
+        r["vs_reference"] = bench_stats.ratio(r["latency_us"]["median"],
+                                              ref["latency_us"]["median"] if ref else None)
+        coll = next((by_key[cell + (a,)] for a in COLLECTIVE_ARM_NAMES if cell + (a,) in by_key), None)
+        r["vs_collective"] = bench_stats.ratio(r["latency_us"]["median"],
+                                               coll["latency_us"]["median"] if coll else None)
+        r["collective_arm"] = coll["arm"] if coll else None
+    rows.sort(key=lambda r: (r["view"] != "transport", r["timing"], r["profile"], r["shape"],
+                             r["route"], r["arm"]))
+    return rows
+
+
+def markdown_table(rows: List[Dict[str, Any]], cfg: Dict[str, Any], meta: Dict[str, Any]) -> str:
+    """The run's markdown: method line, timing boundaries, one table per view, the network
+    counts table and the arms not run."""
+    modes = timing_modes(cfg)
+    lines = [f"Slowest-rank latency in us: median of per-start medians, with a bootstrap interval "
+             f"of the median where n allows ({int(100 * (1 - float(cfg['alpha'])))}%), else min/max. "
+             f"EP={meta['ep_size']}, dtype {cfg['dtype']}, device {cfg['device']}, backend "
+             f"{cfg['backend']}, starts {cfg['starts']} x {cfg['iters']} samples "
+             f"(+{cfg['warmup']} warm-up)."]
+    for m in modes:
+        extra = f" (steady_iters={cfg.get('steady_iters')})" if m == "steady" else ""
+        lines.append(f"Timing `{m}`{extra}: {timing_boundary(m)}.")
+    if cfg.get("scaled"):
+        lines.append(f"**Scaled shapes:** {cfg.get('scale_note')}")
+    coll = sorted({r["collective_arm"] for r in rows if r.get("collective_arm")})
+    for view, ref in (("transport", "torch"), ("layer", "alltoall")):
+        vr = [r for r in rows if r["view"] == view]
+        if not vr:
+            continue
+        title = ("Dispatch + combine" if view == "transport"
+                 else "MoE layer forward + backward (Megatron MoELayer)")
+        vs_coll = view == "transport" and coll
+        head = (f"| timing | profile | shape (H, E, top-k, tok/rank) | route | arm | latency us | "
+                f"tokens/s (aggregate) | vs {ref} |" + (f" vs {'/'.join(coll)} |" if vs_coll else "")
+                + " void |")
+        lines += ["", f"### {title}", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for r in vr:
+            shape = f"{r['shape']} ({r['hidden']}, {r['num_experts']}, {r['topk']}, {r['tokens_per_rank']})"
+            tps = f"{r['tokens_per_s']:.3g}" if r["tokens_per_s"] else "-"
+            vs = f"{r['vs_reference']:.3f}" if r["vs_reference"] else "-"
+            vc = (f" {r['vs_collective']:.3f} |" if r.get("vs_collective") else " - |") if vs_coll else ""
+            lines.append(f"| {r['timing']} | {r['profile']} | {shape} | {r['route']} | {r['arm']} | "
+                         f"{bench_stats.format_stats(r['latency_us'])} | {tps} | {vs} |{vc} {r['n_void']} |")
+    lines += net_counts_table(rows)
+    if meta.get("not_run"):
+        lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["not_run"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def _n(v) -> str:
+    return "-" if v is None else (f"{v / 1e3:.1f}k" if v >= 1e4 else str(v))
+
+
+def net_counts_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """Markdown lines: network operations and bytes per dispatch and combine of every counting
+    arm (all ranks, one op), next to the cross-node figure of a flat design at the same layout;
+    empty when no arm counted."""
+    counted = [r for r in rows if r["view"] == "transport" and (r.get("net_counts") or {}).get("dispatch")]
+    if not counted:
+        return []
+    lines = ["", "### Network operations per op (all ranks, one dispatch / one combine)", "",
+             "messages = (source, destination rank) pairs with >= 1 row on the network; "
+             "writes = libfabric writes queued (headers and footers included); bytes = row "
+             "payload, wire bytes = everything written. Flat proxy: every peer goes through "
+             "libfabric; hier: only rows that cross nodes. `flat x-node` = destination ranks on "
+             "other nodes with >= 1 row, rows (what no aggregation sends across nodes).", "",
+             "| timing | profile | shape | route | arm | nodes x G | D msgs | D rows | D bytes | "
+             "D writes | D wire bytes | C msgs | C writes | C wire bytes | flat x-node msgs / rows |",
+             "|" + "---|" * 15]
+    for r in counted:
+        nc = r["net_counts"]
+        d, c, x = nc["dispatch"], nc.get("combine") or {}, nc["per_rank_cross_node"]
+        lines.append(f"| {r['timing']} | {r['profile']} | {r['shape']} | {r['route']} | {r['arm']} | "
+                     f"{nc['num_nodes']} x {nc['node_size']} | {_n(d['messages'])} | {_n(d['rows'])} | "
+                     f"{_n(d['bytes'])} | {_n(d['writes'])} | {_n(d['wire_bytes'])} | "
+                     f"{_n(c.get('messages'))} | {_n(c.get('writes'))} | {_n(c.get('wire_bytes'))} | "
+                     f"{_n(x['messages'])} / {_n(x['rows'])} |")
+    return lines
+
+
+def box_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
+    """One PNG per profile: per-start medians of every arm, grouped by shape, route, timing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    profiles = sorted({r["profile"] for r in records})
+    for prof in profiles:
+        recs = [r for r in records if r["profile"] == prof and not r["void"]]
+        groups = sorted({(r["shape"], r["route"], r.get("timing", "single")) for r in recs})
+        arms = sorted({r["arm"] for r in recs}, key=lambda a: (a not in ("torch", "alltoall"), a))
+        if not groups:
+            continue
+        fig, axes = plt.subplots(1, len(groups), figsize=(max(5, 3.2 * len(groups)), 4.2), squeeze=False)
+        for ax, (shape, route, timing) in zip(axes[0], groups):
+            data, labels = [], []
+            for a in arms:
+                vals = [r["start_median_us"] for r in recs if r["shape"] == shape and r["route"] == route
+                        and r.get("timing", "single") == timing and r["arm"] == a]
+                if vals:
+                    data.append(vals)
+                    labels.append(f"{a}\nn={len(vals)}")
+            ax.boxplot(data, showfliers=True)
+            ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30)
+            ax.set_title(f"{shape} / {route} / {timing}", fontsize=9)
+            ax.set_ylabel("slowest-rank latency, us")
+        fig.suptitle(f"profile {prof}: per-start medians", fontsize=10)
+        fig.tight_layout()
+        p = os.path.join(out_dir, f"bench_{prof}.png")
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
+    return paths
