@@ -208,7 +208,7 @@ def test_loss_match_collectives_use_the_groups_device():
 
     from efa_ep.tools import loss_match
 
-    src = inspect.getsource(loss_match._train_arm)
+    src = inspect.getsource(loss_match.train._train_arm)
     assert 'to("cpu")' not in src.split("dist.all_reduce(total")[0].split("Reported loss")[1]
     assert "collective_device(dp_group)" in src and "collective_device(ep_group)" in src
 
