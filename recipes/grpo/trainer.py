@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -172,7 +172,107 @@ def quiet_megatron() -> Optional[str]:
             f"implementations (expected on CPU; its per-module warnings are silenced)")
 
 
+@dataclasses.dataclass
+class _RankRun:
+    """One rank's run, as set up by :func:`_setup_rank`: the trainer config, the rank's device,
+    the task, the policy model (``model_cfg``: its :class:`efa_ep.tiny_moe.TinyMoEConfig`;
+    ``dispatcher``: its ``moe_token_dispatcher_type``) and rank 0's log."""
+
+    rank: int
+    world: int
+    cfg: TrainerConfig
+    device: torch.device
+    task: Any
+    model_cfg: Any
+    dispatcher: str
+    policy: torch.nn.Module
+    log: "_RankZeroLog"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchSizes:
+    """A rank's batch sizes per GRPO step; rows are samples (prompt x generation)."""
+
+    prompts_per_rank: int       # prompts this rank samples per step
+    num_global_batches: int     # optimizer steps per GRPO step
+    rows_per_global_batch: int  # this rank's rows of one global batch
+    micro_batch: int            # rows per training forward + backward
+    logprob_batch: int          # rows per no-grad logprob forward
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig, world: int) -> "_BatchSizes":
+        g, pol = cfg.grpo, cfg.policy
+        return cls(prompts_per_rank=g.num_prompts_per_step // world,
+                   num_global_batches=(g.num_prompts_per_step * g.num_generations_per_prompt)
+                   // pol.train_global_batch_size,
+                   rows_per_global_batch=pol.train_global_batch_size // world,
+                   micro_batch=pol.train_micro_batch_size,
+                   logprob_batch=pol.logprob_batch_size or pol.train_micro_batch_size)
+
+
+class _ValidationSet(NamedTuple):
+    """This rank's share of the fixed validation problems: ``prompts [N, P]`` on the rank's
+    device, their answers, and the problem count over all ranks."""
+
+    prompts: torch.Tensor
+    answers: list
+    num_problems: int
+
+
+class _UpdateStats(NamedTuple):
+    """What one GRPO step's policy update measured on this rank: the loss metrics' shares of
+    the global mean (:data:`_SHARE_METRICS`), the probability-ratio minima and maxima, and the
+    global gradient norm of every optimizer step (before clipping)."""
+
+    sums: Dict[str, float]
+    mins: Dict[str, float]
+    maxs: Dict[str, float]
+    grad_norms: List[float]
+
+
 def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
+    """One rank of the built-in trainer, end to end: set up, the optional supervised
+    warm-start, the frozen reference and the optimizer, validation before GRPO, the GRPO steps
+    (validation on its period), then rank 0's summary (None on the other ranks)."""
+    run = _setup_rank(rank, world, cfg_dict)
+    g = run.cfg.grpo
+    # Every sampling of this rank (warm-start batches, prompts, generations) draws from it.
+    rank_gen = torch.Generator().manual_seed(g.seed * 1000 + rank)
+    _warm_start(run, rank_gen)
+    reference = _frozen_reference(run)
+    params, optimizer = _grpo_optimizer(run)
+    val_set = _validation_set(run)
+    sizes = _BatchSizes.of(run.cfg, world)
+
+    history: List[dict] = []
+    if g.val_at_start or g.val_period > 0:
+        acc = _validate(run, val_set, rank_gen)
+        if run.is_main:
+            run.log.metrics.log(0, {"validation/accuracy": acc})
+        history.append({"step": 0, "validation/accuracy": acc})
+        run.log.info(f"validation accuracy (greedy, {val_set.num_problems} problems) before GRPO: "
+                     f"{acc:.3f}")
+
+    bar = run.log.bar(g.max_num_steps, "GRPO")
+    run_t0 = time.time()
+    for step in range(1, g.max_num_steps + 1):
+        metrics = _grpo_step(run, reference, params, optimizer, sizes, rank_gen)
+        if _validates_after(g, step):
+            metrics["validation/accuracy"] = _validate(run, val_set, rank_gen)
+        _log_step(run, step, metrics, history, bar)
+    if bar is not None:
+        bar.close()
+    return _finish(run, history, wall=time.time() - run_t0)
+
+
+def _setup_rank(rank: int, world: int, cfg_dict: dict) -> _RankRun:
+    """Everything before training: signals, threads and device, Megatron's process groups
+    (EP = ``world``), the task, the policy model (checked to use the configured dispatcher in
+    every layer) and rank 0's log."""
     import signal
 
     from .config import trainer_config
@@ -186,11 +286,11 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
     torch.set_num_threads(max(1, cfg.efa_ep.num_threads))
     device = _device(cfg, rank)
     import efa_ep  # noqa: F401  (registers the efa dispatcher)
-    from efa_ep.tiny_moe import build_gpt_moe, init_megatron, sync_grads
+    from efa_ep.tiny_moe import build_gpt_moe, init_megatron
 
-    g, lcfg, pol = cfg.grpo, cfg.loss_fn, cfg.policy
-    gen_cfg, mcfg = pol.generation, pol.megatron_cfg
-    init_megatron(world, seed=g.seed)
+    pol = cfg.policy
+    mcfg = pol.megatron_cfg
+    init_megatron(world, seed=cfg.grpo.seed)
     task = make_task(cfg.efa_ep.task)
     model_cfg = dataclasses.replace(cfg.efa_ep.model, freeze_router=mcfg.freeze_moe_router)
     if pol.precision in ("bfloat16", "bf16") and device.type == "cuda":
@@ -198,8 +298,7 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
     check_task_fits(cfg)
     dispatcher = mcfg.moe_token_dispatcher_type
     policy = build_gpt_moe(model_cfg, dispatcher=dispatcher, device=device)
-    is_main = rank == 0
-    log = _RankZeroLog(cfg, is_main)
+    log = _RankZeroLog(cfg, rank == 0)
     if megatron_note:
         log.info(megatron_note)
     log.info(f"policy: tiny Megatron GPT-MoE ({model_cfg.num_layers} layers, "
@@ -213,192 +312,244 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
                 for m in policy.modules())
         if n != model_cfg.num_layers:
             raise RuntimeError(f"expected {model_cfg.num_layers} EfaTokenDispatcher layers, found {n}")
+    return _RankRun(rank, world, cfg, device, task, model_cfg, dispatcher, policy, log)
 
-    rank_gen = torch.Generator().manual_seed(g.seed * 1000 + rank)
 
-    # ---- optional supervised warm-start
-    w = cfg.efa_ep.warmup
-    if w.sft_steps > 0:
-        params = [p for p in policy.parameters() if p.requires_grad]
-        opt = torch.optim.Adam(params, lr=w.lr)
-        t0 = time.time()
-        bar = log.bar(w.sft_steps, "warm-start (SFT)")
-        for step in range(w.sft_steps):
-            tokens, loss_mask = task.sft_batch(w.batch_size, rank_gen)
-            tokens, loss_mask = tokens.to(device), loss_mask.to(device)
-            logits = _forward(policy, tokens)[:, :-1].float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
-                                 reduction="none").view_as(loss_mask)
-            loss = (ce * loss_mask).sum() / loss_mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            sync_grads(policy)
-            opt.step()
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss.item():.3f}")
-                bar.update(1)
-            if is_main and (step + 1) % max(1, w.sft_steps // 4) == 0:
-                log.metrics.log(-w.sft_steps + step + 1, {"warmup/sft_loss": loss.item()})
-        if bar is not None:
-            bar.close()
-        log.info(f"warm-start: {w.sft_steps} SFT steps in {time.time() - t0:.1f}s, "
-                 f"final loss {loss.item():.3f}")
-        del opt
+def _warm_start(run: _RankRun, rank_gen: torch.Generator) -> None:
+    """Optional supervised warm-start (``efa_ep.warmup``): ``sft_steps`` Adam steps of
+    cross-entropy on the task's worked examples, so the GRPO reward does not start at 0."""
+    w = run.cfg.efa_ep.warmup
+    if w.sft_steps <= 0:
+        return
+    from efa_ep.tiny_moe import sync_grads
 
-    # ---- reference policy (frozen copy) and optimizer
-    reference = None
-    if lcfg.reference_policy_kl_penalty != 0:
-        reference = build_gpt_moe(model_cfg, dispatcher=dispatcher, device=device)
-        reference.load_state_dict(policy.state_dict())
-        for p in reference.parameters():
-            p.requires_grad_(False)
-    oc = mcfg.optimizer
+    policy, log = run.policy, run.log
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2),
-                                  eps=oc.adam_eps, weight_decay=oc.weight_decay)
-
-    # ---- validation set: the same fixed problems on every run, split over ranks
-    val_gen = torch.Generator().manual_seed(12345)
-    n_val = (g.max_val_samples // world) * world
-    val_prompts_all, val_answers_all = task.sample(n_val, val_gen)
-    per = n_val // world
-    val_prompts = val_prompts_all[rank * per:(rank + 1) * per].to(device)
-    val_answers = val_answers_all[rank * per:(rank + 1) * per]
-
-    def validate() -> float:
-        tokens, _, _ = generate(policy, val_prompts, gen_cfg, rank_gen, greedy=True)
-        r = task.reward(tokens[:, task.prompt_len:].cpu(), val_answers)
-        hits = torch.tensor([r.sum().item(), float(len(r))], device=device)
-        _all_reduce(hits)
-        return (hits[0] / hits[1]).item()
-
-    prompts_per_rank = g.num_prompts_per_step // world
-    num_global_batches = (g.num_prompts_per_step * g.num_generations_per_prompt) // pol.train_global_batch_size
-    gb_per_rank = pol.train_global_batch_size // world
-    mb = pol.train_micro_batch_size
-    lp_bs = pol.logprob_batch_size or mb
-
-    history: List[dict] = []
-    if g.val_at_start or g.val_period > 0:
-        acc = validate()
-        if is_main:
-            log.metrics.log(0, {"validation/accuracy": acc})
-        history.append({"step": 0, "validation/accuracy": acc})
-        log.info(f"validation accuracy (greedy, {n_val} problems) before GRPO: {acc:.3f}")
-
-    bar = log.bar(g.max_num_steps, "GRPO")
-    run_t0 = time.time()
-    for step in range(1, g.max_num_steps + 1):
-        t0 = time.time()
-        # 1-2. prompts x generations, sampled from the policy
-        prompts, answers = task.sample(prompts_per_rank, rank_gen)
-        prompts = prompts.repeat_interleave(g.num_generations_per_prompt, 0).to(device)
-        answers = [a for a in answers for _ in range(g.num_generations_per_prompt)]
-        group_ids = torch.arange(prompts_per_rank).repeat_interleave(g.num_generations_per_prompt)
-        policy.eval()
-        tokens, mask, gen_lp = generate(policy, prompts, gen_cfg, rank_gen)
-        t_gen = time.time() - t0
-        # 3. rewards and advantages (groups are whole on one rank)
-        rewards = task.reward(tokens[:, task.prompt_len:].cpu(), answers)
-        adv = grpo_advantages(group_ids, rewards, g.normalize_rewards,
-                              g.use_leave_one_out_baseline, g.advantage_clip_low,
-                              g.advantage_clip_high).to(device)
-        # 4. prev logprobs recomputed by the trainer; reference logprobs
-        prev_lp = token_logprobs(policy, tokens, task.prompt_len, gen_cfg, lp_bs)
-        ref_lp = (token_logprobs(reference, tokens, task.prompt_len, gen_cfg, lp_bs)
-                  if reference is not None else None)
-        t_lp = time.time() - t0 - t_gen
-        # 5. policy update
-        policy.train()
-        sums: Dict[str, float] = {k: 0.0 for k in _SHARE_METRICS}
-        mins = {"probs_ratio_min": math.inf, "probs_ratio_clamped_min": math.inf}
-        maxs = {"probs_ratio_max": -math.inf, "probs_ratio_clamped_max": -math.inf}
-        grad_norms = []
-        for gb in range(num_global_batches):
-            rows = slice(gb * gb_per_rank, (gb + 1) * gb_per_rank)
-            counts = torch.tensor([mask[rows].sum().item(),
-                                   float((mask[rows].sum(-1) > 0).sum().item())], device=device)
-            _all_reduce(counts)
-            global_valid_toks, global_valid_seqs = counts[0], counts[1]
-            optimizer.zero_grad(set_to_none=True)
-            for start in range(rows.start, rows.stop, mb):
-                r = slice(start, min(start + mb, rows.stop))
-                curr = token_logprobs(policy, tokens[r], task.prompt_len, gen_cfg, mb, grad=True)
-                loss, m = clipped_pg_loss(curr, prev_lp[r], gen_lp[r],
-                                          ref_lp[r] if ref_lp is not None else None,
-                                          adv[r], mask[r], global_valid_toks, lcfg, global_valid_seqs)
-                # sync_grads averages over DP ranks; the global-token normaliser wants a sum.
-                (loss * world).backward()
-                for k in _SHARE_METRICS:
-                    sums[k] += m[k] / num_global_batches
-                for k in mins:
-                    mins[k] = min(mins[k], m[k])
-                for k in maxs:
-                    maxs[k] = max(maxs[k], m[k])
-            sync_grads(policy)
-            norm = global_grad_norm(policy)
-            grad_norms.append(norm.item())
-            if pol.max_grad_norm:
-                coef = pol.max_grad_norm / (norm.item() + 1e-6)
-                if coef < 1:
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
-            optimizer.step()
-        # metrics over all ranks
-        red = torch.tensor([sums[k] for k in _SHARE_METRICS]
-                           + [rewards.sum().item(), float(len(rewards)), mask.sum().item(),
-                              float(prompts.numel())], dtype=torch.float64, device=device)
-        _all_reduce(red)
-        mn = torch.tensor([mins[k] for k in mins], device=device)
-        mx = torch.tensor([maxs[k] for k in maxs], device=device)
-        _all_reduce(mn, dist.ReduceOp.MIN)
-        _all_reduce(mx, dist.ReduceOp.MAX)
-        step_time = time.time() - t0
-        vals = red.tolist()
-        n_share = len(_SHARE_METRICS)
-        reward_mean = vals[n_share] / vals[n_share + 1]
-        gen_tokens, prompt_tokens = vals[n_share + 2], vals[n_share + 3]
-        metrics = {f"train/{k}": vals[i] for i, k in enumerate(_SHARE_METRICS)}
-        metrics.update({f"train/{k}": v for k, v in zip(mins, mn.tolist())})
-        metrics.update({f"train/{k}": v for k, v in zip(maxs, mx.tolist())})
-        metrics.update({
-            "train/reward": reward_mean,
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/mean_gen_tokens_per_sample": gen_tokens / vals[n_share + 1],
-            "train/lr": oc.lr,
-            "timing/train/total_step_time": step_time,
-            "timing/train/generation": t_gen,
-            "timing/train/logprobs": t_lp,
-            "timing/train/policy_training": step_time - t_gen - t_lp,
-            "performance/tokens_per_sec": (gen_tokens + prompt_tokens) / step_time,
-            "performance/generated_tokens_per_sec": gen_tokens / max(t_gen, 1e-9),
-        })
-        if g.val_period > 0 and (step % g.val_period == 0 or step == g.max_num_steps) or \
-                (g.val_at_end and step == g.max_num_steps):
-            metrics["validation/accuracy"] = validate()
-        if is_main:
-            log.metrics.log(step, metrics)
-        history.append({"step": step, **metrics})
+    opt = torch.optim.Adam(params, lr=w.lr)
+    t0 = time.time()
+    bar = log.bar(w.sft_steps, "warm-start (SFT)")
+    for step in range(w.sft_steps):
+        tokens, loss_mask = run.task.sft_batch(w.batch_size, rank_gen)
+        tokens, loss_mask = tokens.to(run.device), loss_mask.to(run.device)
+        logits = _forward(policy, tokens)[:, :-1].float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
+                             reduction="none").view_as(loss_mask)
+        loss = (ce * loss_mask).sum() / loss_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_grads(policy)
+        opt.step()
         if bar is not None:
-            post = {"reward": f"{reward_mean:.2f}", "kl": f"{metrics['train/kl_penalty']:.4f}",
-                    "s/step": f"{step_time:.2f}"}
-            if "validation/accuracy" in metrics:
-                post["val"] = f"{metrics['validation/accuracy']:.2f}"
-            bar.set_postfix(post)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
             bar.update(1)
+        if run.is_main and (step + 1) % max(1, w.sft_steps // 4) == 0:
+            log.metrics.log(-w.sft_steps + step + 1, {"warmup/sft_loss": loss.item()})
     if bar is not None:
         bar.close()
-    wall = time.time() - run_t0
-    if not is_main:
+    log.info(f"warm-start: {w.sft_steps} SFT steps in {time.time() - t0:.1f}s, "
+             f"final loss {loss.item():.3f}")
+
+
+def _frozen_reference(run: _RankRun) -> Optional[torch.nn.Module]:
+    """A frozen copy of the policy for the KL penalty, or None when β
+    (``loss_fn.reference_policy_kl_penalty``) is 0."""
+    if run.cfg.loss_fn.reference_policy_kl_penalty == 0:
         return None
-    log.metrics.close()
+    from efa_ep.tiny_moe import build_gpt_moe
+
+    reference = build_gpt_moe(run.model_cfg, dispatcher=run.dispatcher, device=run.device)
+    reference.load_state_dict(run.policy.state_dict())
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
+
+
+def _grpo_optimizer(run: _RankRun):
+    """``(params, optimizer)``: the policy's trainable parameters and AdamW over them
+    (``policy.megatron_cfg.optimizer``)."""
+    oc = run.cfg.policy.megatron_cfg.optimizer
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2),
+                                  eps=oc.adam_eps, weight_decay=oc.weight_decay)
+    return params, optimizer
+
+
+def _validation_set(run: _RankRun) -> _ValidationSet:
+    """The same fixed problems on every run (their own seed), split evenly over the ranks."""
+    world, rank = run.world, run.rank
+    val_gen = torch.Generator().manual_seed(12345)
+    n_val = (run.cfg.grpo.max_val_samples // world) * world
+    val_prompts_all, val_answers_all = run.task.sample(n_val, val_gen)
+    per = n_val // world
+    return _ValidationSet(prompts=val_prompts_all[rank * per:(rank + 1) * per].to(run.device),
+                          answers=val_answers_all[rank * per:(rank + 1) * per],
+                          num_problems=n_val)
+
+
+def _validate(run: _RankRun, val_set: _ValidationSet, rank_gen: torch.Generator) -> float:
+    """Greedy accuracy of the policy on the validation problems of all ranks (collective)."""
+    tokens, _, _ = generate(run.policy, val_set.prompts, run.cfg.policy.generation, rank_gen,
+                            greedy=True)
+    r = run.task.reward(tokens[:, run.task.prompt_len:].cpu(), val_set.answers)
+    hits = torch.tensor([r.sum().item(), float(len(r))], device=run.device)
+    _all_reduce(hits)
+    return (hits[0] / hits[1]).item()
+
+
+def _validates_after(g, step: int) -> bool:
+    """Whether GRPO step ``step`` ends with a validation (``grpo.val_period``, and the last step
+    with ``val_period`` > 0 or ``val_at_end``)."""
+    return (g.val_period > 0 and (step % g.val_period == 0 or step == g.max_num_steps)
+            or (g.val_at_end and step == g.max_num_steps))
+
+
+def _grpo_step(run: _RankRun, reference, params, optimizer, sizes: _BatchSizes,
+               rank_gen: torch.Generator) -> Dict[str, float]:
+    """One GRPO step on this rank, in NeMo-RL's ``grpo_train`` order (the module docstring's
+    steps 1-5); returns the step's metrics reduced over all ranks."""
+    g, pol = run.cfg.grpo, run.cfg.policy
+    gen_cfg, task, policy, device = pol.generation, run.task, run.policy, run.device
+    t0 = time.time()
+    # 1-2. prompts x generations, sampled from the policy
+    prompts, answers = task.sample(sizes.prompts_per_rank, rank_gen)
+    prompts = prompts.repeat_interleave(g.num_generations_per_prompt, 0).to(device)
+    answers = [a for a in answers for _ in range(g.num_generations_per_prompt)]
+    group_ids = torch.arange(sizes.prompts_per_rank).repeat_interleave(g.num_generations_per_prompt)
+    policy.eval()
+    tokens, mask, gen_lp = generate(policy, prompts, gen_cfg, rank_gen)
+    t_gen = time.time() - t0
+    # 3. rewards and advantages (groups are whole on one rank)
+    rewards = task.reward(tokens[:, task.prompt_len:].cpu(), answers)
+    adv = grpo_advantages(group_ids, rewards, g.normalize_rewards,
+                          g.use_leave_one_out_baseline, g.advantage_clip_low,
+                          g.advantage_clip_high).to(device)
+    # 4. prev logprobs recomputed by the trainer; reference logprobs
+    prev_lp = token_logprobs(policy, tokens, task.prompt_len, gen_cfg, sizes.logprob_batch)
+    ref_lp = (token_logprobs(reference, tokens, task.prompt_len, gen_cfg, sizes.logprob_batch)
+              if reference is not None else None)
+    t_lp = time.time() - t0 - t_gen
+    # 5. policy update
+    policy.train()
+    stats = _policy_update(run, params, optimizer, sizes, tokens, mask, gen_lp, prev_lp, ref_lp,
+                           adv)
+    return _step_metrics(run, stats, rewards, mask, prompts, t0, t_gen, t_lp)
+
+
+def _policy_update(run: _RankRun, params, optimizer, sizes: _BatchSizes, tokens, mask, gen_lp,
+                   prev_lp, ref_lp, adv) -> _UpdateStats:
+    """Step 5: ``num_global_batches`` optimizer steps over this rank's rows (``tokens [N, P+T]``,
+    ``mask``/``gen_lp``/``prev_lp``/``ref_lp [N, T]``, ``adv [N]``), each accumulating
+    microbatches; the loss is normalised by the global batch's valid tokens (all ranks), the
+    gradients averaged over data-parallel ranks, the global norm clipped to
+    ``policy.max_grad_norm``, then AdamW."""
+    from efa_ep.tiny_moe import sync_grads
+
+    pol, lcfg, task, policy = run.cfg.policy, run.cfg.loss_fn, run.task, run.policy
+    gen_cfg, mb = pol.generation, sizes.micro_batch
+    sums: Dict[str, float] = {k: 0.0 for k in _SHARE_METRICS}
+    mins = {"probs_ratio_min": math.inf, "probs_ratio_clamped_min": math.inf}
+    maxs = {"probs_ratio_max": -math.inf, "probs_ratio_clamped_max": -math.inf}
+    grad_norms = []
+    for gb in range(sizes.num_global_batches):
+        rows = slice(gb * sizes.rows_per_global_batch, (gb + 1) * sizes.rows_per_global_batch)
+        counts = torch.tensor([mask[rows].sum().item(),
+                               float((mask[rows].sum(-1) > 0).sum().item())], device=run.device)
+        _all_reduce(counts)
+        global_valid_toks, global_valid_seqs = counts[0], counts[1]
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(rows.start, rows.stop, mb):
+            r = slice(start, min(start + mb, rows.stop))
+            curr = token_logprobs(policy, tokens[r], task.prompt_len, gen_cfg, mb, grad=True)
+            loss, m = clipped_pg_loss(curr, prev_lp[r], gen_lp[r],
+                                      ref_lp[r] if ref_lp is not None else None,
+                                      adv[r], mask[r], global_valid_toks, lcfg, global_valid_seqs)
+            # sync_grads averages over DP ranks; the global-token normaliser wants a sum.
+            (loss * run.world).backward()
+            for k in _SHARE_METRICS:
+                sums[k] += m[k] / sizes.num_global_batches
+            for k in mins:
+                mins[k] = min(mins[k], m[k])
+            for k in maxs:
+                maxs[k] = max(maxs[k], m[k])
+        sync_grads(policy)
+        norm = global_grad_norm(policy)
+        grad_norms.append(norm.item())
+        if pol.max_grad_norm:
+            coef = pol.max_grad_norm / (norm.item() + 1e-6)
+            if coef < 1:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        optimizer.step()
+    return _UpdateStats(sums, mins, maxs, grad_norms)
+
+
+def _step_metrics(run: _RankRun, stats: _UpdateStats, rewards, mask, prompts, t0: float,
+                  t_gen: float, t_lp: float) -> Dict[str, float]:
+    """The step's metrics over all ranks (collective): the loss metrics summed, the ratio
+    extremes min/max-reduced, reward and generated tokens per sample, timings and rates."""
+    sums, mins, maxs = stats.sums, stats.mins, stats.maxs
+    device = run.device
+    red = torch.tensor([sums[k] for k in _SHARE_METRICS]
+                       + [rewards.sum().item(), float(len(rewards)), mask.sum().item(),
+                          float(prompts.numel())], dtype=torch.float64, device=device)
+    _all_reduce(red)
+    mn = torch.tensor([mins[k] for k in mins], device=device)
+    mx = torch.tensor([maxs[k] for k in maxs], device=device)
+    _all_reduce(mn, dist.ReduceOp.MIN)
+    _all_reduce(mx, dist.ReduceOp.MAX)
+    step_time = time.time() - t0
+    vals = red.tolist()
+    n_share = len(_SHARE_METRICS)
+    reward_mean = vals[n_share] / vals[n_share + 1]
+    gen_tokens, prompt_tokens = vals[n_share + 2], vals[n_share + 3]
+    metrics = {f"train/{k}": vals[i] for i, k in enumerate(_SHARE_METRICS)}
+    metrics.update({f"train/{k}": v for k, v in zip(mins, mn.tolist())})
+    metrics.update({f"train/{k}": v for k, v in zip(maxs, mx.tolist())})
+    metrics.update({
+        "train/reward": reward_mean,
+        "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms),
+        "train/mean_gen_tokens_per_sample": gen_tokens / vals[n_share + 1],
+        "train/lr": run.cfg.policy.megatron_cfg.optimizer.lr,
+        "timing/train/total_step_time": step_time,
+        "timing/train/generation": t_gen,
+        "timing/train/logprobs": t_lp,
+        "timing/train/policy_training": step_time - t_gen - t_lp,
+        "performance/tokens_per_sec": (gen_tokens + prompt_tokens) / step_time,
+        "performance/generated_tokens_per_sec": gen_tokens / max(t_gen, 1e-9),
+    })
+    return metrics
+
+
+def _log_step(run: _RankRun, step: int, metrics: Dict[str, float], history: List[dict],
+              bar) -> None:
+    """Rank 0 logs the step's metrics; every rank keeps them in ``history``; the progress bar
+    shows reward, KL, seconds per step and the latest validation accuracy."""
+    if run.is_main:
+        run.log.metrics.log(step, metrics)
+    history.append({"step": step, **metrics})
+    if bar is not None:
+        post = {"reward": f"{metrics['train/reward']:.2f}",
+                "kl": f"{metrics['train/kl_penalty']:.4f}",
+                "s/step": f"{metrics['timing/train/total_step_time']:.2f}"}
+        if "validation/accuracy" in metrics:
+            post["val"] = f"{metrics['validation/accuracy']:.2f}"
+        bar.set_postfix(post)
+        bar.update(1)
+
+
+def _finish(run: _RankRun, history: List[dict], wall: float) -> Optional[dict]:
+    """Rank 0 closes its metrics files, plots the curves (``logger.plot``) and returns the
+    run's summary; other ranks return None."""
+    if not run.is_main:
+        return None
+    run.log.metrics.close()
     png = None
-    if cfg.logger.plot:
+    if run.cfg.logger.plot:
         from .metrics import plot_curves
 
-        png = plot_curves(log.metrics.jsonl_path)
-    return _summary(history, wall, log.metrics.jsonl_path, png)
+        png = plot_curves(run.log.metrics.jsonl_path)
+    return _summary(history, wall, run.log.metrics.jsonl_path, png)
 
 
 def _summary(history: List[dict], wall: float, jsonl: str, png: Optional[str]) -> dict:
