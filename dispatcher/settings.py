@@ -17,8 +17,14 @@ Precedence (highest first): :func:`configure` in this process; attributes set on
   ``EFA_EP_PROXY_TIMEOUT_S``, ... (``proxy`` and ``hier``), ``EFA_EP_NODE_SIZE`` (``hier``). An
   option given by any channel above (``EFA_EP_TRANSPORT_OPTIONS`` included) wins over its
   variable; :meth:`DispatcherSettings.options_for` merges them for the transport that runs.
-- ``EFA_EP_CAPACITY_OVERFLOW``: ``drop`` (default) or ``error``, drop-and-pad mode only
-  (``config.efa_ep_capacity_overflow`` wins); see :func:`capacity_overflow_policy`.
+- ``EFA_EP_CAPACITY_OVERFLOW``: what happens when a call does not fit: ``drop`` (default) or
+  ``error`` (both raise on a dispatch of more than ``max_tokens_per_rank`` tokens; they differ
+  in drop-and-pad mode, for a (rank, expert) pair over capacity), or ``grow`` (the windows grow,
+  collectively, and the dispatch is replayed; over-capacity pairs are dropped as with
+  ``drop``). ``config.efa_ep_capacity_overflow`` wins; see :func:`capacity_overflow_policy`.
+- ``EFA_EP_GROW_MAX_TOKENS_PER_RANK``: the most tokens per rank ``grow`` sizes windows for
+  (default and maximum 2**24; a dispatch that needs more raises);
+  ``config.efa_ep_grow_max_tokens_per_rank`` wins; see :func:`grow_max_tokens_per_rank`.
 
 Every value is checked against the transport's option schema (:mod:`efa_ep.kernels.options`)
 where it enters: a wrong name, an unknown option key (with "did you mean") or a value of the
@@ -36,9 +42,9 @@ import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from efa_ep.kernels.options import (
-    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, SCHEMAS, ConfigError,
-    check_max_tokens_per_rank, check_resolved, check_transport_name, parse_options_text,
-    validate_options,
+    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, MAX_MAX_TOKENS_PER_RANK, SCHEMAS, ConfigError,
+    check_max_tokens_per_rank, check_resolved, check_transport_name, did_you_mean,
+    parse_options_text, validate_options,
 )
 
 ENV_TRANSPORT = "EFA_EP_TRANSPORT"
@@ -240,37 +246,89 @@ def current_settings(config=None) -> DispatcherSettings:
 
 
 ENV_CAPACITY_OVERFLOW = "EFA_EP_CAPACITY_OVERFLOW"
-CAPACITY_OVERFLOW_POLICIES = ("drop", "error")
+CAPACITY_OVERFLOW_POLICIES = ("drop", "error", "grow")
+ENV_GROW_MAX_TOKENS = "EFA_EP_GROW_MAX_TOKENS_PER_RANK"
 
 
-def capacity_overflow_policy(config=None, environ: Optional[Mapping[str, str]] = None) -> str:
-    """What the drop-and-pad mode (``moe_pad_expert_input_to_capacity``) does with a (source
-    rank, expert) pair holding more than ``capacity`` tokens: ``drop`` (default; Megatron's
-    semantics: the first ``capacity`` in token order are kept, no host sync) or ``error`` (one
-    all-gather of the per-expert counts and a host read per dispatch; every EP rank raises one
-    line naming the rank, the expert, the count and the capacity).
+def capacity_overflow_policy(config=None, environ: Optional[Mapping[str, str]] = None,
+                             names: Optional[Mapping[str, str]] = None) -> str:
+    """What the ``efa`` dispatcher does with a call that does not fit; every EP rank must use
+    the same value (the dispatcher checks, and raises one line on every rank otherwise).
+
+    - ``drop`` (default): a dispatch of more than ``max_tokens_per_rank`` (T_MAX) tokens on
+      any rank raises the transport's error on every rank. Drop-and-pad mode
+      (``moe_pad_expert_input_to_capacity``): a (source rank, expert) pair holding more than
+      ``capacity`` tokens keeps the first ``capacity`` in token order (Megatron's semantics, no
+      host sync).
+    - ``error``: as ``drop`` for T_MAX; in drop-and-pad mode an over-capacity pair raises (one
+      all-gather of the per-expert counts and a host read per dispatch; every EP rank raises
+      one line naming the rank, the expert, the count and the capacity).
+    - ``grow``: a dispatch that needs more than T_MAX tokens on any rank enlarges the windows
+      instead: every rank learns it from the refused dispatch, one small all-gather agrees on
+      the new T_MAX (the group's largest T, rounded up to a power of two, at most
+      :func:`grow_max_tokens_per_rank`), a transport of that size replaces the old one for
+      every layer of the EP group, rank 0 of the group logs one line, and the dispatch is
+      replayed. Windows never shrink. Drop-and-pad mode: shapes are static (C from the capacity
+      factor), so over-capacity pairs are dropped as with ``drop``; a T over T_MAX (the same T
+      on every rank, as the mode requires) grows the windows before the dispatch.
 
     From ``config.efa_ep_capacity_overflow`` if set, else ``EFA_EP_CAPACITY_OVERFLOW``.
 
+    Args:
+        names: optional ``{variable: what the user set}`` for messages.
+
     Raises:
-        ConfigError: any other value, naming where it came from.
+        ConfigError: any other value, one line naming where it came from.
     """
     value = getattr(config, "efa_ep_capacity_overflow", None) if config is not None else None
     where = "config.efa_ep_capacity_overflow"
     if not value:
         env = os.environ if environ is None else environ
-        value, where = (env.get(ENV_CAPACITY_OVERFLOW) or "").strip() or "drop", ENV_CAPACITY_OVERFLOW
+        where = dict(names or {}).get(ENV_CAPACITY_OVERFLOW, ENV_CAPACITY_OVERFLOW)
+        value = (env.get(ENV_CAPACITY_OVERFLOW) or "").strip() or "drop"
     value = str(value).strip().lower()
     if value not in CAPACITY_OVERFLOW_POLICIES:
-        raise ConfigError(f"{where}={value!r}: expected one of {', '.join(CAPACITY_OVERFLOW_POLICIES)}")
+        raise ConfigError(
+            f"{where}={value!r}: expected one of {', '.join(CAPACITY_OVERFLOW_POLICIES)}"
+            f"{did_you_mean(value, CAPACITY_OVERFLOW_POLICIES)}",
+            hint="drop (default) or error: a dispatch over max_tokens_per_rank raises; grow: "
+                 "the windows grow and the dispatch is replayed")
     return value
+
+
+def grow_max_tokens_per_rank(config=None, environ: Optional[Mapping[str, str]] = None,
+                             names: Optional[Mapping[str, str]] = None) -> int:
+    """The most tokens per rank the ``grow`` policy sizes windows for (default and maximum
+    2**24, the bound on ``max_tokens_per_rank``): a dispatch that needs more raises on every
+    EP rank instead of growing. Where ranks differ, the smallest value of the group counts.
+    The windows' memory is bounded separately: a grow whose windows
+    (:func:`efa_ep.kernels.memory.window_bytes`) exceed the free memory of any rank raises.
+
+    From ``config.efa_ep_grow_max_tokens_per_rank`` if set, else
+    ``EFA_EP_GROW_MAX_TOKENS_PER_RANK``.
+
+    Raises:
+        ConfigError: not a positive integer up to 2**24, one line naming where it came from.
+    """
+    value = getattr(config, "efa_ep_grow_max_tokens_per_rank", None) if config is not None else None
+    where = "config.efa_ep_grow_max_tokens_per_rank"
+    if not value:
+        env = os.environ if environ is None else environ
+        where = dict(names or {}).get(ENV_GROW_MAX_TOKENS, ENV_GROW_MAX_TOKENS)
+        value = (env.get(ENV_GROW_MAX_TOKENS) or "").strip() or MAX_MAX_TOKENS_PER_RANK
+    try:
+        return check_max_tokens_per_rank(value, where)
+    except ConfigError as e:
+        raise ConfigError(str(e), hint=f"a positive integer, default and maximum "
+                                       f"{MAX_MAX_TOKENS_PER_RANK}") from None
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None,
                       names: Optional[Mapping[str, str]] = None,
                       check_available: bool = True) -> DispatcherSettings:
     """What a launcher calls before starting ranks on this machine: the settings the ranks will
-    read from ``environ``, validated (the transport's per-option variables included), with
+    read from ``environ``, validated (the transport's per-option variables,
+    ``EFA_EP_CAPACITY_OVERFLOW`` and ``EFA_EP_GROW_MAX_TOKENS_PER_RANK`` included), with
     ``auto`` resolved and (``check_available``) the transport's availability checked here.
 
     Raises:
@@ -278,6 +336,8 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
             without a GPU: use ``torch`` or ``auto``).
     """
     s = DispatcherSettings.from_env(environ, names)
+    capacity_overflow_policy(None, environ, names)
+    grow_max_tokens_per_rank(None, environ, names)
     if not check_available:
         if s.transport != "auto":
             _convert_option_variables(s.transport, s.option_variables, names)
@@ -312,5 +372,6 @@ def _status_keeping_sigint(status_fn):
 
 
 __all__ = ["DispatcherSettings", "configure", "reset", "current_settings", "check_environment",
-           "parse_options", "ConfigError", "capacity_overflow_policy", "environment_options",
+           "parse_options", "ConfigError", "capacity_overflow_policy", "grow_max_tokens_per_rank",
+           "environment_options",
            "option_variables"]

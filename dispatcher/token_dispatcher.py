@@ -46,6 +46,7 @@ combine, its output added in combine_postprocess). On CPU the streams are no-ops
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -53,12 +54,19 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .settings import capacity_overflow_policy, current_settings
+from .settings import (
+    CAPACITY_OVERFLOW_POLICIES, capacity_overflow_policy, current_settings,
+    grow_max_tokens_per_rank,
+)
 # The shared transports live in transport_cache; both names stay importable from here.
 from .transport_cache import (  # noqa: F401
-    auto_transport_for_group, clear_transport_cache, get_shared_transport,
+    auto_transport_for_group, clear_transport_cache, get_shared_transport, grow_shared_transport,
 )
 from efa_ep.kernels import Transport
+from efa_ep.kernels.base import (
+    DispatchInputError, TooManyTokensError, TransportError, collective_device,
+    parse_too_many_tokens,
+)
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
 _UNSUPPORTED = (
@@ -300,6 +308,70 @@ class _Combine(torch.autograd.Function):
         return ctx.transport.dispatch_cached(grad_out.contiguous(), ctx.handle), None, None
 
 
+def _only_too_many_tokens(error: DispatchInputError) -> bool:
+    """Whether every offending rank's words known here say "more tokens than T_MAX". Words this
+    rank cannot know (gda's peers learn only that a rank's input was bad) count as yes: the
+    rank that knows them says otherwise in the agreement that follows."""
+    if isinstance(error, TooManyTokensError):
+        return True
+    messages = getattr(error, "messages", None)
+    if messages is None:  # not an offending-ranks error (e.g. ranks disagree on K)
+        return False
+    return all(m is None or parse_too_many_tokens(m) is not None for m in messages.values())
+
+
+def _raise_if_policies_differ(policies, mode: str, error=None) -> None:
+    """Raises one line, the same on every rank, when the EP ranks' ``EFA_EP_CAPACITY_OVERFLOW``
+    values (rank r's at index r) differ."""
+    if len(set(policies)) > 1:
+        by = {p: [r for r, q in enumerate(policies) if q == p] for p in sorted(set(policies))}
+        raise ValueError(f"EP ranks disagree on EFA_EP_CAPACITY_OVERFLOW ({mode}): "
+                         + "; ".join(f"{p!r} on rank(s) {r}" for p, r in by.items())
+                         + "; set the same value on every rank") from error
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free memory where windows for rows on ``device`` would live (bytes; -1 unknown): the
+    CUDA device's, else the host's ``MemAvailable`` (which counts reclaimable page cache)."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError):
+        pass
+    return -1
+
+
+def _window_bytes_at(transport: Transport, max_tokens_per_rank: int) -> int:
+    """Estimated window bytes per rank of ``transport``'s kind and options with windows for
+    ``max_tokens_per_rank`` (:func:`efa_ep.kernels.memory.window_bytes`; ``hier``: its stages',
+    each scaled from its own T_MAX). 0 for ``torch`` (no window)."""
+    from efa_ep.kernels.memory import window_bytes
+
+    cfg = transport.cfg
+    if cfg.name == "hier":
+        stages = [getattr(transport, a, None) for a in ("network", "local")]
+        return sum(_window_bytes_at(t, t.cfg.max_tokens_per_rank * max_tokens_per_rank
+                                    // cfg.max_tokens_per_rank)
+                   for t in stages if isinstance(t, Transport))
+    if cfg.name not in ("gda", "proxy"):
+        return 0
+    return window_bytes(cfg.name, world=cfg.world_size, hidden=cfg.hidden, dtype=cfg.dtype,
+                        max_tokens_per_rank=max_tokens_per_rank, num_experts=cfg.num_experts,
+                        max_topk=dict(cfg.options).get("max_topk"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
 class EfaTokenDispatcher(MoETokenDispatcher):
     """Megatron ``MoETokenDispatcher`` moving tokens over an efa-ep transport.
 
@@ -316,6 +388,20 @@ class EfaTokenDispatcher(MoETokenDispatcher):
     ops with static shapes only: the host waits only where the transport's ``dispatch_fixed``
     does (the generic default over ``torch``/``proxy``/``hier``: once for its counts; ``gda``:
     never), and with ``EFA_EP_CAPACITY_OVERFLOW=error`` (one count all-gather per dispatch).
+
+    Windows too small (``EFA_EP_CAPACITY_OVERFLOW``, :func:`capacity_overflow_policy`): a
+    dispatch with more than T_MAX tokens on some rank is refused by the transport on every
+    rank; the dispatcher then runs one all-gather of five int64 per rank (tokens, whether this
+    rank's refusal had another cause, policy, grow limit, free memory) over the EP group, so
+    every rank takes the same decision: ranks that disagree on the policy raise one line;
+    ``drop``/``error`` (and any other cause) re-raise the transport's error; ``grow`` creates
+    the shared transport anew with T_MAX = the group's largest T rounded up to a power of two
+    (:func:`~efa_ep.dispatcher.transport_cache.grow_shared_transport`, collective), logs one
+    line on the group's rank 0 and replays the dispatch, or raises
+    :class:`~efa_ep.kernels.base.TooManyTokensError` on every rank past the grow limit or the
+    free memory of any rank. Drop-and-pad mode with ``grow`` grows before ``dispatch_fixed``
+    (which over ``gda`` refuses on the offending rank only) from the local T, equal on every
+    rank in that mode, with the same all-gather; the common path costs nothing.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
@@ -338,7 +424,10 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         if self.drop_and_pad and self.capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor")
-        self.capacity_overflow = capacity_overflow_policy(config) if self.drop_and_pad else "drop"
+        # EFA_EP_CAPACITY_OVERFLOW in every mode (grow applies to dropless too); ranks agree on
+        # it once (drop-and-pad) or when a dispatch is refused (dropless).
+        self.capacity_overflow = capacity_overflow_policy(config)
+        self.grow_limit = grow_max_tokens_per_rank(config)
         # Every option the transport gets (explicit ones over EFA_EP_PROXY_* & co.), resolved
         # once here; create_transport checks across the EP group that every rank has the same.
         self.transport_options = self.settings.options_for(self.transport_name)
@@ -399,18 +488,13 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         return x, topk_weights
 
     def _agree_on_overflow_policy(self) -> None:
-        """Once per dispatcher (collective over the EP group, host objects): every rank must use
-        the same ``EFA_EP_CAPACITY_OVERFLOW``; ``error`` adds a collective that ``drop`` ranks
-        would never join. Raises the same one line on every rank otherwise."""
-        import torch.distributed as dist
-
+        """Once per dispatcher in drop-and-pad mode (collective over the EP group, host
+        objects): every rank must use the same ``EFA_EP_CAPACITY_OVERFLOW``; ``error`` adds a
+        collective that ``drop`` ranks would never join, ``grow`` one when the windows grow.
+        Raises the same one line on every rank otherwise."""
         policies = [None] * self.ep_size
         dist.all_gather_object(policies, self.capacity_overflow, group=self.ep_group)
-        if len(set(policies)) > 1:
-            by = {p: [r for r, q in enumerate(policies) if q == p] for p in sorted(set(policies))}
-            raise ValueError("EP ranks disagree on EFA_EP_CAPACITY_OVERFLOW (drop-and-pad): "
-                             + "; ".join(f"{p!r} on rank(s) {r}" for p, r in by.items())
-                             + "; set the same value on every rank")
+        _raise_if_policies_differ(policies, "drop-and-pad")
         self._overflow_agreed = True
 
     def _check_capacity(self, routing_map) -> None:
@@ -441,21 +525,113 @@ class EfaTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states, probs):
         """x [T, H], topk_weights [T, K] -> (recv_x [N, H], recv_topk_weights [N, K] float32);
-        drop-and-pad: (padded expert input [L * W * C, H], its weights [L * W * C] float32)."""
+        drop-and-pad: (padded expert input [L * W * C, H], its weights [L * W * C] float32).
+        With ``EFA_EP_CAPACITY_OVERFLOW=grow`` a T over the windows' T_MAX grows them first
+        (see the class docstring)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        self.transport = self.transport_for(hidden_states)
         if self.drop_and_pad:
+            self.transport = self._transport_fitting(hidden_states)
             recv_x, recv_w, self.handle, self.padded_layout = _DispatchPadded.apply(
                 hidden_states, probs, self.topk_idx, self.transport, self.capacity,
                 self.num_local_experts)
         else:
-            recv_x, recv_w, self.tokens_per_expert, self.handle = _Dispatch.apply(
-                hidden_states, probs, self.topk_idx, self.transport)
+            self.transport, (recv_x, recv_w, self.tokens_per_expert, self.handle) = \
+                self._dispatch_growing(hidden_states, probs)
         if self.shared_experts is not None:
             # After the tokens moved, as Megatron's alltoall (fc1 overlaps the next transfer).
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_w
+
+    def _dispatch_growing(self, x, probs):
+        """``(transport, _Dispatch outputs)``: the dispatch on the shared transport; when every
+        rank refuses it (an input error), the agreement of the class docstring decides, on
+        every rank alike, between raising and growing the windows and replaying."""
+        while True:
+            transport = self.transport_for(x)
+            try:
+                return transport, _Dispatch.apply(x, probs, self.topk_idx, transport)
+            except DispatchInputError as error:
+                table = self._gather_window_needs(transport, x.shape[0], x.device,
+                                                  other=not _only_too_many_tokens(error))
+                _raise_if_policies_differ([CAPACITY_OVERFLOW_POLICIES[int(p)]
+                                           for p in table[:, 2]], "dropless", error)
+                tokens, t_max = table[:, 0], transport.cfg.max_tokens_per_rank
+                if (self.capacity_overflow != "grow" or bool(table[:, 1].any())
+                        or int(tokens.max()) <= t_max):
+                    raise
+                self._grow(transport, table, error)  # raises past the limits; then replay
+
+    def _transport_fitting(self, x) -> Transport:
+        """Drop-and-pad: the shared transport, grown first when ``grow`` is set and ``x``'s T
+        is over its T_MAX. Every rank passes the same T in this mode (as Megatron's alltoall
+        requires), so every rank decides alike before the dispatch, and ``dispatch_fixed``
+        (which over ``gda`` refuses on the offending rank only) never sees a T it cannot hold."""
+        transport = self.transport_for(x)
+        if self.capacity_overflow == "grow" and x.shape[0] > transport.cfg.max_tokens_per_rank:
+            table = self._gather_window_needs(transport, x.shape[0], x.device, other=False)
+            transport = self._grow(transport, table)
+        return transport
+
+    def _gather_window_needs(self, transport: Transport, tokens: int, device, other: bool):
+        """``[W, 5]`` int64 CPU, row r from EP rank r: its T, whether its refusal had a cause
+        other than T > T_MAX (1) or not (0), its policy (index in
+        ``CAPACITY_OVERFLOW_POLICIES``), its grow limit, its free memory in bytes (-1 unknown).
+        One all-gather over the EP group (on its backend's device) and one host read."""
+        row = torch.tensor([tokens, int(other),
+                            CAPACITY_OVERFLOW_POLICIES.index(self.capacity_overflow),
+                            self.grow_limit, _free_bytes(device)],
+                           dtype=torch.int64, device=collective_device(self.ep_group))
+        parts = [torch.empty_like(row) for _ in range(self.ep_size)]
+        dist.all_gather(parts, row, group=self.ep_group)
+        return torch.stack(parts).cpu()
+
+    def _grow(self, transport: Transport, table, error=None) -> Transport:
+        """The grow every rank of the EP group takes alike from ``table``
+        (:meth:`_gather_window_needs`): T_MAX = the largest T, rounded up to a power of two
+        and capped at the smallest grow limit; the shared transport of that size replaces
+        ``transport`` (collective creation; ``transport`` stays open for the backward of its
+        handles). Returns the new transport; rank 0 of the group logs one line.
+
+        Raises:
+            TooManyTokensError: on every rank, when the largest T is over the grow limit, or
+                the windows would not fit in the free memory of some rank (the old windows
+                stay: the call can be retried with fewer tokens).
+        """
+        tokens = [int(t) for t in table[:, 0]]
+        needed = max(tokens)
+        who = tokens.index(needed)
+        old = transport.cfg.max_tokens_per_rank
+        over = {r: t for r, t in enumerate(tokens) if t > old}
+        limit = int(table[:, 3].min())
+
+        def refuse(why):
+            return TooManyTokensError(
+                f"efa-ep: EFA_EP_CAPACITY_OVERFLOW=grow cannot grow the EP windows from {old} "
+                f"tokens per rank for rank {who}'s {needed}: {why}",
+                needed=over, max_tokens_per_rank=old)
+
+        if needed > limit:
+            raise refuse(f"EFA_EP_GROW_MAX_TOKENS_PER_RANK={limit} (the smallest of the EP "
+                         f"group) is the most it grows to; raise it, or pass fewer tokens per "
+                         f"rank") from error
+        new = min(_next_power_of_two(needed), limit)
+        try:
+            want = _window_bytes_at(transport, new)
+        except (TransportError, ValueError) as e:
+            raise refuse(f"windows for {new} tokens per rank: {e}") from error
+        free = [(int(f), r) for r, f in enumerate(table[:, 4]) if int(f) >= 0]
+        if want and free and want > min(free)[0]:
+            have, poorest = min(free)
+            raise refuse(f"windows for {new} tokens per rank take about {_size(want)} per rank "
+                         f"and rank {poorest} has {_size(have)} free; pass fewer tokens per rank "
+                         f"or lower EFA_EP_GROW_MAX_TOKENS_PER_RANK") from error
+        grown = grow_shared_transport(transport, self.ep_group, new, self.transport_options)
+        if dist.get_rank(self.ep_group) == 0:
+            logging.getLogger("efa_ep").warning(
+                "efa-ep: grew EP windows from %d to %d tokens per rank (rank %d needed %d)",
+                old, new, who, needed)
+        return grown
 
     def dispatch_postprocess(self, hidden_states, probs):
         """recv_x [N, H], recv_topk_weights [N, K] -> (expert-major rows, tokens_per_expert [L]

@@ -362,9 +362,11 @@ def test_capacity_overflow_policies():
     msgs = run_ranks(_overflow_worker, 2, ("error",), timeout_s=120)
     assert msgs[0] == msgs[1], msgs
     assert "rank 1 routes 16 tokens to expert 3" in msgs[0] and "capacity is 4" in msgs[0], msgs
-    blocks = run_ranks(_overflow_worker, 2, ("drop",), timeout_s=120)
-    # expert 3 lives on rank 0 (4 local experts); rank 1's tokens are 1000 + t
-    assert blocks == [[1000.0, 1001.0, 1002.0, 1003.0], None], blocks
+    # grow: the shapes are static (C from the capacity factor), over-capacity pairs are dropped
+    for policy in ("drop", "grow"):
+        blocks = run_ranks(_overflow_worker, 2, (policy,), timeout_s=120)
+        # expert 3 lives on rank 0 (4 local experts); rank 1's tokens are 1000 + t
+        assert blocks == [[1000.0, 1001.0, 1002.0, 1003.0], None], (policy, blocks)
 
 
 def test_capacity_overflow_policies_must_agree():
@@ -382,6 +384,7 @@ def test_capacity_overflow_setting():
 
     assert capacity_overflow_policy(None, {}) == "drop"
     assert capacity_overflow_policy(None, {"EFA_EP_CAPACITY_OVERFLOW": " Error "}) == "error"
+    assert capacity_overflow_policy(None, {"EFA_EP_CAPACITY_OVERFLOW": "grow"}) == "grow"
     config = SimpleNamespace(efa_ep_capacity_overflow="drop")  # the config wins
     assert capacity_overflow_policy(config, {"EFA_EP_CAPACITY_OVERFLOW": "error"}) == "drop"
     with pytest.raises(ConfigError, match="EFA_EP_CAPACITY_OVERFLOW='dorp': expected one of"):
