@@ -185,24 +185,29 @@ def bench_gpu_roundtrip(provider: str, iters: int):
 
 
 def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off",
-              torch_staging=False):
+              torch_staging=False, chunk_bytes=None):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route as make_route
 
     torch.set_num_threads(1)
     hidden, experts, topk = 7168, 256, 8
+    chunk = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     res = []
     for name, tokens in profiles:
         ref = create_transport("torch", None, experts, hidden, tokens, torch.bfloat16)
         px = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
-                              provider=provider, num_channels=num_channels, hmem=hmem)
+                              provider=provider, num_channels=num_channels, hmem=hmem, **chunk)
         arms = [("proxy", px), ("torch", ref)]
         if torch_staging:  # the same transport with its CUDA device work as torch ops
             px_t = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
-                                    provider=provider, num_channels=num_channels, hmem=hmem)
+                                    provider=provider, num_channels=num_channels, hmem=hmem, **chunk)
             px_t.device_kernels = False
             arms.append(("proxy_torch_staging", px_t))
+            px_l = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
+                                    provider=provider, num_channels=num_channels, hmem=hmem, **chunk)
+            px_l.device_layout = True  # the dispatch's layout and packing on the device too
+            arms.append(("proxy_device_layout", px_l))
         idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         if device != "cpu":
@@ -248,7 +253,8 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
 
 
 def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
-              hmem: str = "off", starts: int = 1, torch_staging: bool = False):
+              hmem: str = "off", starts: int = 1, torch_staging: bool = False,
+              chunk_bytes: int = 0):
     """Each start is a fresh pair of rank processes (new transports); every figure is the
     slowest (or larger) rank per iteration, pooled over all iterations of all starts, plus
     each start's median."""
@@ -258,13 +264,14 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
     if provider == "tcp":
         env["FI_PROVIDER"] = "tcp"
     runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem,
-                                     torch_staging),
+                                     torch_staging, chunk_bytes),
                       timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
                "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
-               "num_channels": num_channels, "route": "random", "device": device, "hmem": hmem,
+               "num_channels": num_channels, "chunk_bytes": chunk_bytes or "default",
+               "route": "random", "device": device, "hmem": hmem,
                "starts": starts, "iters_per_start": iters,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}
@@ -281,9 +288,9 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
             rec[key + "_spread_ms"] = {"median_of_starts": statistics.median(meds),
                                        "min_of_starts": min(meds), "max_of_starts": max(meds)}
         rec["proxy_over_torch"] = rec["proxy_ms"]["median"] / rec["torch_ms"]["median"]
-        if "proxy_torch_staging_ms" in rec:
-            rec["proxy_over_torch_staging"] = (rec["proxy_ms"]["median"]
-                                               / rec["proxy_torch_staging_ms"]["median"])
+        for arm in ("proxy_torch_staging", "proxy_device_layout"):
+            if arm + "_ms" in rec:
+                rec[f"proxy_over_{arm}"] = rec["proxy_ms"]["median"] / rec[arm + "_ms"]["median"]
         rec["proxy_stats_rank0"] = runs[-1][0][i]["stats"]
         out.append(rec)
     return out
@@ -337,9 +344,12 @@ def main(argv=None):
     ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="bytes per descriptor of the dispatch+combine cells (0: the transport's default)")
     ap.add_argument("--torch-staging", action="store_true",
-                    help="CUDA inputs: also the proxy with its device work as torch ops (the path "
-                         "before the device kernels), interleaved in the same ranks")
+                    help="CUDA inputs: also the proxy with all its device work as torch ops and the "
+                         "proxy with the dispatch's layout and packing on the device, interleaved "
+                         "in the same ranks")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a")
     ap.add_argument("--profiles", default="decode,prefill",
                     help="dispatch+combine profiles to run (comma list of decode, prefill)")
@@ -362,15 +372,16 @@ def main(argv=None):
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
             records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
-                                 args.starts, args.torch_staging)
+                                 args.starts, args.torch_staging, args.chunk_bytes)
             for r in records[-len(profiles):]:
                 print(f"[bench_proxy] {prov} {r['profile']}: proxy D+C {r['proxy_ms']['median']:.3f} ms "
                       f"[p10 {r['proxy_ms']['p10']:.3f}, p90 {r['proxy_ms']['p90']:.3f}] (host part "
                       f"{r['proxy_host_ms']['median']:.3f} ms), torch/gloo {r['torch_ms']['median']:.3f} ms, "
                       f"proxy/torch {r['proxy_over_torch']:.2f}, starts {r['starts']} x {r['iters_per_start']}, "
                       f"bit-identical {r['bit_identical_to_torch']}"
-                      + (f", torch-staged proxy {r['proxy_torch_staging_ms']['median']:.3f} ms"
-                         if "proxy_torch_staging_ms" in r else ""), flush=True)
+                      + "".join(f", {arm} {r[arm + '_ms']['median']:.3f} ms"
+                                for arm in ("proxy_torch_staging", "proxy_device_layout")
+                                if arm + "_ms" in r), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
             "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -12,7 +12,7 @@ device-to-host copy, per-peer host-to-device copies, a reduction in several torc
   After the wire, :func:`gather_dispatch` builds the outputs in one launch: the peers' rows read
   from the receive window (GPU loads from pinned memory), this rank's own rows from ``x``, and
   the ids and weights the host unpacked and checked.
-- combine: :func:`reduce_combine` sums each token's partial rows in float32 over source ranks in
+- combine (after either dispatch path): :func:`reduce_combine` sums each token's partial rows in float32 over source ranks in
   ascending order from +0.0, reading the peers' rows from the receive window and this rank's own
   rows from ``y``, rounded once: bit-equal to :func:`~efa_ep.kernels.base.reduce_rows_by_rank`
   followed by the cast, as the host path is.
@@ -149,18 +149,36 @@ def _gather_dispatch_kernel(
                  mask=km)
 
 
+@triton.jit
+def _find_token(block_ptr, n, t, LOG_N: tl.constexpr):
+    """Row of token ``t`` in an ascending ``[n]`` int64 block, or -1 (binary search)."""
+    lo = n - n
+    hi = n
+    for _ in tl.static_range(LOG_N):
+        mid = (lo + hi) // 2
+        v = tl.load(block_ptr + mid, mask=mid < hi, other=0x7FFFFFFFFFFFFFFF)
+        go_right = (mid < hi) & (v < t)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right | (mid >= hi), hi, mid)
+    v = tl.load(block_ptr + lo, mask=lo < n, other=-1)
+    return tl.where((lo < n) & (v == t), lo, -1)
+
+
 @triton.jit(do_not_specialize=["me", "own_start", "num_tokens", "D", "stride_y"])
 def _reduce_combine_kernel(
     y_ptr,                                          # [N, D] this rank's expert outputs
-    slot_ptr: tl.pointer_type(tl.int64),            # [T, W] of the dispatch (-1: not sent)
+    send_token_idx_ptr: tl.pointer_type(tl.int64),  # [S] of the dispatch (rank-major, ascending)
+    send_off_ptr: tl.pointer_type(tl.int64),        # (host) [W + 1] prefix of rows sent per rank
     src_ptrs_ptr: tl.pointer_type(tl.int64),        # [W] address of rank r's returned rows
     out_ptr,                                        # out [T, D]
     me, own_start, num_tokens, D, stride_y,
-    W: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    W: tl.constexpr, LOG_T: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over ranks r ascending with slot[t, r] >= 0,
-    in float32, rounded once (the rule of ``gda``'s reduce); rank ``me``'s part is row
-    ``own_start + slot`` of ``y``, a peer's is row ``slot`` of its block in the window."""
+    """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over the ranks r (ascending) that token t
+    was sent to, in float32, rounded once (the rule of ``gda``'s reduce). Token t's row in rank
+    r's block is found by binary search (a block lists its tokens in ascending order); rank
+    ``me``'s part is row ``own_start + row`` of ``y``, a peer's is that row of its block in the
+    window."""
     elt = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -172,12 +190,14 @@ def _reduce_combine_kernel(
             cm = cols < D
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
             for r in tl.static_range(W):
-                slot = tl.load(slot_ptr + t64 * W + r)
-                if slot >= 0:
+                a = tl.load(send_off_ptr + r)
+                row = _find_token(send_token_idx_ptr + a, tl.load(send_off_ptr + r + 1) - a, t64,
+                                  LOG_T)
+                if row >= 0:
                     if r == me:
-                        src = y_ptr + (own_start + slot) * stride_y
+                        src = y_ptr + (own_start + row) * stride_y
                     else:
-                        src = tl.load(src_ptrs_ptr + r).to(tl.pointer_type(elt)) + slot * D
+                        src = tl.load(src_ptrs_ptr + r).to(tl.pointer_type(elt)) + row * D
                     if ALIGNED:
                         src = tl.multiple_of(src, 16)
                     acc += tl.load(src + cols, mask=cm).to(tl.float32)
@@ -247,22 +267,26 @@ def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, 
         ALIGNED=_aligned(d, elem, max(1, x.stride(0))), num_warps=kern._warps(bd, elem))
 
 
-def reduce_combine(y, slot, src_ptrs, out, *, me: int, own_start: int, num_programs: int) -> None:
+def reduce_combine(y, send_token_idx, send_off, src_ptrs, out, *, me: int, own_start: int,
+                   num_programs: int) -> None:
     """``out`` ``[T, D]`` = combine's reduction (asynchronous, on the current stream).
 
     Args:
         y: ``[N, D]`` this rank's expert outputs (device); its own block starts at row
-            ``own_start``. slot: ``[T, W]`` int64 (device) of the matching dispatch.
+            ``own_start``. send_token_idx: ``[S]`` int64 (device) of the matching dispatch.
+        send_off: host ``[W + 1]`` int64, rows sent to each rank as a prefix.
         src_ptrs: ``[W]`` int64 (device), the address of each rank's returned rows in the
             receive window (entry ``me`` unused). out: ``[T, D]`` in y's dtype (device).
+    The host buffer must not change until the kernel ran (the caller records an event).
     """
     t, d = out.shape
     if t == 0:
         return
-    world = slot.shape[1]
+    world = src_ptrs.numel()
     elem = out.element_size()
     bd = kern._block_d(d, elem)
     _reduce_combine_kernel[_grid(t, num_programs)](
-        y, slot, src_ptrs, out, me, own_start, t, d, max(1, y.stride(0)),
-        W=world, BLOCK_D=bd, ALIGNED=_aligned(d, elem, max(1, y.stride(0))),
-        num_warps=kern._warps(bd, elem))
+        y, send_token_idx, host_arg(send_off), src_ptrs, out, me, own_start, t, d,
+        max(1, y.stride(0)), W=world,
+        LOG_T=max(1, (t + 1).bit_length()), BLOCK_D=bd,
+        ALIGNED=_aligned(d, elem, max(1, y.stride(0))), num_warps=kern._warps(bd, elem))

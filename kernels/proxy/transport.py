@@ -134,13 +134,9 @@ class ProxyHandleState(HandleState):
         send_token_idx_cpu: ``[S]`` int64 CPU, the handle's ``send_token_idx`` on the host (the
             handle keeps it on x's device too), for CPU rows without a device copy; None when
             the layout ran on the device (the device path of a CUDA dispatch).
-        slot_TW: ``[T, W]`` int64 on x's device, the row of token t in its block to rank r (-1:
-            not sent), from the device layout; None on the host path. Combine's device
-            reduction reads it.
     """
 
     send_token_idx_cpu: Optional[torch.Tensor]
-    slot_TW: Optional[torch.Tensor] = None
 
 
 class ProxyTransport(Transport):
@@ -216,11 +212,14 @@ class ProxyTransport(Transport):
             ("check", self._meta_check), ("red_rows", self._red_rows), ("red_n", self._red_n),
             ("red_idx", self._red_idx), ("slot", self._slot_buf), ("counts_L", self._counts_L))}
         self._net = NetCounter()
-        # CUDA inputs on a host window: layout, packing, receive and reduction run as kernels
-        # (device.py) when triton is importable. False forces the torch ops around the host
-        # layout (tests and benchmarks compare both); "always" runs the kernels for CPU inputs
+        # CUDA inputs on a host window: combine's reduction runs as one kernel (device.py) when
+        # triton is importable, and with device_layout the dispatch's layout, packing and
+        # receive too (off by default: on the H200 host it measured no faster than the host
+        # layout, its kernel launches cost what the torch ops cost). False forces torch ops
+        # everywhere (tests and benchmarks compare); "always" runs the kernels for CPU inputs
         # too (tests, under the Triton interpreter).
         self.device_kernels = _triton_importable()
+        self.device_layout = False
         self._reads_done = None  # CUDA event: the last op's kernels finished reading host buffers
         self.engine = None
         self.gen = 0
@@ -621,14 +620,18 @@ class ProxyTransport(Transport):
 
     # Device path: CUDA inputs on a host window (kernels in device.py) ------------------------
     def _device_path(self, x) -> bool:
-        """Whether a CUDA call runs its device work as the kernels of ``device.py`` (one
-        synchronization per op) rather than as torch ops around host-side layout and reduction:
-        CUDA input, a host window, rows of whole 16-byte units in one round."""
-        return (bool(self.device_kernels) and isinstance(x, torch.Tensor)
-                and (x.is_cuda or self.device_kernels == "always")
-                and not self.window.is_cuda and x.dim() == 2
+        """Whether a dispatch runs as the kernels of ``device.py`` (layout and packing on the
+        device, one synchronization) rather than as torch ops around the host layout:
+        ``device_layout`` on, CUDA input, a host window, rows of whole 16-byte units."""
+        return (self.device_layout and self._device_kernels_for(x) and x.dim() == 2
                 and (x.shape[1] * x.element_size()) % 16 == 0
                 and x.shape[1] * x.element_size() <= self.row_cap)
+
+    def _device_kernels_for(self, t) -> bool:
+        """Whether ``t``'s device work runs as the kernels of ``device.py``: a CUDA tensor (or any,
+        with ``device_kernels="always"``) on a host window, triton importable."""
+        return (bool(self.device_kernels) and isinstance(t, torch.Tensor)
+                and (t.is_cuda or self.device_kernels == "always") and not self.window.is_cuda)
 
     def _wait_reads(self) -> None:
         """The previous op's kernels have finished reading the receive window and the pinned
@@ -689,7 +692,7 @@ class ProxyTransport(Transport):
         H, L, E = cfg.hidden, cfg.num_local_experts, cfg.num_experts
         xd, idx, wts = dense(x), topk_idx.contiguous(), topk_weights.contiguous()
         lay = kern.layout(idx, wts, E, w)
-        slot, send_token_idx = lay[0], lay[1]
+        send_token_idx = lay[1]
         meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
         counts = self._pinned("counts", 1 + w + E, torch.int64)
         nsm = self._num_programs(dev)
@@ -758,7 +761,7 @@ class ProxyTransport(Transport):
             num_tokens=t, num_recv_tokens=n_recv, topk_idx=topk_idx,
             send_token_idx=send_token_idx[:s_all], num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=None, slot_TW=slot))
+            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=None))
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
     def _gather_into(self, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> None:
@@ -927,13 +930,15 @@ class ProxyTransport(Transport):
         self_rows = yc[starts[me]:starts[me + 1]]
         views = [self_rows if r == me else wire.recv(r, 0).view(yc.dtype).view(-1, d_cols)
                  for r in range(w)]
-        slot = handle.state.slot_TW
-        if slot is not None and self._device_path(yc):
+        if self._device_kernels_for(yc):
             from . import device as dk
 
             out = torch.empty(handle.num_tokens, d_cols, dtype=yc.dtype, device=yc.device)
-            dk.reduce_combine(yc, slot, self._src_ptrs(yc.device), out, me=me,
-                              own_start=starts[me], num_programs=self._num_programs(yc.device))
+            send_off = self._pinned("send_off", w + 1, torch.int64)
+            send_off.numpy()[:] = sstarts
+            dk.reduce_combine(yc, idx.contiguous(), send_off, self._src_ptrs(yc.device), out,
+                              me=me, own_start=starts[me],
+                              num_programs=self._num_programs(yc.device))
             self._record_reads(yc.device)  # the next op waits for it before its header
             return out
         out = None

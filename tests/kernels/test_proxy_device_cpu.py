@@ -6,8 +6,8 @@ imported). Host buffers and the window are CPU tensors; the per-source address t
 ``data_ptr()``, as the GPU path holds pinned host addresses. References: the torch layout
 (``compute_send_layout``), the host path's metadata format (local ids, float32 bits of the
 weights) and ``reduce_rows_by_rank`` followed by the cast, bit for bit. ``transport`` runs the
-whole device path of the transport (kernels forced on for CPU tensors) over libfabric tcp on
-loopback in two ranks against the ``torch`` transport.
+transport's device paths (kernels forced on for CPU tensors; the dispatch's device layout on and
+off) over libfabric tcp on loopback in two ranks against the ``torch`` transport.
 """
 from __future__ import annotations
 
@@ -167,7 +167,6 @@ def _check_gather():
 
 def _check_reduce():
     import torch
-    from efa_ep.kernels import gda_kernels as kern
     from efa_ep.kernels.base import compute_send_layout, reduce_rows_by_rank
     from efa_ep.kernels.proxy import device as dk
 
@@ -177,7 +176,6 @@ def _check_reduce():
         dtype = getattr(torch, dtype_name)
         d = 33 if dtype == torch.float32 else 48
         idx, w = _route(t, num_experts, topk, seed=100 + n)
-        slot = kern.layout(idx, w, num_experts, world)[0]
         ref = compute_send_layout(idx, num_experts, world)
         num_send = ref.num_tokens_per_rank_W.tolist()
         blocks = _blocks(world, me, num_send, d, dtype, g)
@@ -186,7 +184,9 @@ def _check_reduce():
                        torch.randn(2, d, generator=g).to(dtype)])
         src_ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64)
         out = torch.full((t, d), 3.0).to(dtype)
-        dk.reduce_combine(y, slot, src_ptrs, out, me=me, own_start=own_start, num_programs=5)
+        send_off = torch.tensor([0] + num_send, dtype=torch.int64).cumsum(0)
+        dk.reduce_combine(y, ref.send_token_idx_S, send_off, src_ptrs, out, me=me,
+                          own_start=own_start, num_programs=5)
         want = reduce_rows_by_rank(torch.cat(blocks), ref.send_token_idx_S, num_send, t).to(dtype)
         case = (world, num_experts, topk, t, dtype_name, me)
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), case
@@ -202,13 +202,14 @@ def _transport_rank(rank, world):
 
     torch.set_num_threads(1)
     bad = []
-    for dtype, hidden, num_experts, topk, tokens in ((torch.bfloat16, 64, 8, 2, (13, 9)),
-                                                     (torch.float32, 36, 16, 4, (0, 21)),
-                                                     (torch.float32, 36, 16, 4, (21, 17))):
+    for device_layout, dtype, hidden, num_experts, topk, tokens in (
+            (True, torch.bfloat16, 64, 8, 2, (13, 9)), (True, torch.float32, 36, 16, 4, (0, 21)),
+            (True, torch.float32, 36, 16, 4, (21, 17)), (False, torch.bfloat16, 64, 8, 2, (13, 9)),
+            (False, torch.float32, 36, 16, 4, (21, 0))):
         ref = create_transport("torch", None, num_experts, hidden, 32, dtype)
         px = create_transport("proxy", None, num_experts, hidden, 32, dtype, provider="tcp",
                               num_channels=2, timeout_s=60)
-        px.device_kernels = "always"
+        px.device_kernels, px.device_layout = "always", device_layout
         t = tokens[rank]
         idx, w = _route(t, num_experts, topk, seed=rank + 3 * hidden)
         g = torch.Generator().manual_seed(rank)
@@ -220,8 +221,8 @@ def _transport_rank(rank, world):
                 if a.shape != b.shape or not torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
                                                          b.view(torch.uint8) if b.is_floating_point() else b):
                     bad.append((str(dtype), it, name))
-            if p[4].state.slot_TW is None:
-                bad.append((str(dtype), it, "device layout not used"))
+            if (p[4].state.send_token_idx_cpu is None) != device_layout:
+                bad.append((str(dtype), it, "device layout used" if not device_layout else "not used"))
             y = torch.randn(r[0].shape[0], hidden, generator=g).to(dtype)
             if not torch.equal(ref.combine(y, r[4]).view(torch.uint8), px.combine(y, p[4]).view(torch.uint8)):
                 bad.append((str(dtype), it, "combine"))
@@ -237,7 +238,7 @@ def _transport_rank(rank, world):
     from efa_ep.kernels import DispatchInputError
 
     px = create_transport("proxy", None, 8, 16, 8, torch.float32, provider="tcp", timeout_s=60)
-    px.device_kernels = "always"
+    px.device_kernels, px.device_layout = "always", True
     idx = torch.tensor([[0, 5], [3, -1]])
     if rank == 1:
         idx[1, 0] = 8

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Where does the time of a decode dispatch + combine over ``proxy`` (CUDA inputs) go?
+
+Two ranks as processes on the GPU (MPS on), the proxy over ``--provider`` with a host window,
+DeepSeek-V3 decode shape (H 7168 bf16, top-8 of 256, ``--tokens`` per rank). Each step of an
+operation is wrapped with a wall-clock timer (no extra synchronization, so a step's time is what
+the calling thread spends in it: launches, copies, waits); rank 0 prints per D+C the mean time
+of every step, the sum, and the rest (Python between the steps). Then a cProfile of rank 0
+lists the functions with the most own time.
+
+    python3 scripts/proxy_host_profile.py [--provider shm] [--iters 200] [--staging kernels|layout|torch]
+"""
+import argparse
+import collections
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def _wrap(owner, name, acc):
+    fn = getattr(owner, name)
+    static = isinstance(getattr(owner, "__dict__", {}).get(name), staticmethod)
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[f"{getattr(owner, '__name__', owner)}.{name}"] += time.perf_counter() - t0
+    setattr(owner, name, staticmethod(timed) if static else timed)
+
+
+def _rank(rank, world, provider, tokens, iters, staging, channels):
+    from efa_ep.kernels import create_transport, gda_kernels
+    from efa_ep.kernels.proxy import device, native, wire, transport
+    from efa_ep.testing.routes import contract_route
+
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", 0)
+    px = create_transport("proxy", None, 256, 7168, tokens, torch.bfloat16, provider=provider,
+                          num_channels=channels, timeout_s=60)
+    px.device_kernels = staging != "torch"
+    px.device_layout = staging == "layout"
+    idx, w = contract_route("random", tokens, 256, 8, world, seed=rank)
+    idx, w = idx.to(dev), w.to(dev)
+    x = torch.randn(tokens, 7168, device=dev).to(torch.bfloat16)
+
+    def dc():
+        o = px.dispatch(x, idx, w)
+        px.combine(o[0], o[4])
+        torch.cuda.synchronize()
+
+    for _ in range(20):
+        dc()
+    acc = collections.defaultdict(float)
+    for owner, names in ((gda_kernels, ["layout"]),
+                         (device, ["pack_dispatch", "gather_dispatch", "reduce_combine"]),
+                         (native, ["unpack_meta", "route_layout"]),
+                         (wire.Wire, ["quiesce", "begin", "exchange", "finish"]),
+                         (transport.ProxyTransport, ["_sync", "_wait_reads", "_pack_rows", "_route",
+                                                     "_reduce_torch", "_gather_into"]),
+                         (torch.cuda, ["synchronize"])):
+        for n in names:
+            _wrap(owner, n, acc)
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dc()
+    wall = (time.perf_counter() - t0) / iters
+    prof = cProfile.Profile()
+    dist.barrier()
+    prof.enable()
+    for _ in range(min(iters, 100)):
+        dc()
+    prof.disable()
+    px.close()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    steps = {k: v / iters * 1e6 for k, v in acc.items()}
+    return wall * 1e6, steps, s.getvalue()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--provider", default="shm")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--channels", type=int, default=2)
+    ap.add_argument("--staging", default="kernels", choices=["kernels", "layout", "torch"],
+                    help="kernels: combine's reduction kernel (the default transport); layout: the "
+                         "dispatch's device layout and packing too; torch: torch ops only")
+    args = ap.parse_args()
+    from efa_ep.distributed import run_ranks
+
+    env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
+    res = run_ranks(_rank, 2, (args.provider, args.tokens, args.iters, args.staging, args.channels),
+                    timeout_s=600, env=env)
+    for rank, (wall, steps, prof) in enumerate(res):
+        print(f"== rank {rank}: {args.staging} staging, {args.provider}, D+C {wall:.1f} us per iteration")
+        for k, v in sorted(steps.items(), key=lambda kv: -kv[1]):
+            print(f"   {k:45s} {v:9.1f} us")
+        print(f"   {'(sum of wrapped steps, nested ones twice)':45s} {sum(steps.values()):9.1f} us")
+        if rank == 0:
+            print(prof[:6000])
+
+
+if __name__ == "__main__":
+    main()
