@@ -7,6 +7,8 @@ One concern per module, read top to bottom along a token's path:
 - ``ring.py``: command rings and the descriptor producers (host code, Triton kernel);
 - ``wire.py``: one round of the protocol (header exchange, data, checks);
 - ``transport.py``: :class:`ProxyTransport`, the contract methods, setup and failure state;
+- ``device.py``: the Triton kernels of CUDA inputs on a host window (combine's reduction from
+  the window; optionally the dispatch's layout, packing and receive);
 - ``native.py``: the one ctypes boundary to the C engine (``kernels/native/``).
 """
 from . import native

@@ -18,13 +18,17 @@ area and copied once out of the receive window. Buffers are allocated once.
 
 GPU inputs are host-staged: the routing (16 B per token slot) goes to the host in one copy, rows
 are gathered on the GPU and copied once into the pinned send area (one device-to-host copy for
-all peers), moved by the proxy, and copied once from the pinned window back to the GPU, where the
-combine's reduction also runs (with ``producer="triton"`` a Triton kernel writes the data
-descriptors into the pinned ring instead of the native host producer).
+all peers), moved by the proxy, and copied once from the pinned window back to the GPU. Combine's
+reduction is one kernel (``device.py``) reading the peers' rows straight from the pinned window
+and this rank's from ``y``; it ends with an event, not a synchronization (the next op waits for
+it before its header lets peers overwrite the window). With ``device_layout`` the dispatch's
+layout, packing and receive run as kernels too (off by default: no faster on the H200 host).
+With ``producer="triton"`` a Triton kernel writes the data descriptors into the pinned ring
+instead of the native host producer.
 With ``hmem="cuda"`` the whole window is CUDA memory registered with ``FI_HMEM_CUDA``: rows are
 gathered straight into it and the provider moves them GPU to GPU (GPUDirect RDMA on efa); only
 rings, counters and the small headers' host copies stay on the host. Every call blocks the
-CPU until its outputs are ready (synchronizes the current CUDA stream for GPU inputs); not
+CPU until its outputs are ready or enqueued on the current CUDA stream (GPU inputs); not
 CUDA-graph capturable.
 
 Options: see ``options.py`` (``create_transport("proxy", ..., **options)``; the dispatcher's
@@ -143,9 +147,11 @@ class ProxyTransport(Transport):
     """CPU-proxy transport over libfabric; see the module docstring for the protocol.
 
     Synchronization: every call is collective over the EP group and blocks the calling thread
-    until this rank's outputs are complete (the waits are bounded by ``timeout_s`` and name the
-    peer and message on expiry). GPU inputs are staged through host memory on the current stream
-    (the call synchronizes it). Buffers (windows, rings, counters) are allocated once and reused.
+    until this rank's outputs are complete, or, for GPU outputs, enqueued on the current stream
+    (the waits are bounded by ``timeout_s`` and name the peer and message on expiry). GPU inputs
+    are staged through host memory on the current stream (the call synchronizes it before its
+    data is posted; a combine's last kernel is waited for by the next call, through an event).
+    Buffers (windows, rings, counters) are allocated once and reused.
 
     Failures: invalid input on any rank raises the same :class:`DispatchInputError` on every rank
     (the transport stays usable). A deadline, a failed or dead peer, or a protocol violation
@@ -343,6 +349,7 @@ class ProxyTransport(Transport):
         if self.engine is None:
             return
         try:
+            self._wait_reads()  # no kernel still reads the window when it goes
             self.engine.wait_idle(min(self.timeout_ms, 10000))
             if barrier and self._broken is None and dist.is_initialized():
                 dist.barrier(group=self.group)
