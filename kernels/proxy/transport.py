@@ -18,10 +18,11 @@ area and copied once out of the receive window. Buffers are allocated once.
 
 GPU inputs are host-staged: the routing (16 B per token slot) goes to the host in one copy, rows
 are gathered on the GPU and copied once into the pinned send area (one device-to-host copy for
-all peers), moved by the proxy, and copied once from the pinned window back to the GPU. Combine's
-reduction is one kernel (``device.py``) reading the peers' rows straight from the pinned window
-and this rank's from ``y``; it ends with an event, not a synchronization (the next op waits for
-it before its header lets peers overwrite the window). With ``device_layout`` the dispatch's
+all peers), moved by the proxy. The dispatch's outputs are then built by one kernel (``device.py``) that
+reads the peers' rows straight from the pinned window (GPU loads) and this rank's own rows from
+``x``, with the ids and weights the host checked; combine's reduction is one kernel reading the
+peers' rows from the window and this rank's from ``y``. Both end with an event, not a
+synchronization (the next op waits for it before its header lets peers overwrite the window). With ``device_layout`` the dispatch's
 layout, packing and receive run as kernels too (off by default: no faster on the H200 host).
 With ``producer="triton"`` a Triton kernel writes the data descriptors into the pinned ring
 instead of the native host producer.
@@ -218,9 +219,9 @@ class ProxyTransport(Transport):
             ("check", self._meta_check), ("red_rows", self._red_rows), ("red_n", self._red_n),
             ("red_idx", self._red_idx), ("slot", self._slot_buf), ("counts_L", self._counts_L))}
         self._net = NetCounter()
-        # CUDA inputs on a host window: combine's reduction runs as one kernel (device.py) when
-        # triton is importable, and with device_layout the dispatch's layout, packing and
-        # receive too (off by default: on the H200 host it measured no faster than the host
+        # CUDA inputs on a host window: the dispatch's receive and combine's reduction run as
+        # one kernel each (device.py) when triton is importable, and with device_layout the
+        # dispatch's layout and packing too (off by default: on the H200 host it measured no faster than the host
         # layout, its kernel launches cost what the torch ops cost). False forces torch ops
         # everywhere (tests and benchmarks compare); "always" runs the kernels for CPU inputs
         # too (tests, under the Triton interpreter).
@@ -515,7 +516,7 @@ class ProxyTransport(Transport):
         starts = _prefix(num_send)
         s_me, e_me = starts[me], starts[me + 1]
         self._select_producer(dev)
-        send_idx = send_idx_cpu if dev.type == "cpu" else send_idx_cpu.to(dev)
+        send_idx = send_idx_cpu if dev.type == "cpu" else send_idx_cpu.to(dev, non_blocking=True)
         row_x = H * x.element_size()
 
         # 1. headers out (counts in them); our previous writes have left the send side
@@ -547,6 +548,16 @@ class ProxyTransport(Transport):
         num_recv = [num_send[me] if r == me else wire.rows_from(r) for r in range(w)]
         rstarts = _prefix(num_recv)
         n_recv = rstarts[-1]
+        if self._device_kernels_for(x):  # 4-6 as one kernel after the data arrived
+            wire.finish()
+            recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert = self._receive_device(
+                dense(x), send_idx, num_recv, s_me, self._meta_ptr + s_me * 16 * k, got, k)
+            handle = DispatchHandle(
+                num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
+                send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
+                num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
+                state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx_cpu))
+            return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
         # 4. this rank's own rows go straight into the output while the peers' rows fly
         recv_x = torch.empty(n_recv, H, dtype=x.dtype, device=dev)
         torch.index_select(x, 0, send_idx[s_me:e_me], out=recv_x[rstarts[me]:rstarts[me + 1]])
@@ -595,6 +606,59 @@ class ProxyTransport(Transport):
             state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx_cpu))
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
+    def _receive_device(self, x, send_token_idx, num_recv, own_start: int, own_meta_address: int,
+                        got, k: int):
+        """A dispatch's outputs after its round (``wire.finish``), as one kernel: the routing
+        rows are checked (ids, weights, per-expert counts vs the headers) and unpacked on the
+        host into pinned buffers, then :func:`~efa_ep.kernels.proxy.device.gather_dispatch`
+        writes ``recv_x`` (peers' rows from the window, this rank's from ``x``), ids and
+        weights on x's device. Ends with an event (the next op waits for it), no sync.
+
+        Args:
+            x: ``[T, H]`` rows (x's device). send_token_idx: ``[S]`` int64 on x's device.
+            num_recv: W ints. own_start: where this rank's own rows start in the send order.
+            own_meta_address: host address of this rank's own routing rows
+                (``[n_me, 2K]`` int64). got: the peers' headers of this round. k: top-k.
+        Returns: (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights
+            ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU).
+        """
+        from . import device as dk
+
+        w, me, wire, L = self.world_size, self.rank, self.wire, self.cfg.num_local_experts
+        dev = x.device
+        rstarts = _prefix(num_recv)
+        n_recv = rstarts[-1]
+        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
+        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+        tokens_per_expert = torch.empty(L, dtype=torch.int64)
+        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
+        for r in range(w):
+            nr[r] = num_recv[r]
+            chk[r] = r != me
+            srcs[r] = own_meta_address if r == me else wire.recv(r, 1).data_ptr()
+        pa = self._addr
+        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
+                                 wire.got_address + HDR_FIXED * 8, got.shape[1],
+                                 in_idx.data_ptr(), in_w.data_ptr(),
+                                 tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
+        if bad >= 0:  # name the problem (the checks in Python say what is wrong)
+            m = wire.recv(bad, 1).view(torch.int64).view(-1, 2 * k)
+            self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
+            wire.violation(f"rank {bad} sent routing rows the native check refuses (kind "
+                           f"{int(self._i64_out[0])}) and the Python check accepts")
+        recv_off = self._pinned("recv_off", w + 1, torch.int64)
+        recv_off.numpy()[:] = rstarts
+        recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
+        recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
+        recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
+        dk.gather_dispatch(x, send_token_idx, self._src_ptrs(dev), recv_off,
+                           in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
+                           in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
+                           recv_x, recv_topk_idx, recv_topk_weights, me=me,
+                           own_start=own_start, num_programs=self._num_programs(dev))
+        self._record_reads(dev)
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert
+
     def _route(self, topk_idx, topk_weights):
         """The routing layout (native, on the host: one D2H of the routing for a GPU input, never
         of the rows), with the value checks of the contract. Returns (send_idx ``[S]`` int64 CPU,
@@ -611,7 +675,9 @@ class ProxyTransport(Transport):
         else:
             idxh, wh = dense(topk_idx), dense(topk_weights)
         cap = t * min(w, k)
-        send_idx = torch.empty(cap, dtype=torch.int64)
+        # pinned for a GPU input: its copy to the device does not wait (torch's caching host
+        # allocator reuses the block only after that copy completed)
+        send_idx = torch.empty(cap, dtype=torch.int64, pin_memory=topk_idx.is_cuda)
         if self._meta_buf.shape[0] < cap * 2 * k:
             self._meta_buf = np.empty(cap * 2 * k, dtype=np.int64)
             self._meta_ptr = self._meta_buf.ctypes.data
@@ -733,37 +799,8 @@ class ProxyTransport(Transport):
         rstarts = _prefix(num_recv)
         n_recv = rstarts[-1]
         wire.finish()
-        # routing rows: checked (ids, weights, per-expert counts vs the header) and unpacked on
-        # the host into pinned buffers the output kernel reads
-        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
-        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
-        tokens_per_expert = torch.empty(L, dtype=torch.int64)
-        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
-        for r in range(w):
-            nr[r] = num_recv[r]
-            chk[r] = r != me
-            srcs[r] = meta.data_ptr() + s_me * 16 * k if r == me else wire.recv(r, 1).data_ptr()
-        pa = self._addr
-        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
-                                 wire.got_address + HDR_FIXED * 8, got.shape[1],
-                                 in_idx.data_ptr(), in_w.data_ptr(),
-                                 tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
-        if bad >= 0:
-            m = wire.recv(bad, 1).view(torch.int64).view(-1, 2 * k)
-            self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
-            wire.violation(f"rank {bad} sent routing rows the native check refuses (kind "
-                           f"{int(self._i64_out[0])}) and the Python check accepts")
-        recv_off = self._pinned("recv_off", w + 1, torch.int64)
-        recv_off.numpy()[:] = rstarts
-        recv_x = torch.empty(n_recv, H, dtype=x.dtype, device=dev)
-        recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
-        recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
-        dk.gather_dispatch(xd, send_token_idx, self._src_ptrs(dev), recv_off,
-                           in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
-                           in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
-                           recv_x, recv_topk_idx, recv_topk_weights, me=me, own_start=s_me,
-                           num_programs=nsm)
-        self._record_reads(dev)
+        recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert = self._receive_device(
+            xd, send_token_idx, num_recv, s_me, meta.data_ptr() + s_me * 16 * k, got, k)
         handle = DispatchHandle(
             num_tokens=t, num_recv_tokens=n_recv, topk_idx=topk_idx,
             send_token_idx=send_token_idx[:s_all], num_send_per_rank=tuple(num_send),
