@@ -117,11 +117,11 @@ class HostPtr:
 
 
 class Rings:
-    """K command rings and their control words (caller memory the engine reads), plus the
+    """C command rings (C = num_channels) and their control words (caller memory the engine reads), plus the
     producer-side state: each ring's tail and the channel the next message starts on.
 
     Args:
-        num_channels: K. ring_slots: descriptors per ring. pin: page-lock (a GPU producer
+        num_channels: C. ring_slots: descriptors per ring. pin: page-lock (a GPU producer
             stores into them). The engine is attached after it starts (:meth:`attach`).
     """
 
@@ -156,7 +156,7 @@ class Rings:
     def post(self, msg: int, dests: np.ndarray, local_offs: np.ndarray, remote_offs: np.ndarray,
              sizes: np.ndarray, chunk_bytes: int) -> None:
         """Posts whole messages (``[M]`` int64 contiguous arrays each): native code cuts them
-        into chunks, chunk j to channel (r + j) % K as :meth:`push`, and publishes the tails."""
+        into chunks, chunk j to channel (r + j) % C as :meth:`push`, and publishes the tails."""
         n = len(dests)
         if n == 0:
             return
@@ -165,7 +165,7 @@ class Rings:
                     self._next_channel_ptr, self.timeout_ms)
 
     def push(self, descs: torch.Tensor) -> None:
-        """Writes descriptors ``[D, 2]`` int64 into the rings (descriptor j -> channel (j + r) % K,
+        """Writes descriptors ``[D, 2]`` int64 into the rings (descriptor j -> channel (j + r) % C,
         r rotating per call so small messages spread over channels) and publishes each tail."""
         n = descs.shape[0]
         if n == 0:
@@ -194,7 +194,7 @@ class Rings:
 
     def push_triton(self, dests, loffs, roffs, sizes, msg: int, chunk_bytes: int,
                     dev: torch.device) -> None:
-        """GPU producer: message m goes to channel (r + m) % K; per channel one launch writes every
+        """GPU producer: message m goes to channel (r + m) % C; per channel one launch writes every
         chunk's descriptor into the pinned ring, a second publishes the tail (release, sys)."""
         describe, publish = triton_producer()
         k = self.num_channels

@@ -487,7 +487,7 @@ class ProxyTransport(Transport):
         cfg, me = self.cfg, self.rank
         if cfg.hidden * x.element_size() + 16 * topk_idx.shape[1] > self.row_cap:
             # would overflow a window row: refused on every rank (status in the header) before any
-            # row moves; all ranks share H and K, so all of them hit this
+            # row moves; all ranks share H and the top-k, so all of them hit this
             return (f"rank {me}: dispatch rows of {cfg.hidden * x.element_size()} + "
                     f"{16 * topk_idx.shape[1]} bytes (hidden*elem + 16*top-k) exceed the window's "
                     f"row capacity {self.row_cap}; create the transport with "
