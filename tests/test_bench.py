@@ -386,3 +386,89 @@ def test_network_counts_of_hier_and_proxy_at_an_emulated_layout(tmp_path):
     assert "### Network operations per op" in table and "| hier:agg0 | 2 x 2 | 8 |" in table
     cell = next(c for c in summary["cells"] if c["arm"] == "hier:agg1")
     assert cell["net_counts"]["dispatch"] == d1
+
+
+# --- the layer view's training features ------------------------------------------------------
+def test_layer_features_config_checks(capsys):
+    """layer.features is checked before any rank starts: an unknown feature is one line (exit
+    code 2); pad needs a capacity that fits the batch; combinations are checked."""
+    rc = bench.main(["--quick", "layer.features=[plain,padd]", "progress=false"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        "efa-ep-bench: error: layer.features: 'padd' is not a feature; expected one of plain, "
+        "pad, shared, shared_overlap (or several joined with +)"]
+    quick = compose("bench", "quick")
+    assert bench.layer_features(quick) == ["plain"]  # the default: today's cell only
+    bench.validate_config(compose("bench", "quick", ["layer.features=[plain,pad+shared_overlap]"]))
+    for features, match in (("[pad,pad]", "listed twice"), ("[]", "is empty"),
+                            ("[shared+shared_overlap]", "combines shared and shared_overlap"),
+                            ("[plain+pad]", "combines plain")):
+        with pytest.raises(ValueError, match=match):
+            bench.validate_config(compose("bench", "quick", [f"layer.features={features}"]))
+    # quick layer: 32 tokens top-2 of 8 experts; factor 5 gives C = 40 > 32 tokens
+    with pytest.raises(ValueError, match=r"capacity 40 tokens per expert exceeds tokens_per_rank=32"):
+        bench.validate_config(compose("bench", "quick", ["layer.features=[pad]", "layer.capacity_factor=5"]))
+    with pytest.raises(ValueError, match="layer.capacity_overflow='spill'"):
+        bench.validate_config(compose("bench", "quick", ["layer.features=[pad]",
+                                                         "layer.capacity_overflow=spill"]))
+    with pytest.raises(ValueError, match="layer.max_tokens_per_rank=16 must be"):
+        bench.validate_config(compose("bench", "quick", ["layer.max_tokens_per_rank=16"]))
+    # what each feature sets, for both dispatchers; what the efa dispatcher needs on top
+    lay = quick["layer"]
+    assert bench.megatron_overrides("plain", lay) == {}
+    assert bench.megatron_overrides("pad+shared_overlap", lay) == {
+        "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True,
+        "moe_shared_expert_intermediate_size": lay["ffn_hidden_size"], "moe_shared_expert_overlap": True}
+    assert bench.megatron_overrides("shared", lay)["moe_shared_expert_overlap"] is False
+    opts, attrs = bench.efa_settings("pad", lay, "gda", (("max_topk", 4),), 128)
+    assert dict(opts) == {"max_topk": 128} and attrs == {"efa_ep_capacity_overflow": "drop"}
+    assert bench.efa_settings("pad", lay, "torch", (), 128) == ((), {"efa_ep_capacity_overflow": "drop"})
+    assert bench.efa_settings("shared_overlap", lay, "gda", (), 128) == ((), {})
+
+
+def test_layer_view_features_on_cpu(tmp_path):
+    """The layer view on CPU (torch transport, EP 2, tiny shapes): every (arm x feature) cell
+    ran, none void, each efa layer checked against alltoall in the same feature before timing;
+    records, summary and table carry the feature and the ratio to alltoall in that feature."""
+    out = tmp_path / "bl"
+    features = ["plain", "pad", "shared_overlap"]
+    cfg = compose("bench", "quick", [
+        f"out_dir={out}", "progress=false", "transport_view=false", "layer.transports=[torch]",
+        f"layer.features=[{','.join(features)}]", "starts=1", "warmup=1", "iters=2"])
+    summary = bench.run(cfg, log=lambda *a, **k: None)
+    assert not summary["failed_starts"], summary["failed_starts"]
+    records = [json.loads(l) for l in (out / "bench_records.jsonl").read_text().splitlines()]
+    assert sorted((r["arm"], r["feature"]) for r in records) == sorted(
+        (a, f) for a in ("alltoall", "efa:torch") for f in features)
+    for r in records:
+        assert set(bench.RECORD_FIELDS) <= set(r), set(bench.RECORD_FIELDS) - set(r)
+        assert r["view"] == "layer" and not r["void"], r["void_reason"]
+        assert len(r["slowest_us"]) == 2 and r["vs_reference"] > 0
+        info = r["transport_info"]
+        assert info["feature"] == r["feature"]
+        assert info["megatron"] == bench.megatron_overrides(r["feature"], cfg["layer"])
+        if r["arm"] == "alltoall":
+            assert r["check"]["status"] == "reference" and r["vs_reference"] == 1.0
+            continue
+        # efa: output and input grad compared with alltoall in the same mode, and equal
+        assert r["check"]["status"] == "pass" and r["check"]["detail"] is None
+        assert f"vs alltoall in feature {r['feature']}" in r["check"]["compared"]
+        assert info["static_shapes"] == (r["feature"] == "pad")
+        assert info["shared_expert_overlap"] == (r["feature"] == "shared_overlap")
+        assert info["capacity_overflow"] == "drop"
+        ref = next(a for a in records if a["arm"] == "alltoall" and a["feature"] == r["feature"])
+        assert math.isclose(r["vs_reference"], r["start_median_us"] / ref["start_median_us"], rel_tol=1e-3)
+    rows = {(c["arm"], c["feature"]): c for c in summary["cells"]}
+    assert len(rows) == 6 and all(c["n_void"] == 0 and c["latency_us"]["n"] == 1 for c in rows.values())
+    for f in features:
+        efa, a2a = rows[("efa:torch", f)], rows[("alltoall", f)]
+        assert math.isclose(efa["vs_reference"], efa["latency_us"]["median"] / a2a["latency_us"]["median"])
+        assert math.isclose(efa["vs_plain"], efa["latency_us"]["median"]
+                            / rows[("efa:torch", "plain")]["latency_us"]["median"])
+    table = summary["table"]
+    assert "| timing | feature |" in table and "vs alltoall (same feature)" in table
+    assert "vs plain (same arm)" in table and "### Dispatch + combine" not in table
+    for f in features:
+        assert table.count(f"| single | {f} |") == 2
+    assert summary["plots"] and all(os.path.exists(p) for p in summary["plots"])

@@ -49,11 +49,17 @@ bytes, libfabric writes and wire bytes of one dispatch and one combine, summed o
 (from the transports' ``last_op_counts``; None for arms that do not count, e.g. ``torch``), and
 the flat route's cross-node figure at the same layout; the table lists them per counting arm.
 
-Views: ``transport`` (dispatch+combine of a transport) and ``layer`` (one Megatron ``MoELayer``
-forward+backward with the ``efa`` dispatcher on each transport vs Megatron's ``alltoall``).
+Views: ``transport`` (dispatch+combine of a transport; ``transport_view=false`` leaves it out)
+and ``layer`` (one Megatron ``MoELayer`` forward+backward with the ``efa`` dispatcher on each
+transport of ``layer.transports`` vs Megatron's ``alltoall``), once per training feature of
+``layer.features`` (:mod:`.features`: ``plain``, ``pad`` drop-and-pad capacity mode, ``shared``
+and ``shared_overlap`` shared expert without and with overlap); ``alltoall`` runs in the same
+mode as ``efa`` in every feature, records carry the feature, and every record's
+``vs_reference`` is its ratio to the reference arm in the same cell, feature and start.
 
 Modules: :mod:`.schema` (record schema, timing modes), :mod:`.arms` (arms from the config,
-config checks), :mod:`.cells` (cells, their order, route statistics), :mod:`.rank` (rank
+config checks), :mod:`.features` (the layer view's training features), :mod:`.cells` (cells,
+their order, route statistics), :mod:`.rank` (rank
 context, inputs, checks, control collectives, timing), :mod:`.transport_cells`,
 :mod:`.collective_cell` and :mod:`.layer_cell` (one cell of each kind), :mod:`.start` (one start
 of all ranks), :mod:`.report` (summary, table, plots), :mod:`.cli` (the command). Routes are
@@ -65,29 +71,35 @@ Usage::
     efa-ep-bench --quick                # CI smoke run (< 60 s)
     efa-ep-bench --config-name gpu      # real shapes, bf16, ranks as processes on one GPU
     efa-ep-bench --config-name gpu_nccl # real shapes, one rank per GPU, NCCL group, nccl arm
+    efa-ep-bench --config-name gpu_layer_features  # layer view only: each feature, gda vs alltoall
 """
 from .arms import (EXTERNAL, GDA_MODES, NCCL_ARM_MODES, Arm, collective_arm, gda_arms, hier_arms,
-                   nccl_arm_refusal, resolve_arms, timing_modes, validate_config)
+                   nccl_arm_refusal, resolve_arms, timing_modes, transport_view, validate_config)
 from .cells import Cell, build_cells, rotate, route_stats
 from .cli import main, run
 from .collective_cell import pack_rows, run_collective_cell, unpack_rows
+from .features import (FEATURES, check_features, efa_settings, feature_parts, layer_features,
+                       megatron_overrides)
 from .layer_cell import run_layer_cell
 from .rank import (TRANSPORT_KNOBS, RankContext, all_ranks_ok, broadcast_, cell_inputs, clock_of,
                    collective_device, compare_to_reference, finish_record, resolve_device,
                    time_samples, transport_info, void_record)
-from .report import box_plots, markdown_table, net_counts_table, summarize_records
+from .report import (REFERENCE_ARMS, add_reference_ratios, box_plots, markdown_table,
+                     net_counts_table, summarize_records)
 from .schema import COLLECTIVE_ARM_NAMES, DTYPES, RECORD_FIELDS, SCHEMA, TIMING_MODES, timing_boundary
 from .start import start_main
 from .transport_cells import NET_COUNT_FIELDS, emulated_node_size, net_counts, run_transport_cell
 
 __all__ = [
-    "Arm", "COLLECTIVE_ARM_NAMES", "Cell", "DTYPES", "EXTERNAL", "GDA_MODES", "NCCL_ARM_MODES",
-    "NET_COUNT_FIELDS", "RECORD_FIELDS", "RankContext", "SCHEMA", "TIMING_MODES",
-    "TRANSPORT_KNOBS", "all_ranks_ok", "box_plots", "broadcast_", "build_cells", "cell_inputs",
-    "clock_of", "collective_arm", "collective_device", "compare_to_reference",
-    "emulated_node_size", "finish_record", "gda_arms", "hier_arms", "main", "markdown_table",
-    "nccl_arm_refusal", "net_counts", "net_counts_table", "pack_rows", "resolve_arms",
-    "resolve_device", "rotate", "route_stats", "run", "run_collective_cell", "run_layer_cell",
-    "run_transport_cell", "start_main", "summarize_records", "time_samples", "timing_boundary",
-    "timing_modes", "transport_info", "unpack_rows", "validate_config", "void_record",
+    "Arm", "COLLECTIVE_ARM_NAMES", "Cell", "DTYPES", "EXTERNAL", "FEATURES", "GDA_MODES",
+    "NCCL_ARM_MODES", "NET_COUNT_FIELDS", "RECORD_FIELDS", "REFERENCE_ARMS", "RankContext",
+    "SCHEMA", "TIMING_MODES", "TRANSPORT_KNOBS", "add_reference_ratios", "all_ranks_ok",
+    "box_plots", "broadcast_", "build_cells", "cell_inputs", "check_features", "clock_of",
+    "collective_arm", "collective_device", "compare_to_reference", "efa_settings",
+    "emulated_node_size", "feature_parts", "finish_record", "gda_arms", "hier_arms",
+    "layer_features", "main", "markdown_table", "megatron_overrides", "nccl_arm_refusal",
+    "net_counts", "net_counts_table", "pack_rows", "resolve_arms", "resolve_device", "rotate",
+    "route_stats", "run", "run_collective_cell", "run_layer_cell", "run_transport_cell",
+    "start_main", "summarize_records", "time_samples", "timing_boundary", "timing_modes",
+    "transport_info", "transport_view", "unpack_rows", "validate_config", "void_record",
 ]

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .features import check_features
 from .schema import TIMING_MODES
 
 
@@ -57,44 +58,51 @@ def nccl_arm_refusal(backend: str) -> str:
 def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Arm], Dict[str, str]]:
     """Arms to run, and ``{name: reason}`` for arms that will not run here.
 
+    ``transport_view`` (default true) gives the transport view's arms (each transport of
+    ``arms.transports``, the raw collective arm, the external libraries); ``layer.enabled`` the
+    layer view's: ``alltoall`` and ``efa:<t>`` for each transport of ``layer.transports`` (null:
+    those of ``arms.transports``).
+
     Raises:
-        ValueError: the torch reference is not available; ``arms.nccl_arm`` is unknown, or asks
-            for a raw arm the configured backend cannot run (``require`` without
-            ``backend=nccl``, ``gloo`` without ``backend=gloo``).
+        ValueError: the transport view runs and the torch reference is not available;
+            ``arms.nccl_arm`` is unknown, or asks for a raw arm the configured backend cannot
+            run (``require`` without ``backend=nccl``, ``gloo`` without ``backend=gloo``).
     """
     arms: List[Arm] = []
     not_run: Dict[str, str] = {}
-    want = cfg["arms"].get("transports") or "*"
-    # "*": the flat transports; hier composes them and needs a node layout: name it explicitly
-    names = ([t for t in available if t != "hier"] if want == "*"
-             else [t for t in want if t in available])
-    for t in ([] if want == "*" else [t for t in want if t not in available]):
-        not_run[t] = "transport not available here"
-    channels = cfg["arms"].get("proxy_channels") or []
     per_opts = cfg["arms"].get("transport_options") or {}
-    for t in names:
-        base = tuple(sorted((per_opts.get(t) or {}).items()))
-        if t == "proxy" and channels:
-            for k in channels:
-                opts = tuple(sorted({**dict(base), "num_channels": int(k)}.items()))
-                arms.append(Arm(f"proxy:k{k}", "transport", "proxy", opts))
-        elif t == "hier":
-            arms.extend(hier_arms(cfg, dict(base)))
-        elif t == "gda":
-            arms.extend(gda_arms(cfg, base))
-        else:
-            arms.append(Arm(t, "transport", t, base))
-    raw = collective_arm(cfg)
-    if isinstance(raw, Arm):
-        arms.append(raw)
-    elif raw:
-        not_run["nccl"] = raw
-    for name, module in EXTERNAL.items():
-        if name not in (cfg["arms"].get("external") or []):
-            continue
-        not_run[name] = ("installed, but efa-ep has no adapter for it yet" if _importable(module)
-                         else f"not installed (import {module} failed)")
-    if cfg.get("layer", {}).get("enabled"):
+    if transport_view(cfg):
+        names = _transport_names(cfg["arms"].get("transports"), available, not_run, "")
+        if "torch" not in names:
+            raise ValueError("the torch transport must be available: it is the correctness reference")
+        channels = cfg["arms"].get("proxy_channels") or []
+        for t in names:
+            base = tuple(sorted((per_opts.get(t) or {}).items()))
+            if t == "proxy" and channels:
+                for k in channels:
+                    opts = tuple(sorted({**dict(base), "num_channels": int(k)}.items()))
+                    arms.append(Arm(f"proxy:k{k}", "transport", "proxy", opts))
+            elif t == "hier":
+                arms.extend(hier_arms(cfg, dict(base)))
+            elif t == "gda":
+                arms.extend(gda_arms(cfg, base))
+            else:
+                arms.append(Arm(t, "transport", t, base))
+        raw = collective_arm(cfg)
+        if isinstance(raw, Arm):
+            arms.append(raw)
+        elif raw:
+            not_run["nccl"] = raw
+        for name, module in EXTERNAL.items():
+            if name not in (cfg["arms"].get("external") or []):
+                continue
+            not_run[name] = ("installed, but efa-ep has no adapter for it yet" if _importable(module)
+                             else f"not installed (import {module} failed)")
+    lay = cfg.get("layer") or {}
+    if lay.get("enabled"):
+        want = lay.get("transports")
+        names = _transport_names(cfg["arms"].get("transports") if want is None else want,
+                                 available, not_run, "efa:")
         arms.append(Arm("alltoall", "layer", None))
         for t in names:
             base = tuple(sorted((per_opts.get(t) or {}).items()))
@@ -103,9 +111,26 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
                             for h in hier_arms(cfg, dict(base)))
             else:
                 arms.append(Arm(f"efa:{t}", "layer", t, base))
-    if "torch" not in names:
-        raise ValueError("the torch transport must be available: it is the correctness reference")
     return arms, not_run
+
+
+def transport_view(cfg: Dict[str, Any]) -> bool:
+    """Whether the run has the transport view (``transport_view``, default true)."""
+    return bool(cfg.get("transport_view", True))
+
+
+def _transport_names(want, available: Sequence[str], not_run: Dict[str, str],
+                     prefix: str) -> List[str]:
+    """The transports of ``want`` (``"*"``/empty: every flat one available) that are available;
+    the others go to ``not_run`` as ``<prefix><name>``."""
+    # "*": the flat transports; hier composes them and needs a node layout: name it explicitly
+    if not want or want == "*":
+        return [t for t in available if t != "hier"]
+    want = [want] if isinstance(want, str) else list(want)
+    for t in want:
+        if t not in available:
+            not_run[f"{prefix}{t}"] = "transport not available here"
+    return [t for t in want if t in available]
 
 
 GDA_MODES = ("regular", "fixed", "graph")
@@ -197,6 +222,16 @@ def validate_config(cfg: Dict[str, Any]) -> None:
                          f"cuda:r % num_gpus); device={device} puts every rank on one GPU, which "
                          f"NCCL refuses (use backend=gloo for ranks sharing a GPU)")
     timing_modes(cfg)
+    if cfg.get("layer", {}).get("enabled"):
+        check_features(cfg)
+        t_max = cfg["layer"].get("max_tokens_per_rank")
+        tokens = int(cfg["layer"]["tokens_per_rank"])
+        if t_max is not None and (not isinstance(t_max, int) or t_max < tokens):
+            raise ValueError(f"layer.max_tokens_per_rank={t_max!r} must be null (the dispatcher's "
+                             f"EFA_EP_MAX_TOKENS_PER_RANK) or an integer >= layer.tokens_per_rank="
+                             f"{tokens}")
+    if not transport_view(cfg) and not cfg.get("layer", {}).get("enabled"):
+        raise ValueError("transport_view=false and layer.enabled=false: no view to run")
     ns = cfg.get("node_size")
     if ns is not None and (not isinstance(ns, int) or ns < 1 or int(cfg["ep_size"]) % ns):
         raise ValueError(f"node_size={ns!r} must be a positive integer dividing ep_size="

@@ -1,16 +1,19 @@
-"""Cells (arm x profile x shape x route x timing: the unit of the summary), their order per
-start, and the load statistics of a cell's routes."""
+"""Cells (arm x profile x shape x route x timing, and x feature in the layer view: the unit of
+the summary), their order per start, and the load statistics of a cell's routes."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from .arms import Arm, timing_modes
+from .features import layer_features
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One (arm, profile, shape, route, timing) combination: the unit of the summary."""
+    """One (arm, profile, shape, route, timing, feature) combination: the unit of the summary.
+    ``feature`` is the layer view's training feature (:mod:`.features`); None in the transport
+    view."""
 
     arm: Arm
     profile: str
@@ -22,16 +25,17 @@ class Cell:
     topk: int
     dtype: str
     timing: str = "single"
+    feature: Optional[str] = None
 
     @property
     def key(self) -> str:
         return (f"{self.arm.view}|{self.arm.name}|{self.profile}|{self.shape}|{self.route}|"
-                f"{self.dtype}|{self.timing}")
+                f"{self.dtype}|{self.timing}|{self.feature}")
 
 
 def build_cells(cfg: Dict[str, Any], arms: Sequence[Arm]) -> List[Cell]:
     """Every cell of the run: per timing mode, each transport-view arm x profile x shape x
-    route, and each layer-view arm once (the ``layer`` section's shape)."""
+    route, and each layer-view arm x ``layer.features`` (the ``layer`` section's shape)."""
     cells = []
     for timing in timing_modes(cfg):
         for arm in arms:
@@ -45,9 +49,11 @@ def build_cells(cfg: Dict[str, Any], arms: Sequence[Arm]) -> List[Cell]:
                                               int(shape["topk"]), cfg["dtype"], timing))
             else:
                 lay = cfg["layer"]
-                cells.append(Cell(arm, "layer", lay["name"], lay["route"], int(lay["tokens_per_rank"]),
-                                  int(lay["hidden"]), int(lay["num_experts"]), int(lay["topk"]),
-                                  lay["dtype"], timing))
+                for feature in layer_features(cfg):
+                    cells.append(Cell(arm, "layer", lay["name"], lay["route"],
+                                      int(lay["tokens_per_rank"]), int(lay["hidden"]),
+                                      int(lay["num_experts"]), int(lay["topk"]), lay["dtype"],
+                                      timing, feature))
     return cells
 
 

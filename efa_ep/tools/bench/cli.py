@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import __doc__ as PACKAGE_DOC
 from .arms import resolve_arms, timing_modes, validate_config
 from .cells import build_cells
-from .report import box_plots, markdown_table, summarize_records
+from .features import layer_features
+from .report import add_reference_ratios, box_plots, markdown_table, summarize_records
 from .schema import SCHEMA, timing_boundary
 from .start import start_main
 
@@ -54,7 +55,7 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
                             env=env, raise_on_error=False)
             ok, val = res[0]
             if all(o for o, _ in res):
-                for rec in val:
+                for rec in add_reference_ratios(val):
                     f.write(json.dumps(rec) + "\n")
                 records.extend(val)
             else:
@@ -77,7 +78,8 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     table = markdown_table(rows, cfg, meta)
     with open(os.path.join(out_dir, "bench_table.md"), "w") as f:
         f.write(table)
-    summary["plots"] = box_plots(records, out_dir) if cfg.get("plots", True) else []
+    summary["plots"] = (box_plots(records, out_dir, layer_features(cfg)) if cfg.get("plots", True)
+                        else [])
     summary["table"] = table
     return summary
 
@@ -105,9 +107,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = args.config_name or ("quick" if args.quick else "default")
     try:
         cfg = compose("bench", name, args.overrides)
-    except ConfigError as e:
+        # Settings that cannot run are refused here, in one line, before any rank starts.
+        validate_config(cfg)
+    except (ConfigError, ValueError) as e:
         print(f"efa-ep-bench: error: {e}", file=sys.stderr)
-        if e.hint:
+        if getattr(e, "hint", None):
             print(f"  hint: {e.hint}", file=sys.stderr)
         return 2
     try:

@@ -76,7 +76,8 @@ def transport_info(name: Optional[str], t) -> Dict[str, Any]:
 class RankContext:
     """What one rank keeps over a start: its device, the group's backend, ranks per node and per
     GPU (measured with a collective at construction), the transports it created per (arm
-    options, shape, dtype) and the Megatron layers of the layer view."""
+    options, shape, dtype), and the layer view's Megatron layers per (feature, arm) with the
+    initial weights they share."""
 
     def __init__(self, rank, world, cfg):
         import socket
@@ -101,7 +102,8 @@ class RankContext:
         self.ranks_per_node = sum(1 for h, _ in where if h == where[rank][0])
         self.ranks_per_gpu = where.count(where[rank]) if gpu is not None else None
         self.transports: Dict[Tuple, Any] = {}
-        self.layers: Dict[str, Any] = {}
+        self.layers: Dict[Tuple[str, str], Any] = {}
+        self.layer_weights: Optional[Dict[str, Any]] = None
         self.megatron_ready = False
 
     def barrier(self):

@@ -20,15 +20,19 @@ def timing_boundary(timing: str, view: str = "transport") -> str:
     return _BOUNDARY[timing].replace("{op}", _BOUNDARY_OP[view])
 
 
-# Fields every raw record has (tests check the schema against this list).
+# Fields every raw record has (tests check the schema against this list). ``feature``: the layer
+# view's training feature (None in the transport view); ``vs_reference``: this start's median
+# over that of the reference arm (torch / alltoall) in the same cell and feature of the same
+# start (None when either is void).
 RECORD_FIELDS = (
     "schema", "run_id", "start", "order_index", "view", "arm", "transport", "options",
-    "num_channels", "profile", "shape", "route", "route_skew", "route_stats", "dtype",
+    "num_channels", "profile", "shape", "route", "route_skew", "route_stats", "dtype", "feature",
     "tokens_per_rank", "hidden", "num_experts", "topk", "ep_size", "ranks_per_gpu",
     "ranks_per_node", "device", "collective_backend", "scaled", "scale_note", "warmup", "iters",
     "timing", "steady_iters", "clock", "timing_boundary", "check", "void", "void_reason",
-    "slowest_us", "start_median_us", "per_rank_median_us", "dispatch_rows", "dispatch_bytes",
-    "collective_bytes", "net_counts", "sm_budget", "transport_info", "provenance",
+    "slowest_us", "start_median_us", "per_rank_median_us", "vs_reference", "dispatch_rows",
+    "dispatch_bytes", "collective_bytes", "net_counts", "sm_budget", "transport_info",
+    "provenance",
 )
 # Config dtype names -> torch dtype attribute names.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}

@@ -74,7 +74,8 @@ def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats,
         "route_skew": (f"zipf s={cfg['skew']}" if cell.route == "skewed" else
                        "none (uniform random top-k)" if cell.route == "uniform" else
                        "none (every expert equal load)"),
-        "route_stats": rstats, "dtype": cell.dtype, "tokens_per_rank": cell.tokens_per_rank,
+        "route_stats": rstats, "dtype": cell.dtype, "feature": cell.feature,
+        "tokens_per_rank": cell.tokens_per_rank,
         "hidden": cell.hidden, "num_experts": cell.num_experts, "topk": cell.topk,
         "ep_size": world, "ranks_per_gpu": ctx.ranks_per_gpu if ctx.ranks_per_gpu else cfg.get("ranks_per_gpu"),
         "ranks_per_node": ctx.ranks_per_node, "device": cfg["device"],
