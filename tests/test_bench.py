@@ -427,6 +427,28 @@ def test_layer_features_config_checks(capsys):
     assert bench.efa_settings("shared_overlap", lay, "gda", (), 128) == ((), {})
 
 
+def test_gpu_layer_features_config():
+    """The GPU config: layer view only, alltoall and efa over gda, every feature; EP 2 as two
+    processes on one GPU at the Qwen3-30B-A3B layer shape."""
+    cfg = compose("bench", "gpu_layer_features")
+    bench.validate_config(cfg)
+    assert (cfg["ep_size"], cfg["device"], cfg["ranks_per_gpu"], cfg["backend"]) == (2, "cuda:0", 2, "gloo")
+    lay = cfg["layer"]
+    gpu = compose("bench", "gpu")["layer"]
+    assert {k: lay[k] for k in ("hidden", "ffn_hidden_size", "num_experts", "topk", "dtype")} == {
+        k: gpu[k] for k in ("hidden", "ffn_hidden_size", "num_experts", "topk", "dtype")}
+    assert cfg["starts"] == 6 and not bench.transport_view(cfg)
+    arms, not_run = bench.resolve_arms(cfg, ["torch", "gda", "proxy"])
+    assert [a.name for a in arms] == ["alltoall", "efa:gda"] and not not_run
+    cells = bench.build_cells(cfg, arms)
+    assert {(c.arm.name, c.feature) for c in cells} == {
+        (a, f) for a in ("alltoall", "efa:gda") for f in ("plain", "pad", "shared", "shared_overlap")}
+    assert len(cells) == 8 and all(c.arm.view == "layer" for c in cells)
+    # without gda the efa arm is listed as not run, not silently dropped
+    arms, not_run = bench.resolve_arms(cfg, ["torch"])
+    assert [a.name for a in arms] == ["alltoall"] and "efa:gda" in not_run
+
+
 def test_layer_view_features_on_cpu(tmp_path):
     """The layer view on CPU (torch transport, EP 2, tiny shapes): every (arm x feature) cell
     ran, none void, each efa layer checked against alltoall in the same feature before timing;
