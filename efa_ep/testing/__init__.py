@@ -8,6 +8,8 @@ build inputs and check results; nothing in the dispatcher or the transports impo
 - :mod:`efa_ep.testing.moe_layer`: the Megatron ``MoELayer`` of the GPU layer tests and the
   per-rank workers that check it (``gda`` against ``torch``; drop-and-pad CUDA-graph replay
   against eager).
+- :mod:`efa_ep.testing.reference`: the brute-force single-process reference of the transport
+  contract (every rank's expected outputs from every rank's inputs, by loops).
 - :mod:`efa_ep.testing.transports`: probes of transport creation (the error a ``proxy`` with
   given options gives).
 

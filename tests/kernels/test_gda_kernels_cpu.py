@@ -132,7 +132,7 @@ WAIT = dict(timeout_ns=0, max_spins=1000, use_globaltimer=False)
 def _run_dispatch_combine(row_dtype_name):
     import torch
     from efa_ep.kernels import gda_kernels as kern
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
     from efa_ep.testing.routes import contract_route
 
     dtype = getattr(torch, row_dtype_name)
@@ -313,7 +313,7 @@ def _check_fixed_capacity():
     width left behind), device counts are right, and the fixed combine equals the reference."""
     import torch
     from efa_ep.kernels import gda_kernels as kern
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
     from efa_ep.testing.routes import contract_route
 
     world, num_experts, hidden, t_max = 3, 12, 24, 10

@@ -54,7 +54,7 @@ def _expected_counts(data, rank, world, node_size, experts, aggregate, row_bytes
 
 def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_name, aggregate):
     from efa_ep.kernels import create_transport
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
 
     dtype = getattr(torch, dtype_name)
     opts = dict(node_size=node_size, network=network, aggregate=aggregate)
@@ -258,7 +258,7 @@ def _hier_gpu_worker(rank, world, node_size, topks, network, aggregate):
     stage ``network`` (proxy over shm with host staging, or torch), ``aggregate`` 1 or 0;
     compared with the reference bit for bit."""
     from efa_ep.kernels import create_transport
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())

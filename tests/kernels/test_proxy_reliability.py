@@ -4,7 +4,7 @@ Every check runs ranks as processes over loopback tcp. The fast subset runs in C
 (more rounds, EP 2/3/4, shm, every tamper kind, every bad argument) runs with
 ``EFA_EP_RELIABILITY_FULL=1`` and writes its figures to ``$EFA_EP_RELIABILITY_REPORT`` (JSON).
 
-- randomized rounds against the brute-force reference (``kernels/reference.py``), bit for bit;
+- randomized rounds against the brute-force reference (``efa_ep/testing/reference.py``), bit for bit;
 - bad input on one rank for each argument of each operation: every rank raises the same error
   naming the rank and the tensor, and the transport stays usable;
 - tampering by one rank (counts, ids, offsets, message ids, generation, round tag): detected
@@ -73,7 +73,7 @@ def _inputs(world, num_experts, hidden, topk, dtype, tokens, seed):
 def _check_round(t, rank, world, num_experts, hidden, topk, dtype, tokens, seed):
     """One dispatch / combine / dispatch_cached / combine_topk_weights against the reference;
     returns the names of mismatching outputs."""
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
 
     xs, idxs, ws = _inputs(world, num_experts, hidden, topk, dtype, tokens, seed)
     ref = reference_dispatch(xs, idxs, ws, num_experts)

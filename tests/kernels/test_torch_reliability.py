@@ -82,7 +82,7 @@ def _all_inputs(world, seed, experts, hidden, k, max_tokens, dtype, kind=None):
 def _check_round(t, rank, world, data, experts, seed):
     """One dispatch / combine / dispatch_cached / combine_topk_weights round; returns the
     names of the outputs that differ from the reference (empty when all match)."""
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
 
     x, idx, w = data[rank]
     rx, ri, rw, tpe, handle = t.dispatch(x, idx, w)

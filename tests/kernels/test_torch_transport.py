@@ -19,7 +19,7 @@ def _contract_worker(rank, world, experts, hidden, topks):
     from efa_ep.testing.routes import contract_route
 
     from efa_ep.kernels import create_transport
-    from efa_ep.kernels.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
 
     t = create_transport("torch", None, experts, hidden, 256, torch.float32)
     checked = 0
