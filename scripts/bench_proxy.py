@@ -20,6 +20,12 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    ``--starts S`` repeats the cell in S fresh pairs of rank processes (new transports each):
    the record pools every iteration of every start (``proxy_ms``) and gives each start's median
    (``*_start_medians``) and their spread; ``torch`` (gloo) runs interleaved in the same ranks.
+4. ``wire``: the floor under a dispatch+combine, 2 ranks as processes: the two wire rounds of
+   the decode profile alone (headers, the rows' bytes, footers; dispatch rows of H*2 + 16*top-k
+   bytes, combine rows of H*2 bytes, the rows each rank sends in the a2a cell's route), with no
+   layout, packing, copies or checks of the rows, for ``--wire-channels`` channel counts; next to
+   it one host ``memcpy`` pass of the same bytes on one core (what the shm provider's single-copy
+   path costs at least per op). ``wire_ms`` is the slowest rank per iteration.
 
     python scripts/bench_proxy.py --out runs/bench_proxy [--providers tcp,shm] [--iters 30]
     # the decode D+C figure alone (host part and gloo in the same run), 5 starts x 20 iterations:
@@ -252,6 +258,87 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
     return res
 
 
+def _wire_rank(rank, world, provider, tokens, iters, channel_counts, seed, chunk_bytes=None):
+    import numpy as np
+    import torch.distributed as dist
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.proxy.window import OP_COMBINE, OP_DISPATCH
+    from efa_ep.testing.routes import contract_route as make_route
+
+    torch.set_num_threads(1)
+    hidden, experts, topk = 7168, 256, 8
+    idx, _ = make_route("random", tokens, experts, topk, world, seed + rank)
+    # rows this rank sends to each peer in the a2a cell: its tokens picking an expert there
+    per_rank = experts // world
+    rows_to = [int(((idx // per_rank) == d).any(dim=1).sum()) for d in range(world)]
+    got_rows = [None] * world
+    dist.all_gather_object(got_rows, rows_to)
+    n_recv = [got_rows[r][rank] for r in range(world)]
+    row_x, L = hidden * 2, experts // world
+    chunk = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    out = []
+    for nch in channel_counts:
+        px = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
+                              provider=provider, num_channels=nch, **chunk)
+        wire = px.wire
+        counts = np.zeros((world, L), dtype=np.int64)
+        for d in range(world):
+            counts[d, 0] = rows_to[d] * topk  # any count the header check accepts
+        times = []
+        for it in range(iters + 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            wire.begin(OP_DISPATCH, [row_x, 16 * topk], rows_to, extras=counts, fmt=topk)
+            wire.exchange()
+            wire.finish()
+            wire.begin(OP_COMBINE, [row_x], n_recv, n_recv=rows_to, fmt=0)
+            wire.exchange()
+            wire.finish()
+            if it >= 3:
+                times.append(time.perf_counter() - t0)
+        px.close()
+        out.append({"channels": nch, "times": times})
+    # one host memcpy pass of one op's bytes to the peer (one core, buffers hot in cache)
+    nbytes = sum(n for d, n in enumerate(rows_to) if d != rank) * (row_x + 16 * topk)
+    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    cp = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        cp.append(time.perf_counter() - t0)
+    return {"cells": out, "copy_s": cp, "bytes_per_op": nbytes, "rows_to": rows_to}
+
+
+def bench_wire(provider: str, tokens: int, iters: int, channel_counts, starts: int = 1,
+               chunk_bytes: int = 0):
+    """The two wire rounds of a decode dispatch+combine alone, per channel count (see the module
+    docstring, part 4); each start a fresh pair of rank processes."""
+    from efa_ep.distributed import run_ranks
+
+    env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
+    if provider == "tcp":
+        env["FI_PROVIDER"] = "tcp"
+    runs = [run_ranks(_wire_rank, 2, (provider, tokens, iters, list(channel_counts), 7 + s, chunk_bytes),
+                      timeout_s=900, pg_timeout_s=600, env=env) for s in range(starts)]
+    out = []
+    for i, nch in enumerate(channel_counts):
+        per_start = [[max(r["cells"][i]["times"][j] for r in pr) * 1e3 for j in range(iters)] for pr in runs]
+        meds = [statistics.median(s) for s in per_start]
+        out.append({"kind": "wire", "provider": provider, "profile": "decode", "tokens_per_rank": tokens,
+                    "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
+                    "channels": nch, "chunk_bytes": chunk_bytes or "default", "starts": starts,
+                    "iters_per_start": iters, "bytes_per_op_rank0": runs[0][0]["bytes_per_op"],
+                    "wire_ms": _summary([v for s in per_start for v in s]),
+                    "wire_start_medians_ms": meds})
+    cps = [v * 1e3 for pr in runs for r in pr for v in r["copy_s"]]
+    out.append({"kind": "host_copy", "provider": provider, "bytes": runs[0][0]["bytes_per_op"],
+                "copy_ms": _summary(cps),
+                "gb_per_s": runs[0][0]["bytes_per_op"] / (statistics.median(cps) * 1e-3) / 1e9})
+    return out
+
+
 def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
               hmem: str = "off", starts: int = 1, torch_staging: bool = False,
               chunk_bytes: int = 0):
@@ -350,7 +437,9 @@ def main(argv=None):
                     help="CUDA inputs: also the proxy with all its device work as torch ops and the "
                          "proxy with the dispatch's layout and packing on the device, interleaved "
                          "in the same ranks")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a,wire")
+    ap.add_argument("--wire-channels", default="1,2,4,8",
+                    help="channel counts of the wire part (comma list)")
     ap.add_argument("--profiles", default="decode,prefill",
                     help="dispatch+combine profiles to run (comma list of decode, prefill)")
     args = ap.parse_args(argv)
@@ -368,6 +457,18 @@ def main(argv=None):
         if "rate" not in skip:
             records += bench_rate(prov, args.rate_n, args.rate_repeats)
             print(json.dumps(records[-8:]), flush=True)
+        if "wire" not in skip:
+            chans = [int(c) for c in args.wire_channels.split(",") if c]
+            recs = bench_wire(prov, args.decode_tokens, args.iters, chans, args.starts, args.chunk_bytes)
+            records += recs
+            for r in recs:
+                if r["kind"] == "wire":
+                    print(f"[bench_proxy] {prov} wire floor of a decode D+C, {r['channels']} channels: "
+                          f"{r['wire_ms']['median']:.3f} ms [p10 {r['wire_ms']['p10']:.3f}, p90 "
+                          f"{r['wire_ms']['p90']:.3f}], {r['bytes_per_op_rank0']} B per op", flush=True)
+                else:
+                    print(f"[bench_proxy] host memcpy of {r['bytes']} B: {r['copy_ms']['median']:.3f} ms "
+                          f"({r['gb_per_s']:.1f} GB/s, one core)", flush=True)
         if "a2a" not in skip:
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
