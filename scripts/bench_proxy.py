@@ -26,7 +26,7 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
     python scripts/bench_proxy.py --out runs/bp --providers shm --skip roundtrip,rate \
         --profiles decode --iters 20 --starts 5
 
-Honest-method notes (``notes/benchmarking.md``): one timing boundary (inputs and route ready ->
+Method: one timing boundary (inputs and route ready ->
 combine returned), slowest rank, many repeats with median and min/max, knobs recorded.
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@ Inputs (any mix; the format is recognised per file):
   summary (``bench_summary.json``): dispatch+combine latency per cell;
 - ``scripts/bench_proxy.py`` output (``{"meta": ..., "records": [...]}``): proxy descriptor
   rates per channel count (``rate``) and GPU descriptor round trips (``gpu_roundtrip``);
-- planner records (``efa_ep.plan.record/1`` lines): figures measured by this project that are
-  written in its notes rather than in a bench file (e.g. the two-GPU NVLink runs).
+- planner records (``efa_ep.plan.record/1`` lines): figures measured by this project that no
+  bench file holds (e.g. the two-GPU NVLink runs, ``results/plan/measured_h200x2.jsonl``).
 
 Every dispatch+combine observation becomes ``(group, shape, bytes, us)`` where ``group`` is the
 arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``proxy:k2@hbm``,
@@ -298,7 +298,7 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
     rts = [o for o in obs if o["kind"] == "gpu_roundtrip" and o["provider"] == provider]
     rt = statistics.median(o["us"] for o in rts) if rts else 3.2
     rt_src = ("median GPU descriptor round trip " + "; ".join(sorted({o["source"] for o in rts}))) if rts else \
-        "DESIGN.md floor 3.2 us (no round-trip records given)"
+        "floor 3.2 us: a bare C thread's round trip on the H200 host (no round-trip records given)"
     params["proxy_fixed_us"] = Fig(round(gda["fixed_us"] + rt, 2), "us", "derived",
                                    f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
                                    f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
