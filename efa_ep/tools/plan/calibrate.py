@@ -16,7 +16,8 @@ arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``
 The planner uses ``gda@nvlink`` and ``nccl_a2a@nvlink`` (fixed cost and link efficiency), the
 proxy's descriptor rates (per-descriptor cost, channel-scaling exponent ``alpha`` in
 ``rate(K) = rate(1) x K**alpha``) and the GPU round trip. Parameters the records cannot give
-(EFA-specific rates: no EFA here) come from the seeds, tagged so.
+(EFA-specific rates: no EFA here) come from the measured DeepEP-on-EFA study (p5en, EP16),
+tagged so.
 
 Held-out check: groups with two or more shapes are refitted without each shape in turn and
 predict it; descriptor rates of one record file are predicted from the others' alpha.
@@ -31,7 +32,7 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .model import DTYPE_BYTES, Fig, p_rank
-from .presets import seed_efa
+from .presets import deepep_efa_figures
 
 SCHEMA = "efa_ep.plan.calibration/1"
 NVLINK4_GBPS = 450.0   # H200 NVLink 4, GB/s per direction (NVIDIA spec: 900 GB/s bidirectional)
@@ -53,7 +54,7 @@ PARAMS = {
 
 def default_calibration() -> Dict[str, Fig]:
     """Used when no calibration file exists: every value assumed (the shipped file replaces it)."""
-    s = seed_efa()
+    s = deepep_efa_figures()
     a = "assumed default (no calibration file; run `efa-ep-plan calibrate`)"
     return {"_name": Fig("built-in defaults", "", "assumed", a),
             "gda_fixed_us": Fig(300.0, "us", "assumed", a), "gda_link_eff": Fig(0.5, "fraction", "assumed", a),
@@ -260,7 +261,7 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                    "shapes": sorted({o["shape"] for o in os_}), "max_abs_rel_err": max(rel),
                    "sources": sorted({o["source"].split(" (")[0] for o in os_})}
     params: Dict[str, Fig] = {}
-    seeds = seed_efa()
+    study = deepep_efa_figures()
 
     def from_group(g: str, what: str) -> Dict[str, Any]:
         if g not in fits:
@@ -280,9 +281,9 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                                   f"fit of nccl_a2a@nvlink (n={nc['n']}): {src}")
     params["nccl_link_eff"] = Fig(round(nc["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
                                   f"fitted nccl_a2a@nvlink rate {nc['gbps']:.0f} GB/s / {NVLINK4_GBPS:g} GB/s")
-    params["nccl_efa_eff"] = Fig(round(seeds["node_injection_gbps"].value / P5EN_EFA_NODE_GBPS, 4), "fraction",
-                                 "derived", f"seed node injection {seeds['node_injection_gbps'].value:g} GB/s "
-                                            f"({seeds['node_injection_gbps'].source}) / p5en spec {P5EN_EFA_NODE_GBPS:g} GB/s")
+    params["nccl_efa_eff"] = Fig(round(study["node_injection_gbps"].value / P5EN_EFA_NODE_GBPS, 4), "fraction",
+                                 "derived", f"node injection {study['node_injection_gbps'].value:g} GB/s "
+                                            f"({study['node_injection_gbps'].source}) / p5en spec {P5EN_EFA_NODE_GBPS:g} GB/s")
     rates = [o for o in obs if o["kind"] == "rate" and o["provider"] == provider and o["bytes"] == desc_bytes]
     if not rates:
         raise ValueError(f"no proxy descriptor-rate records for provider={provider} bytes={desc_bytes} "
@@ -302,7 +303,7 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
     params["proxy_fixed_us"] = Fig(round(gda["fixed_us"] + rt, 2), "us", "derived",
                                    f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
                                    f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
-    params["proxy_channel_gbps"] = seeds["proxy_channel_gbps_efa"]
+    params["proxy_channel_gbps"] = study["proxy_channel_gbps_efa"]
     doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "inputs": [_rel(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
            "params": {k: v.to_dict() for k, v in params.items()}, "groups": fits,

@@ -20,7 +20,8 @@ Time of one op on each path (microseconds; bytes / (GB/s x 1e3) = us):
 - ``gda`` (group inside one node): ``fixed_gda + bytes_nvl / (nvlink x eff_gda)``;
 - ``proxy`` with K channels: ``fixed_proxy + max(issue(K), wire)`` where
   ``issue(K) = (msgs x post + bytes_ch / channel_rate) / K**alpha`` (the CPU proxy's per-op
-  post path: the seeds' "issue-bound" regime) and ``wire = bytes_efa / efa_per_gpu``;
+  post path: the "issue-bound" regime that the DeepEP-on-EFA study, :mod:`.presets`, measured)
+  and ``wire = bytes_efa / efa_per_gpu``;
   ``msgs`` = descriptors = destinations x ceil(bytes per destination / chunk);
   ``bytes_ch`` = EFA bytes, plus NVLink-peer bytes when same-node rows go through the channels
   (``proxy_same_node="channels"``, what today's ``proxy`` transport does);
@@ -62,12 +63,13 @@ class Fig:
     """A number with its provenance.
 
     Attributes:
-        value: the number (or a (low, high) range / a small dict for seed comparison points).
+        value: the number (or a (low, high) range / a small dict for the DeepEP-on-EFA study's
+            comparison points).
         unit: its unit (``us``, ``B``, ``GB/s``, ``fraction`` ...).
-        tag: ``measured`` (a measurement: this project's record or a seed's), ``derived``
-            (computed from other figures by this model), ``assumed`` (an input, a spec sheet
-            or a modelling choice).
-        source: where it comes from (record file and date, seed experiment, spec sheet,
+        tag: ``measured`` (a measurement: this project's record or the DeepEP-on-EFA
+            study's), ``derived`` (computed from other figures by this model), ``assumed`` (an
+            input, a spec sheet or a modelling choice).
+        source: where it comes from (record file and date, study experiment, spec sheet,
             formula).
     """
 
@@ -325,7 +327,8 @@ def path_proxy(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig]) -> PathResu
     r = PathResult("proxy", True, num_channels=k, d_us=_op("d", t, src), c_us=_op("c", t, src),
                    dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_k)
     r.extra["nic_utilisation"] = derived(nic, "fraction", "EFA bytes per op / op time / EFA per GPU")
-    r.extra["so_gbps"] = derived(so, "GB/s", "EFA (scale-out) bytes per op / op time, as the seeds' SO figure")
+    r.extra["so_gbps"] = derived(so, "GB/s", "EFA (scale-out) bytes per op / op time, as the DeepEP-on-EFA "
+                                               "study's SO figure")
     return r
 
 
