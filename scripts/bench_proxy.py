@@ -81,7 +81,7 @@ def _wait_clock(px):
 
 def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20, pin: bool = False):
     """One process, world of 1: every descriptor targets this rank's own window over the wire."""
-    from efa_ep.kernels import proxy_native as native
+    from efa_ep.kernels.proxy import native
 
     window = torch.zeros(window_bytes, dtype=torch.uint8, pin_memory=pin)
     rings = torch.zeros(num_channels, 1024, 2, dtype=torch.int64, pin_memory=pin)
