@@ -7,7 +7,7 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    visible to the producer, the producer being native code (no Python per op). ``len=0`` is the
    no-op marker (no wire); ``len=64`` is an RMA write with immediate data to this process's own
    window through the provider (the target side is the same thread). One process.
-2. ``rate``: descriptors/s with K = 1, 2, 4, 8 channels, ``--rate-n`` descriptors per channel,
+2. ``rate``: descriptors/s with 1, 2, 4, 8 channels, ``--rate-n`` descriptors per channel,
    no-op and 64-byte writes (all to self, one process); one native producer thread per channel,
    each channel counting its arrivals in its own counter.
 3. ``a2a``: dispatch+combine latency, 2 ranks as processes (gloo group for setup), decode
@@ -113,18 +113,18 @@ def bench_roundtrip(provider: str, iters: int):
 
 def bench_rate(provider: str, n: int, repeats: int):
     out = []
-    for k in (1, 2, 4, 8):
-        eng, keep = _single_engine(provider, k, 8 << 20)
+    for nc in (1, 2, 4, 8):
+        eng, keep = _single_engine(provider, nc, 8 << 20)
         try:
             for nbytes in (0, 64):
-                eng.bench_rate(k, 256, nbytes, 5, 60000)  # warm-up
+                eng.bench_rate(nc, 256, nbytes, 5, 60000)  # warm-up
                 rates = []
                 for r in range(repeats):
-                    ns = eng.bench_rate(k, n, nbytes, 10 + r, 60000)
-                    rates.append(n * k / (ns / 1e9))
+                    ns = eng.bench_rate(nc, n, nbytes, 10 + r, 60000)
+                    rates.append(n * nc / (ns / 1e9))
                 s = _summary(rates)
-                out.append({"kind": "rate", "provider": provider, "channels": k, "bytes": nbytes,
-                            "desc_per_s": s, "desc_per_s_per_channel": s["median"] / k,
+                out.append({"kind": "rate", "provider": provider, "channels": nc, "bytes": nbytes,
+                            "desc_per_s": s, "desc_per_s_per_channel": s["median"] / nc,
                             "n_per_channel": n})
         finally:
             eng.destroy()
@@ -310,7 +310,7 @@ def _plot(records, path):
                                  yerr=[[(r["desc_per_s"]["median"] - r["desc_per_s"]["min"]) / 1e6 for r in rs],
                                        [(r["desc_per_s"]["max"] - r["desc_per_s"]["median"]) / 1e6 for r in rs]],
                                  marker="o", label=f"{prov} {'no-op' if nbytes == 0 else f'{nbytes} B write'}")
-    axes[0].set_xlabel("channels K"); axes[0].set_ylabel("M descriptors/s"); axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("channels"); axes[0].set_ylabel("M descriptors/s"); axes[0].set_xscale("log", base=2)
     axes[0].legend(fontsize=7); axes[0].set_title("proxy issue rate (1 process, writes to self)")
     a2a = [r for r in records if r["kind"] == "a2a"]
     labels = [f"{r['provider']}{' hmem' if r.get('hmem', 'off') != 'off' else ''}\n{r['profile']}" for r in a2a]
@@ -340,7 +340,7 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096,
                     help="prefill tokens/rank (4096 is the profile; lower it on small hosts and say so)")
-    ap.add_argument("--num-channels", type=int, default=2, help="K for the dispatch+combine cells")
+    ap.add_argument("--num-channels", type=int, default=2, help="proxy channels of the dispatch+combine cells")
     ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")

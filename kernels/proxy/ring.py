@@ -170,11 +170,11 @@ class Rings:
         n = descs.shape[0]
         if n == 0:
             return
-        k = self.num_channels
+        nc = self.num_channels
         start = self.next_channel
-        self.next_channel = (start + n) % k
-        for j in range(min(k, n)):
-            self.push_channel((start + j) % k, descs[j::k])
+        self.next_channel = (start + n) % nc
+        for j in range(min(nc, n)):
+            self.push_channel((start + j) % nc, descs[j::nc])
 
     def push_channel(self, c: int, mine: torch.Tensor) -> None:
         """Torch code writes descriptors into ring c's slots (wrapping), then publishes the tail
@@ -197,12 +197,12 @@ class Rings:
         """GPU producer: message m goes to channel (r + m) % C; per channel one launch writes every
         chunk's descriptor into the pinned ring, a second publishes the tail (release, sys)."""
         describe, publish = triton_producer()
-        k = self.num_channels
+        nc = self.num_channels
         start = self.next_channel
-        self.next_channel = (start + len(dests)) % k
-        for j in range(min(k, len(dests))):
-            c = (start + j) % k
-            sel = slice(j, None, k)
+        self.next_channel = (start + len(dests)) % nc
+        for j in range(min(nc, len(dests))):
+            c = (start + j) % nc
+            sel = slice(j, None, nc)
             nb = torch.tensor(sizes[sel], dtype=torch.int64)
             nch = (nb + chunk_bytes - 1) // chunk_bytes
             total = int(nch.sum())

@@ -15,7 +15,7 @@ arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``
 (:func:`dc_bytes`). Each group is fitted with ``us = 2 x fixed + bytes / rate`` (least squares).
 The planner uses ``gda@nvlink`` and ``nccl_a2a@nvlink`` (fixed cost and link efficiency), the
 proxy's descriptor rates (per-descriptor cost, channel-scaling exponent ``alpha`` in
-``rate(K) = rate(1) x K**alpha``) and the GPU round trip. Parameters the records cannot give
+``rate(num_channels) = rate(1) x num_channels**alpha``) and the GPU round trip. Parameters the records cannot give
 (EFA-specific rates: no EFA here) come from the measured DeepEP-on-EFA study (p5en, EP16),
 tagged so.
 
@@ -47,7 +47,7 @@ PARAMS = {
     "nccl_efa_eff": "fraction of EFA spec bandwidth NCCL reaches across nodes",
     "proxy_fixed_us": "fixed cost of one proxy op (host work + GPU descriptor round trip), us",
     "proxy_post_us": "CPU cost of posting one descriptor on one channel, us",
-    "proxy_channel_alpha": "channel scaling exponent: rate(K) = rate(1) x K**alpha",
+    "proxy_channel_alpha": "channel scaling exponent: rate(num_channels) = rate(1) x num_channels**alpha",
     "proxy_channel_gbps": "bytes one proxy channel moves per second over EFA, GB/s",
 }
 
@@ -221,8 +221,8 @@ def fit_linear(obs: Sequence[Dict[str, Any]]) -> Tuple[float, float]:
 
 def fit_alpha(rates: Sequence[Dict[str, Any]]) -> Tuple[float, float, int]:
     """Channel-scaling exponent from descriptor rates: least squares through the origin of
-    ``log(rate_K / rate_1)`` on ``log K`` per (file, provider, bytes). Returns (alpha, median
-    per-descriptor cost at K = 1 in us, number of points)."""
+    ``log(rate(num_channels) / rate(1))`` on ``log num_channels`` per (file, provider, bytes).
+    Returns (alpha, median per-descriptor cost on one channel in us, number of points)."""
     groups: Dict[Tuple, Dict[int, float]] = {}
     for r in rates:
         groups.setdefault((r["file"], r["provider"], r["bytes"]), {})[int(r["channels"])] = r["per_s"]
@@ -233,14 +233,15 @@ def fit_alpha(rates: Sequence[Dict[str, Any]]) -> Tuple[float, float, int]:
         if 1 not in g:
             continue
         posts.append(1e6 / g[1])
-        for k, v in g.items():
-            if k > 1:
-                x, y = math.log(k), math.log(v / g[1])
+        for nc, v in g.items():
+            if nc > 1:
+                x, y = math.log(nc), math.log(v / g[1])
                 num += x * y
                 den += x * x
                 n += 1
     if not n:
-        raise ValueError("descriptor-rate records need K = 1 and K > 1 for the same provider and size")
+        raise ValueError("descriptor-rate records need one channel and more than one channel for the same "
+                         "provider and size")
     return num / den, statistics.median(posts), n
 
 
@@ -313,8 +314,8 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
 
 def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: int = 64) -> Dict[str, Any]:
     """Held-out predictions: per D+C group with >= 2 shapes, leave one shape out, fit on the
-    rest, predict it; per descriptor-rate file, predict its K > 1 rates from its own K = 1 rate
-    and the alpha fitted on the other files. Rows: group, held_out, measured_us, predicted_us,
+    rest, predict it; per descriptor-rate file, predict its rates on more than one channel from
+    its own one-channel rate and the alpha fitted on the other files. Rows: group, held_out, measured_us, predicted_us,
     rel_err (predicted / measured - 1)."""
     rows = []
     groups: Dict[str, List[Dict[str, Any]]] = {}
@@ -347,11 +348,11 @@ def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: i
             mine = {int(r["channels"]): r for r in rates if r["file"] == f}
             if 1 not in mine:
                 continue
-            for k, r in sorted(mine.items()):
-                if k > 1:
-                    p = mine[1]["per_s"] * k ** alpha
+            for nc, r in sorted(mine.items()):
+                if nc > 1:
+                    p = mine[1]["per_s"] * nc ** alpha
                     rows.append({"kind": "rate", "group": f"proxy rate {provider} {desc_bytes} B", "held_out": f,
-                                 "tokens_per_rank": None, "channels": k, "measured": r["per_s"] / 1e6,
+                                 "tokens_per_rank": None, "channels": nc, "measured": r["per_s"] / 1e6,
                                  "predicted": p / 1e6, "unit": "M desc/s", "rel_err": p / r["per_s"] - 1,
                                  "source": r["source"]})
     errs = [abs(r["rel_err"]) for r in rows]
