@@ -136,7 +136,7 @@ def bench_gpu_roundtrip(provider: str, iters: int):
 
     One Triton program does, iters times: store a descriptor into the ring, publish the tail with a
     system-scope release exchange, spin (acquire, system scope) until the counter counts it. The
-    DESIGN floor for this loop with a bare C thread is 3.2 us/op on the H200 host."""
+    floor for this loop, with a bare C thread as the producer, is 3.2 us/op on the H200 host."""
     import triton
     import triton.language as tl
     from efa_ep.kernels.proxy.ring import HostPtr as _HostPtr
