@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from ..base import TransportError
+from ..base import TransportError, ceil_div
 from . import native
 
 
@@ -41,7 +41,7 @@ def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes
     Returns:
         ``[D, 2]`` int64 CPU descriptor words (see efa_proxy.h), chunks in message order.
     """
-    nch = (nbytes + chunk_bytes - 1) // chunk_bytes
+    nch = ceil_div(nbytes, chunk_bytes)
     total = int(nch.sum())
     if total == 0:
         return torch.empty(0, 2, dtype=torch.int64)
@@ -204,7 +204,7 @@ class Rings:
             c = (start + j) % nc
             sel = slice(j, None, nc)
             nb = torch.tensor(sizes[sel], dtype=torch.int64)
-            nch = (nb + chunk_bytes - 1) // chunk_bytes
+            nch = ceil_div(nb, chunk_bytes)
             total = int(nch.sum())
             if total > self.ring_slots:  # more than the ring holds: the host path handles it
                 self.push_channel(c, describe_messages(
