@@ -89,8 +89,7 @@ def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20
     counters = torch.zeros(num_channels * 64, dtype=torch.int64, pin_memory=pin)  # per channel
     eng = native.Engine(provider, 0, 1, num_channels, window.data_ptr(), window_bytes, rings.data_ptr(),
                         1024, ctrl.data_ptr(), counters.data_ptr(), 64, 64, 1_000_000, 0, 1, -1, 30000)
-    keep = (window, rings, ctrl, counters)
-    eng._keep = keep
+    keep = (window, rings, ctrl, counters)  # the caller holds these while the engine lives
     for c in range(num_channels):
         name, n, key, base = eng.local_info(c)
         eng.set_peers(c, name, [n], [key], [base], 30000)
@@ -154,7 +153,6 @@ def bench_gpu_roundtrip(provider: str, iters: int):
 
     out = []
     eng, (window, rings, ctrl, counters) = _single_engine(provider, 1, 1 << 20, pin=True)
-    eng._keep = (window, rings, ctrl, counters)
     try:
         half = (1 << 20) // 2
         done = 0
