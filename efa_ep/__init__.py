@@ -1,4 +1,4 @@
-"""efa-ep: expert-parallel token dispatch for Megatron-Core and NeMo-RL on AWS EFA.
+"""``efa_ep`` (efa-ep): expert-parallel token dispatch for Megatron-Core and NeMo-RL on AWS EFA.
 
 Subpackages (the repository's top-level folders, mapped by ``pyproject.toml`` for installs and by
 a small import finder below for a plain checkout on sys.path):

@@ -115,9 +115,9 @@ def auto_choice(world: int, ranks_per_node: int, options: dict,
         from efa_ep.tools.plan.calibrate import read
         from efa_ep.tools.plan.model import choose_transport
 
-        _, k, why = choose_transport(world, ranks_per_node, ["proxy"], read(calibration))
-        options["num_channels"] = k
-        reason += f" with num_channels={k} from the calibration ({why})"
+        _, nc, why = choose_transport(world, ranks_per_node, ["proxy"], read(calibration))
+        options["num_channels"] = nc
+        reason += f" with num_channels={nc} from the calibration ({why})"
     return "hier", options, reason
 
 

@@ -1035,13 +1035,14 @@ def reduce_rows_by_rank(rows_SD: torch.Tensor, send_token_idx_S: torch.Tensor,
 # Sizes ------------------------------------------------------------------------------------
 def ceil_div(a, b):
     """``ceil(a / b)`` for non-negative integers: how many pieces of ``b`` hold ``a`` (chunks of
-    a message, token blocks of a grid). Works elementwise on integer numpy arrays too."""
+    a message, token blocks of a grid). Works elementwise on integer numpy arrays and torch tensors
+    too."""
     return -(-a // b)
 
 
 def align_up(n, alignment: int):
     """The smallest multiple of ``alignment`` that is >= ``n`` (byte offsets and sizes of window
-    regions). Works elementwise on integer numpy arrays too."""
+    regions). Works elementwise on integer numpy arrays and torch tensors too."""
     return ceil_div(n, alignment) * alignment
 
 

@@ -19,7 +19,7 @@ Window of one rank (one parity of the double buffer; byte offsets are kernel arg
     hdr  [W, 2 + L]     int64 per source: [status word (base.STATUS_*), rows sent here,
                         rows per local expert...]
 
-Flag protocol (the only cross-rank synchronisation; DESIGN in ``gda.py``):
+Flag protocol (the only cross-rank synchronisation; its constraints: ``gda.py``'s docstring):
 
 1. Every collective call ("op") has an epoch ``e`` (1, 2, 3, ... identical on all ranks, int32)
    and uses window parity ``e % 2``. Kernels compute ``e = op_base[0] + epoch`` from a

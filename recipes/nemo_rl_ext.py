@@ -2,7 +2,7 @@
 Megatron policy worker.
 
 NeMo-RL has no dispatcher plugin mechanism, and ``_apply_moe_config`` copies only named
-``megatron_cfg`` keys to Megatron (``shared/notes/nemo-rl.md`` §3). What reaches a policy worker is
+``megatron_cfg`` keys to Megatron and drops unknown ones. What reaches a policy worker is
 its ``policy`` config dict and its environment. So:
 
 1. **Worker extension** (:class:`efa_ep.recipes.nemo_rl_worker.EfaMegatronPolicyWorker`, NeMo-RL's

@@ -7,7 +7,7 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    visible to the producer, the producer being native code (no Python per op). ``len=0`` is the
    no-op marker (no wire); ``len=64`` is an RMA write with immediate data to this process's own
    window through the provider (the target side is the same thread). One process.
-2. ``rate``: descriptors/s with K = 1, 2, 4, 8 channels, ``--rate-n`` descriptors per channel,
+2. ``rate``: descriptors/s with 1, 2, 4, 8 channels, ``--rate-n`` descriptors per channel,
    no-op and 64-byte writes (all to self, one process); one native producer thread per channel,
    each channel counting its arrivals in its own counter.
 3. ``a2a``: dispatch+combine latency, 2 ranks as processes (gloo group for setup), decode
@@ -32,7 +32,7 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
     python scripts/bench_proxy.py --out runs/bp --providers shm --skip roundtrip,rate \
         --profiles decode --iters 20 --starts 5
 
-Honest-method notes (``notes/benchmarking.md``): one timing boundary (inputs and route ready ->
+Method: one timing boundary (inputs and route ready ->
 combine returned), slowest rank, many repeats with median and min/max, knobs recorded.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _wait_clock(px):
 
 def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20, pin: bool = False):
     """One process, world of 1: every descriptor targets this rank's own window over the wire."""
-    from efa_ep.kernels import proxy_native as native
+    from efa_ep.kernels.proxy import native
 
     window = torch.zeros(window_bytes, dtype=torch.uint8, pin_memory=pin)
     rings = torch.zeros(num_channels, 1024, 2, dtype=torch.int64, pin_memory=pin)
@@ -95,8 +95,7 @@ def _single_engine(provider: str, num_channels: int, window_bytes: int = 1 << 20
     counters = torch.zeros(num_channels * 64, dtype=torch.int64, pin_memory=pin)  # per channel
     eng = native.Engine(provider, 0, 1, num_channels, window.data_ptr(), window_bytes, rings.data_ptr(),
                         1024, ctrl.data_ptr(), counters.data_ptr(), 64, 64, 1_000_000, 0, 1, -1, 30000)
-    keep = (window, rings, ctrl, counters)
-    eng._keep = keep
+    keep = (window, rings, ctrl, counters)  # the caller holds these while the engine lives
     for c in range(num_channels):
         name, n, key, base = eng.local_info(c)
         eng.set_peers(c, name, [n], [key], [base], 30000)
@@ -119,18 +118,18 @@ def bench_roundtrip(provider: str, iters: int):
 
 def bench_rate(provider: str, n: int, repeats: int):
     out = []
-    for k in (1, 2, 4, 8):
-        eng, keep = _single_engine(provider, k, 8 << 20)
+    for nc in (1, 2, 4, 8):
+        eng, keep = _single_engine(provider, nc, 8 << 20)
         try:
             for nbytes in (0, 64):
-                eng.bench_rate(k, 256, nbytes, 5, 60000)  # warm-up
+                eng.bench_rate(nc, 256, nbytes, 5, 60000)  # warm-up
                 rates = []
                 for r in range(repeats):
-                    ns = eng.bench_rate(k, n, nbytes, 10 + r, 60000)
-                    rates.append(n * k / (ns / 1e9))
+                    ns = eng.bench_rate(nc, n, nbytes, 10 + r, 60000)
+                    rates.append(n * nc / (ns / 1e9))
                 s = _summary(rates)
-                out.append({"kind": "rate", "provider": provider, "channels": k, "bytes": nbytes,
-                            "desc_per_s": s, "desc_per_s_per_channel": s["median"] / k,
+                out.append({"kind": "rate", "provider": provider, "channels": nc, "bytes": nbytes,
+                            "desc_per_s": s, "desc_per_s_per_channel": s["median"] / nc,
                             "n_per_channel": n})
         finally:
             eng.destroy()
@@ -142,7 +141,7 @@ def bench_gpu_roundtrip(provider: str, iters: int):
 
     One Triton program does, iters times: store a descriptor into the ring, publish the tail with a
     system-scope release exchange, spin (acquire, system scope) until the counter counts it. The
-    DESIGN floor for this loop with a bare C thread is 3.2 us/op on the H200 host."""
+    floor for this loop, with a bare C thread as the producer, is 3.2 us/op on the H200 host."""
     import triton
     import triton.language as tl
     from efa_ep.kernels.proxy.ring import HostPtr as _HostPtr
@@ -160,7 +159,6 @@ def bench_gpu_roundtrip(provider: str, iters: int):
 
     out = []
     eng, (window, rings, ctrl, counters) = _single_engine(provider, 1, 1 << 20, pin=True)
-    eng._keep = (window, rings, ctrl, counters)
     try:
         half = (1 << 20) // 2
         done = 0
@@ -397,7 +395,7 @@ def _plot(records, path):
                                  yerr=[[(r["desc_per_s"]["median"] - r["desc_per_s"]["min"]) / 1e6 for r in rs],
                                        [(r["desc_per_s"]["max"] - r["desc_per_s"]["median"]) / 1e6 for r in rs]],
                                  marker="o", label=f"{prov} {'no-op' if nbytes == 0 else f'{nbytes} B write'}")
-    axes[0].set_xlabel("channels K"); axes[0].set_ylabel("M descriptors/s"); axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("channels"); axes[0].set_ylabel("M descriptors/s"); axes[0].set_xscale("log", base=2)
     axes[0].legend(fontsize=7); axes[0].set_title("proxy issue rate (1 process, writes to self)")
     a2a = [r for r in records if r["kind"] == "a2a"]
     labels = [f"{r['provider']}{' hmem' if r.get('hmem', 'off') != 'off' else ''}\n{r['profile']}" for r in a2a]
@@ -427,7 +425,7 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096,
                     help="prefill tokens/rank (4096 is the profile; lower it on small hosts and say so)")
-    ap.add_argument("--num-channels", type=int, default=2, help="K for the dispatch+combine cells")
+    ap.add_argument("--num-channels", type=int, default=2, help="proxy channels of the dispatch+combine cells")
     ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")

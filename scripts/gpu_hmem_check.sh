@@ -25,7 +25,7 @@ source /tmp/lfcuda/env.sh
 export EFA_EP_FI_INCLUDE=/tmp/lfcuda/include EFA_EP_FI_LIB=/tmp/lfcuda/lib EFA_EP_CACHE_DIR=/tmp/efa_cache
 unset EFA_EP_PROXY_SO
 step build_proxy 60 python3 -c "
-from efa_ep.kernels import proxy_native as n
+from efa_ep.kernels.proxy import native as n
 print(n.build()); print('shm hmem probe:', n.probe('shm', True)); print('tcp hmem probe:', n.probe('tcp', True))"
 mps_start
 # 3. correctness: host-staged and FI_HMEM GPU tests, bit-identical to torch

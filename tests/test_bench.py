@@ -21,8 +21,8 @@ def test_slowest_rank_is_max_across_ranks_per_iteration():
         bench_stats.slowest_rank([[1.0], [1.0, 2.0]])
 
 
-def test_collapse_probability_matches_the_seed_review():
-    # n=3: the bootstrap median equals the min with probability 7/27 (seed 004, finding 2).
+def test_collapse_probability_by_hand():
+    # n=3: the bootstrap median equals the min iff >= 2 of 3 draws hit it: 3 x 2/27 + 1/27 = 7/27.
     assert math.isclose(bench_stats.median_collapse_probability(3), 7 / 27)
     assert bench_stats.median_collapse_probability(5) > 0.025
     assert bench_stats.median_collapse_probability(20) < 1e-6

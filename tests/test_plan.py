@@ -1,5 +1,5 @@
-"""efa-ep-plan: the model's arithmetic by hand, calibration round trip, the seeds' EFA cases,
-the transport choice for ``auto``, and the command line end to end (CPU, a few seconds)."""
+"""efa-ep-plan: the model's arithmetic by hand, calibration round trip, the DeepEP-on-EFA
+study's cases, the transport choice for ``auto``, and the command line end to end (CPU, a few seconds)."""
 import json
 import math
 import os
@@ -10,7 +10,7 @@ from efa_ep.tools.plan import calibrate as cal_mod
 from efa_ep.tools.plan import cli, report
 from efa_ep.tools.plan.model import (Fig, Inputs, choose_transport, make_plan, p_rank, path_proxy,
                                      proxy_op_us, traffic)
-from efa_ep.tools.plan.presets import seed_efa
+from efa_ep.tools.plan.presets import deepep_efa_figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "results", "plan", "calibration.json")
@@ -33,8 +33,8 @@ def _inp(**over):
     return Inputs(**kw)
 
 
-def _qwen_seed_case(tokens, same_node="nvlink"):
-    """The seeds' setup: Qwen3-30B-A3B (H 2048, top-8 of 128) EP16 on two p5en (16 x 200 Gb/s)."""
+def _qwen_ep16_case(tokens, same_node="nvlink"):
+    """The DeepEP-on-EFA study's setup: Qwen3-30B-A3B (H 2048, top-8 of 128) EP16 on two p5en (16 x 200 Gb/s)."""
     return Inputs(model="qwen3_30b_a3b", hidden=2048, num_experts=128, topk=8, moe_layers=48, moe_ffn_hidden=768,
                   seq_length=tokens, micro_batch=1, dtype="bf16", fabric="p5en", nodes=2, gpus_per_node=8, ep=16,
                   tokens_per_rank=tokens, nvlink_gbps=450.0, efa_gbps_per_node=400.0, proxy_same_node=same_node)
@@ -168,11 +168,11 @@ def test_calibration_from_bench_records_jsonl(tmp_path):
         cal_mod.load([str(bad)])
 
 
-# --- the seeds' EFA cases ---------------------------------------------------------------------
-# Tolerance: the prediction must land in the seed's measured range widened by 25% (K=1: the
-# seeds give a 1-7 GB/s floor, and the per-channel rate is anchored on their "K=1 ~ 8 GB/s")
+# --- the DeepEP-on-EFA study's cases ----------------------------------------------------------
+# Tolerance: the prediction must land in the study's measured range widened by 25% (K=1: the
+# study gives a 1-7 GB/s floor, and the per-channel rate is anchored on its "K=1 ~ 8 GB/s")
 # and by 10% (K=8: 33-35 GB/s; predicted from the channel-scaling exponent fitted on this
-# project's own descriptor-rate records, not from the seeds).
+# project's own descriptor-rate records, not from the study).
 K1_TOL, K8_TOL = 0.25, 0.10
 
 
@@ -182,12 +182,12 @@ def _so_gbps(inp, cal, k):
     return tr["efa_bytes_efa_op"].value / (t * 1e3), terms, t
 
 
-def test_seed_prefill_k1_and_k8_within_tolerance():
+def test_deepep_efa_prefill_k1_and_k8_within_tolerance():
     cal = cal_mod.read(SHIPPED)
-    seeds = seed_efa()
-    inp = _qwen_seed_case(4096)
-    lo1, hi1 = seeds["k1_prefill_dispatch_gbps"].value
-    lo8, hi8 = seeds["k8_prefill_dispatch_gbps"].value
+    study = deepep_efa_figures()
+    inp = _qwen_ep16_case(4096)
+    lo1, hi1 = study["k1_prefill_dispatch_gbps"].value
+    lo8, hi8 = study["k8_prefill_dispatch_gbps"].value
     g1, terms1, _ = _so_gbps(inp, cal, 1)
     g8, terms8, _ = _so_gbps(inp, cal, 8)
     assert lo1 * (1 - K1_TOL) <= g1 <= hi1 * (1 + K1_TOL), g1
@@ -196,15 +196,15 @@ def test_seed_prefill_k1_and_k8_within_tolerance():
     assert terms1["issue"] > terms1["wire"] and terms8["issue"] > terms8["wire"]
 
 
-def test_seed_decode_is_issue_bound_with_the_nic_mostly_idle():
+def test_deepep_efa_decode_is_issue_bound_with_the_nic_mostly_idle():
     cal = cal_mod.read(SHIPPED)
-    inp = _qwen_seed_case(128)
+    inp = _qwen_ep16_case(128)
     p = path_proxy(inp, traffic(inp), cal)
     assert p.bound == "issue"
-    # The seeds measured ~2.2% NIC utilisation; the model must put the wire far from busy.
+    # The study measured ~2.2% NIC utilisation; the model must put the wire far from busy.
     assert p.extra["nic_utilisation"].value < 0.15
     # ...and through the CLI-facing plan as well (today's proxy: same-node rows via channels).
-    plan = make_plan(_qwen_seed_case(128, "channels"), cal)
+    plan = make_plan(_qwen_ep16_case(128, "channels"), cal)
     assert plan.paths["proxy"].bound == "issue"
 
 

@@ -2,9 +2,9 @@
 
 Every record the loss-match command and the benchmark write carries :func:`collect`'s dict.
 Versions of shared libraries are read from the objects *loaded in this process* (the path in
-``/proc/self/maps`` and the library's own version call), never from a build-time constant: the
-seeds' benchmark review found torch's ``torch.cuda.nccl.version()`` reporting 2.28.9 while
-2.31.2 was loaded.
+``/proc/self/maps`` and the library's own version call), never from a build-time constant: a
+review of DeepEP-on-EFA benchmarks found torch's ``torch.cuda.nccl.version()`` reporting 2.28.9
+while 2.31.2 was loaded.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from ..base import TransportError
+from ..base import TransportError, ceil_div
 from . import native
 
 
@@ -41,7 +41,7 @@ def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes
     Returns:
         ``[D, 2]`` int64 CPU descriptor words (see efa_proxy.h), chunks in message order.
     """
-    nch = (nbytes + chunk_bytes - 1) // chunk_bytes
+    nch = ceil_div(nbytes, chunk_bytes)
     total = int(nch.sum())
     if total == 0:
         return torch.empty(0, 2, dtype=torch.int64)
@@ -170,11 +170,11 @@ class Rings:
         n = descs.shape[0]
         if n == 0:
             return
-        k = self.num_channels
+        nc = self.num_channels
         start = self.next_channel
-        self.next_channel = (start + n) % k
-        for j in range(min(k, n)):
-            self.push_channel((start + j) % k, descs[j::k])
+        self.next_channel = (start + n) % nc
+        for j in range(min(nc, n)):
+            self.push_channel((start + j) % nc, descs[j::nc])
 
     def push_channel(self, c: int, mine: torch.Tensor) -> None:
         """Torch code writes descriptors into ring c's slots (wrapping), then publishes the tail
@@ -197,14 +197,14 @@ class Rings:
         """GPU producer: message m goes to channel (r + m) % C; per channel one launch writes every
         chunk's descriptor into the pinned ring, a second publishes the tail (release, sys)."""
         describe, publish = triton_producer()
-        k = self.num_channels
+        nc = self.num_channels
         start = self.next_channel
-        self.next_channel = (start + len(dests)) % k
-        for j in range(min(k, len(dests))):
-            c = (start + j) % k
-            sel = slice(j, None, k)
+        self.next_channel = (start + len(dests)) % nc
+        for j in range(min(nc, len(dests))):
+            c = (start + j) % nc
+            sel = slice(j, None, nc)
             nb = torch.tensor(sizes[sel], dtype=torch.int64)
-            nch = (nb + chunk_bytes - 1) // chunk_bytes
+            nch = ceil_div(nb, chunk_bytes)
             total = int(nch.sum())
             if total > self.ring_slots:  # more than the ring holds: the host path handles it
                 self.push_channel(c, describe_messages(

@@ -51,15 +51,15 @@ import torch.distributed as dist
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
     TransportConfig, TransportError, check_group_agreement, describe_value_errors,
-    int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
+    align_up, int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
     validate_dispatch_inputs,
 )
 from . import native
 from .options import default_provider, resolve_options
 from .ring import Rings, triton_producer
 from .window import (
-    HDR_FIXED, H_ROWS, NUM_COUNTER_SLOTS, OP_CACHED, OP_COMBINE, OP_DISPATCH, WindowLayout,
-    align, alloc_window, as_bytes, dense, row_format,
+    ALIGN, HDR_FIXED, H_ROWS, NUM_COUNTER_SLOTS, OP_CACHED, OP_COMBINE, OP_DISPATCH, WindowLayout,
+    alloc_window, as_bytes, dense, row_format,
 )
 from .wire import GroupError, Wire
 
@@ -181,8 +181,8 @@ class ProxyTransport(Transport):
         self._hmem_auto = opts.hmem_auto
         self.producer = opts.producer
         esize = nbytes_of(cfg.dtype)
-        self.row_cap = align(opts.max_row_bytes if opts.max_row_bytes is not None
-                             else cfg.hidden * esize + 16 * opts.max_topk)
+        self.row_cap = align_up(opts.max_row_bytes if opts.max_row_bytes is not None
+                                else cfg.hidden * esize + 16 * opts.max_topk, ALIGN)
         if self.world_size > native.MAX_RANKS:
             raise TransportError(f"EP group of {self.world_size} ranks > {native.MAX_RANKS} (imm has 12 rank bits)")
         self.layout = WindowLayout.build(self.world_size, cfg.num_local_experts, cfg.max_tokens_per_rank,

@@ -33,11 +33,6 @@ FOOTER_BYTES = 16         # [rows, round tag] after a data message's planes
 NUM_COUNTER_SLOTS = 64    # counter slots per source; a peer is never more than 2 messages ahead
 
 
-def align(n: int, a: int = ALIGN) -> int:
-    """``n`` aligned up to a multiple of ``a`` (:func:`~efa_ep.kernels.base.align_up`)."""
-    return align_up(n, a)
-
-
 @dataclass(frozen=True)
 class WindowLayout:
     """Byte offsets of one rank's window (every rank lays its window out the same way)."""
@@ -61,10 +56,10 @@ class WindowLayout:
               chunk_bytes: int, hidden: int) -> "WindowLayout":
         hdr_fields = HDR_FIXED + num_local_experts
         hdr_len = hdr_fields * 8 + ERR_BYTES
-        hdr_bytes = align(hdr_len)
+        hdr_bytes = align_up(hdr_len, ALIGN)
         # A slot carries at most max_tokens_per_rank rows (a rank sends each token once per
         # destination), plus alignment slack for up to 4 planes and the footer.
-        slot_bytes = align(max(1, max_tokens_per_rank) * row_cap) + 4 * ALIGN + FOOTER_BYTES
+        slot_bytes = align_up(max(1, max_tokens_per_rank) * row_cap, ALIGN) + 4 * ALIGN + FOOTER_BYTES
         off_data_send = world * hdr_bytes
         off_recv = off_data_send + world * slot_bytes
         # + a 16-byte pad at the region's end that liveness probes write into (nobody reads it)

@@ -43,7 +43,7 @@ from .options import PY_TAMPER
 from .ring import Rings, describe_messages, native_call
 from .window import (
     ALIGN, ERR_BYTES, FOOTER_BYTES, H_CHUNKS, H_FORMAT, H_OP, H_ROW_BYTES, H_ROWS, H_STATUS, H_TAG,
-    HDR_FIXED, OP_DISPATCH, OP_NAMES, WindowLayout, align, as_bytes, row_format,
+    HDR_FIXED, OP_DISPATCH, OP_NAMES, WindowLayout, as_bytes, row_format,
 )
 
 MSG_MASK = native.IMM_MSG_MASK  # message ids as carried in the immediate data
@@ -405,7 +405,7 @@ class Wire:
         receive window (valid until the next round's header lets ``r`` overwrite it)."""
         widths = self._round[2]
         n = int(self._rows_from[r])
-        off = self.layout.data_recv_off(r) + sum(align(n * wd) for wd in widths[:p])
+        off = self.layout.data_recv_off(r) + sum(align_up(n * wd, ALIGN) for wd in widths[:p])
         return self.window_view(off, n * widths[p]).view(n, widths[p])
 
     # One round, in one call (error rounds, row blocks) -----------------------------------------
@@ -447,10 +447,10 @@ class Wire:
         cur = lay.off_data_send
         for p, wd in enumerate(widths):
             for d in dests:
-                cur = align(cur)
+                cur = align_up(cur, ALIGN)
                 plan[p, d] = cur
                 cur += int(rt[d]) * wd
-        cur = align(cur)
+        cur = align_up(cur, ALIGN)
         for d in dests:
             plan[native.MAX_PLANES, d] = cur
             cur += FOOTER_BYTES
@@ -464,7 +464,7 @@ class Wire:
                 if n * wd:
                     self._msgs[:, m] = (d, plan[p, d], roff, n * wd)
                     m += 1
-                roff += align(n * wd)
+                roff += align_up(n * wd, ALIGN)
             self._msgs[:, m] = (d, plan[native.MAX_PLANES, d], roff, FOOTER_BYTES)
             m += 1
         self._nmsgs = m
@@ -572,7 +572,7 @@ class Wire:
         return self.window_view(off, 8 * n).cpu().numpy().view(np.int64)
 
     def _footer(self, r: int, n: int, widths: List[int]) -> np.ndarray:
-        off = self.layout.data_recv_off(r) + sum(align(n * wd) for wd in widths)
+        off = self.layout.data_recv_off(r) + sum(align_up(n * wd, ALIGN) for wd in widths)
         return self._read_i64(off, 2)
 
     def _footer_violation(self, r: int, what: str, widths: List[int], tag: int):

@@ -1,5 +1,6 @@
-"""Built-in GRPO trainer: NeMo-RL's GRPO algorithm and config names, a tiny Megatron GPT-MoE
-policy on the ``efa`` dispatcher, expert-parallel over local ranks, a verifiable synthetic task.
+"""``efa_ep.recipes.grpo``: the built-in GRPO trainer: NeMo-RL's GRPO algorithm and config names,
+a tiny Megatron GPT-MoE policy on the ``efa`` dispatcher, expert-parallel over local ranks, a
+verifiable synthetic task.
 
 - :mod:`.algorithm`: advantages, KL, clipped loss (pure torch).
 - :mod:`.config`: one dataclass per recipe section.

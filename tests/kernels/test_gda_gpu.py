@@ -1,6 +1,6 @@
 """GPU tests of the ``gda`` transport: W ranks as processes on one GPU (gloo group, torch symmetric
 memory with overlapping devices allowed). Start the MPS daemon first, or the processes time-slice
-the GPU and every flag round trip costs milliseconds (see DESIGN.md).
+the GPU and every flag round trip costs milliseconds.
 
 Each rank runs the same inputs through ``gda`` (on the GPU) and ``torch`` (the reference, on CPU
 tensors over gloo) and compares bit for bit: dispatch outputs, ``tokens_per_expert`` (CPU int64),

@@ -230,24 +230,25 @@ def test_available_transports_lists_proxy():
 def test_clear_error_without_libfabric(monkeypatch):
     """Missing headers (simulated): availability() says what to install; torch still works."""
     from efa_ep.kernels import available_transports, transport_status
-    from efa_ep.kernels import proxy_native
+    from efa_ep.kernels.proxy import native, transport
 
+    assert transport.native is native  # the module the transport's loader calls is the one patched
     monkeypatch.delenv("EFA_EP_PROXY_SO", raising=False)
-    monkeypatch.setattr(proxy_native, "libfabric_header", lambda: None)
+    monkeypatch.setattr(native, "libfabric_header", lambda: None)
     why = proxy_mod.availability()
     assert why is not None and "libfabric-dev" in why and "rdma/fabric.h" in why
     assert "proxy" not in available_transports()
     assert "torch" in available_transports()
     assert "libfabric" in transport_status()["proxy"]
-    monkeypatch.setattr(proxy_native, "libfabric_header", lambda: "/usr/include/rdma/fabric.h")
-    monkeypatch.setattr(proxy_native, "compiler", lambda: None)
+    monkeypatch.setattr(native, "libfabric_header", lambda: "/usr/include/rdma/fabric.h")
+    monkeypatch.setattr(native, "compiler", lambda: None)
     assert "compiler" in proxy_mod.availability()
 
 
 def test_unknown_provider_is_refused():
-    from efa_ep.kernels import proxy_native
+    from efa_ep.kernels.proxy import native
 
-    why = proxy_native.probe("no_such_provider")
+    why = native.probe("no_such_provider")
     assert why is not None and "fi_getinfo" in why and "no_such_provider" in why
 
 
@@ -295,9 +296,9 @@ def test_hmem_option_refused_without_cuda_or_unknown():
 
 
 def test_hmem_probe_names_the_missing_capability():
-    from efa_ep.kernels import proxy_native
+    from efa_ep.kernels.proxy import native
 
-    why = proxy_native.probe("no_such_provider", hmem=True)
+    why = native.probe("no_such_provider", hmem=True)
     assert why is not None and "FI_HMEM" in why and "no_such_provider" in why and "hmem='off'" in why
 
 
@@ -309,21 +310,21 @@ HMEM_PROVIDER = os.environ.get("EFA_EP_TEST_HMEM_PROVIDER", "shm")
 def _hmem_unavailable():
     if not torch.cuda.is_available():
         return "needs CUDA"
-    from efa_ep.kernels import proxy_native
+    from efa_ep.kernels.proxy import native
 
-    why = proxy_native.probe(HMEM_PROVIDER, hmem=True)
+    why = native.probe(HMEM_PROVIDER, hmem=True)
     if why is not None:
         return f"libfabric here cannot do FI_HMEM over {HMEM_PROVIDER}: {why}"
     # providers may offer FI_HMEM without CUDA support compiled in (Debian's shm): register one
     window = torch.zeros(1 << 12, dtype=torch.uint8, device="cuda")
     rings = torch.zeros(1, 16, 2, dtype=torch.int64)
-    ctrl = torch.zeros(1, proxy_native.CTRL_STRIDE, dtype=torch.int64)
+    ctrl = torch.zeros(1, native.CTRL_STRIDE, dtype=torch.int64)
     counters = torch.zeros(4, dtype=torch.int64)
     try:
-        eng = proxy_native.Engine(HMEM_PROVIDER, 0, 1, 1, window.data_ptr(), window.numel(), rings.data_ptr(),
+        eng = native.Engine(HMEM_PROVIDER, 0, 1, 1, window.data_ptr(), window.numel(), rings.data_ptr(),
                                   16, ctrl.data_ptr(), counters.data_ptr(), 4, 4, 0, 0, 1, -1, 20000,
                                   torch.cuda.current_device())
-    except proxy_native.NativeError as e:
+    except native.NativeError as e:
         return f"libfabric here cannot register CUDA memory over {HMEM_PROVIDER}: {e}"
     eng.destroy()
     return None

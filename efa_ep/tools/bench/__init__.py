@@ -1,4 +1,5 @@
-"""Times expert-parallel dispatch + combine of every transport side by side, honestly.
+"""``efa_ep.tools.bench`` (``efa-ep-bench``): times expert-parallel dispatch + combine of every
+transport side by side, honestly.
 
 One command launches its own ranks, times every arm with one boundary, checks every arm against
 ``torch`` before timing it, and writes raw records, a summary, a markdown table and box plots.

@@ -79,9 +79,9 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> Tuple[List[Ar
         for t in names:
             base = tuple(sorted((per_opts.get(t) or {}).items()))
             if t == "proxy" and channels:
-                for k in channels:
-                    opts = tuple(sorted({**dict(base), "num_channels": int(k)}.items()))
-                    arms.append(Arm(f"proxy:k{k}", "transport", "proxy", opts))
+                for nc in channels:
+                    opts = tuple(sorted({**dict(base), "num_channels": int(nc)}.items()))
+                    arms.append(Arm(f"proxy:k{nc}", "transport", "proxy", opts))
             elif t == "hier":
                 arms.extend(hier_arms(cfg, dict(base)))
             elif t == "gda":

@@ -1,4 +1,4 @@
-"""Loss-match: does a dispatcher change training?
+"""``efa_ep.tools.loss_match`` (``efa-ep-loss-match``): does a dispatcher change training?
 
 Trains the same tiny Megatron GPT-MoE (:mod:`efa_ep.tiny_moe`: weights seeded per global
 parameter name, so the model is the same function at every EP size) on the same seeded

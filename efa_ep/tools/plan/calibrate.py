@@ -6,8 +6,8 @@ Inputs (any mix; the format is recognised per file):
   summary (``bench_summary.json``): dispatch+combine latency per cell;
 - ``scripts/bench_proxy.py`` output (``{"meta": ..., "records": [...]}``): proxy descriptor
   rates per channel count (``rate``) and GPU descriptor round trips (``gpu_roundtrip``);
-- planner records (``efa_ep.plan.record/1`` lines): figures measured by this project that are
-  written in its notes rather than in a bench file (e.g. the two-GPU NVLink runs).
+- planner records (``efa_ep.plan.record/1`` lines): figures measured by this project that no
+  bench file holds (e.g. the two-GPU NVLink runs, ``results/plan/measured_h200x2.jsonl``).
 
 Every dispatch+combine observation becomes ``(group, shape, bytes, us)`` where ``group`` is the
 arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``proxy:k2@hbm``,
@@ -15,8 +15,9 @@ arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``
 (:func:`dc_bytes`). Each group is fitted with ``us = 2 x fixed + bytes / rate`` (least squares).
 The planner uses ``gda@nvlink`` and ``nccl_a2a@nvlink`` (fixed cost and link efficiency), the
 proxy's descriptor rates (per-descriptor cost, channel-scaling exponent ``alpha`` in
-``rate(K) = rate(1) x K**alpha``) and the GPU round trip. Parameters the records cannot give
-(EFA-specific rates: no EFA here) come from the seeds, tagged so.
+``rate(num_channels) = rate(1) x num_channels**alpha``) and the GPU round trip. Parameters the records cannot give
+(EFA-specific rates: no EFA here) come from the measured DeepEP-on-EFA study (p5en, EP16),
+tagged so.
 
 Held-out check: groups with two or more shapes are refitted without each shape in turn and
 predict it; descriptor rates of one record file are predicted from the others' alpha.
@@ -31,7 +32,7 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .model import DTYPE_BYTES, Fig, p_rank
-from .presets import seed_efa
+from .presets import deepep_efa_figures
 
 SCHEMA = "efa_ep.plan.calibration/1"
 NVLINK4_GBPS = 450.0   # H200 NVLink 4, GB/s per direction (NVIDIA spec: 900 GB/s bidirectional)
@@ -46,14 +47,14 @@ PARAMS = {
     "nccl_efa_eff": "fraction of EFA spec bandwidth NCCL reaches across nodes",
     "proxy_fixed_us": "fixed cost of one proxy op (host work + GPU descriptor round trip), us",
     "proxy_post_us": "CPU cost of posting one descriptor on one channel, us",
-    "proxy_channel_alpha": "channel scaling exponent: rate(K) = rate(1) x K**alpha",
+    "proxy_channel_alpha": "channel scaling exponent: rate(num_channels) = rate(1) x num_channels**alpha",
     "proxy_channel_gbps": "bytes one proxy channel moves per second over EFA, GB/s",
 }
 
 
 def default_calibration() -> Dict[str, Fig]:
     """Used when no calibration file exists: every value assumed (the shipped file replaces it)."""
-    s = seed_efa()
+    s = deepep_efa_figures()
     a = "assumed default (no calibration file; run `efa-ep-plan calibrate`)"
     return {"_name": Fig("built-in defaults", "", "assumed", a),
             "gda_fixed_us": Fig(300.0, "us", "assumed", a), "gda_link_eff": Fig(0.5, "fraction", "assumed", a),
@@ -220,8 +221,8 @@ def fit_linear(obs: Sequence[Dict[str, Any]]) -> Tuple[float, float]:
 
 def fit_alpha(rates: Sequence[Dict[str, Any]]) -> Tuple[float, float, int]:
     """Channel-scaling exponent from descriptor rates: least squares through the origin of
-    ``log(rate_K / rate_1)`` on ``log K`` per (file, provider, bytes). Returns (alpha, median
-    per-descriptor cost at K = 1 in us, number of points)."""
+    ``log(rate(num_channels) / rate(1))`` on ``log num_channels`` per (file, provider, bytes).
+    Returns (alpha, median per-descriptor cost on one channel in us, number of points)."""
     groups: Dict[Tuple, Dict[int, float]] = {}
     for r in rates:
         groups.setdefault((r["file"], r["provider"], r["bytes"]), {})[int(r["channels"])] = r["per_s"]
@@ -232,14 +233,15 @@ def fit_alpha(rates: Sequence[Dict[str, Any]]) -> Tuple[float, float, int]:
         if 1 not in g:
             continue
         posts.append(1e6 / g[1])
-        for k, v in g.items():
-            if k > 1:
-                x, y = math.log(k), math.log(v / g[1])
+        for nc, v in g.items():
+            if nc > 1:
+                x, y = math.log(nc), math.log(v / g[1])
                 num += x * y
                 den += x * x
                 n += 1
     if not n:
-        raise ValueError("descriptor-rate records need K = 1 and K > 1 for the same provider and size")
+        raise ValueError("descriptor-rate records need one channel and more than one channel for the same "
+                         "provider and size")
     return num / den, statistics.median(posts), n
 
 
@@ -260,7 +262,7 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                    "shapes": sorted({o["shape"] for o in os_}), "max_abs_rel_err": max(rel),
                    "sources": sorted({o["source"].split(" (")[0] for o in os_})}
     params: Dict[str, Fig] = {}
-    seeds = seed_efa()
+    study = deepep_efa_figures()
 
     def from_group(g: str, what: str) -> Dict[str, Any]:
         if g not in fits:
@@ -280,9 +282,9 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                                   f"fit of nccl_a2a@nvlink (n={nc['n']}): {src}")
     params["nccl_link_eff"] = Fig(round(nc["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
                                   f"fitted nccl_a2a@nvlink rate {nc['gbps']:.0f} GB/s / {NVLINK4_GBPS:g} GB/s")
-    params["nccl_efa_eff"] = Fig(round(seeds["node_injection_gbps"].value / P5EN_EFA_NODE_GBPS, 4), "fraction",
-                                 "derived", f"seed node injection {seeds['node_injection_gbps'].value:g} GB/s "
-                                            f"({seeds['node_injection_gbps'].source}) / p5en spec {P5EN_EFA_NODE_GBPS:g} GB/s")
+    params["nccl_efa_eff"] = Fig(round(study["node_injection_gbps"].value / P5EN_EFA_NODE_GBPS, 4), "fraction",
+                                 "derived", f"node injection {study['node_injection_gbps'].value:g} GB/s "
+                                            f"({study['node_injection_gbps'].source}) / p5en spec {P5EN_EFA_NODE_GBPS:g} GB/s")
     rates = [o for o in obs if o["kind"] == "rate" and o["provider"] == provider and o["bytes"] == desc_bytes]
     if not rates:
         raise ValueError(f"no proxy descriptor-rate records for provider={provider} bytes={desc_bytes} "
@@ -298,11 +300,11 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
     rts = [o for o in obs if o["kind"] == "gpu_roundtrip" and o["provider"] == provider]
     rt = statistics.median(o["us"] for o in rts) if rts else 3.2
     rt_src = ("median GPU descriptor round trip " + "; ".join(sorted({o["source"] for o in rts}))) if rts else \
-        "DESIGN.md floor 3.2 us (no round-trip records given)"
+        "floor 3.2 us: a bare C thread's round trip on the H200 host (no round-trip records given)"
     params["proxy_fixed_us"] = Fig(round(gda["fixed_us"] + rt, 2), "us", "derived",
                                    f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
                                    f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
-    params["proxy_channel_gbps"] = seeds["proxy_channel_gbps_efa"]
+    params["proxy_channel_gbps"] = study["proxy_channel_gbps_efa"]
     doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "inputs": [_rel(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
            "params": {k: v.to_dict() for k, v in params.items()}, "groups": fits,
@@ -312,8 +314,8 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
 
 def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: int = 64) -> Dict[str, Any]:
     """Held-out predictions: per D+C group with >= 2 shapes, leave one shape out, fit on the
-    rest, predict it; per descriptor-rate file, predict its K > 1 rates from its own K = 1 rate
-    and the alpha fitted on the other files. Rows: group, held_out, measured_us, predicted_us,
+    rest, predict it; per descriptor-rate file, predict its rates on more than one channel from
+    its own one-channel rate and the alpha fitted on the other files. Rows: group, held_out, measured_us, predicted_us,
     rel_err (predicted / measured - 1)."""
     rows = []
     groups: Dict[str, List[Dict[str, Any]]] = {}
@@ -346,11 +348,11 @@ def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: i
             mine = {int(r["channels"]): r for r in rates if r["file"] == f}
             if 1 not in mine:
                 continue
-            for k, r in sorted(mine.items()):
-                if k > 1:
-                    p = mine[1]["per_s"] * k ** alpha
+            for nc, r in sorted(mine.items()):
+                if nc > 1:
+                    p = mine[1]["per_s"] * nc ** alpha
                     rows.append({"kind": "rate", "group": f"proxy rate {provider} {desc_bytes} B", "held_out": f,
-                                 "tokens_per_rank": None, "channels": k, "measured": r["per_s"] / 1e6,
+                                 "tokens_per_rank": None, "channels": nc, "measured": r["per_s"] / 1e6,
                                  "predicted": p / 1e6, "unit": "M desc/s", "rel_err": p / r["per_s"] - 1,
                                  "source": r["source"]})
     errs = [abs(r["rel_err"]) for r in rows]

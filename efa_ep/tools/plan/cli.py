@@ -9,7 +9,7 @@ Usage::
     efa-ep-plan memory --ep 8,16,32 --max-tokens-per-rank 2048   # window memory per rank
 
 The plan prints its tables and ends with one line
-``plan: verdict=<dense|capacity|efa> transport=<name> num_channels=<K> dc_us=<D+C per layer> bound=<...>``
+``plan: verdict=<dense|capacity|efa> transport=<name> num_channels=<n> dc_us=<D+C per layer> bound=<...>``
 and writes ``plan.json`` and ``plan.png`` into ``out_dir`` (default ``./plan_<model>_<fabric>``).
 """
 from __future__ import annotations

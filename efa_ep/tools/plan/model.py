@@ -5,7 +5,8 @@ Symbols (per EP rank unless said otherwise):
 - ``P`` EP size, ``G`` GPUs per node, ``L`` = min(P, G) ranks of the EP group per node
   (the group is laid out node-contiguously, as Megatron does), ``P / L`` nodes per group;
 - ``E`` experts, ``k`` top-k, ``q = E / P`` experts per rank, ``H`` hidden, ``b`` bytes per
-  element, ``T`` tokens per rank per micro-batch;
+  element, ``T`` tokens per rank per micro-batch; ``num_channels`` proxy channels (the printed
+  tables and figure sources write it ``K=<num_channels>``, as the recorded results do);
 - ``p_r = 1 - C(E - q, k) / C(E, k)``: the chance that a token has at least one of its k
   experts on a given rank (uniform routing, experts split evenly and contiguously). A token is
   sent once per destination rank (the ``efa`` dispatcher's dedup), so a rank sends
@@ -18,9 +19,10 @@ same sizes, so a training step moves ``2 x`` the forward bytes per layer and mic
 Time of one op on each path (microseconds; bytes / (GB/s x 1e3) = us):
 
 - ``gda`` (group inside one node): ``fixed_gda + bytes_nvl / (nvlink x eff_gda)``;
-- ``proxy`` with K channels: ``fixed_proxy + max(issue(K), wire)`` where
-  ``issue(K) = (msgs x post + bytes_ch / channel_rate) / K**alpha`` (the CPU proxy's per-op
-  post path: the seeds' "issue-bound" regime) and ``wire = bytes_efa / efa_per_gpu``;
+- ``proxy`` with ``num_channels`` channels: ``fixed_proxy + max(issue(num_channels), wire)``
+  where ``issue(num_channels) = (msgs x post + bytes_ch / channel_rate) / num_channels**alpha``
+  (the CPU proxy's per-op post path: the "issue-bound" regime that the DeepEP-on-EFA study,
+  :mod:`.presets`, measured) and ``wire = bytes_efa / efa_per_gpu``;
   ``msgs`` = descriptors = destinations x ceil(bytes per destination / chunk);
   ``bytes_ch`` = EFA bytes, plus NVLink-peer bytes when same-node rows go through the channels
   (``proxy_same_node="channels"``, what today's ``proxy`` transport does);
@@ -29,8 +31,8 @@ Time of one op on each path (microseconds; bytes / (GB/s x 1e3) = us):
 - Megatron ``allgather``: every rank receives every other rank's T rows (and reduce-scatters
   them back), same link terms as ``alltoall``;
 - ``hier`` (the transport ``auto`` picks across nodes), two designs, network stage then local
-  stage: ``fixed_proxy + max(issue(K), wire) + fixed_gda + NVLink bytes / (nvlink x eff_gda)``
-  with the network terms of its own traffic (:func:`hier_net`):
+  stage: ``fixed_proxy + max(issue(num_channels), wire) + fixed_gda + NVLink bytes / (nvlink x
+  eff_gda)`` with the network terms of its own traffic (:func:`hier_net`):
 
   * ``hier:agg1`` (``aggregate=1``): a token crosses EFA once per destination *node*, to the
     rail peer (same local index), which forwards it over NVLink: ``N - 1`` EFA peers,
@@ -62,12 +64,13 @@ class Fig:
     """A number with its provenance.
 
     Attributes:
-        value: the number (or a (low, high) range / a small dict for seed comparison points).
+        value: the number (or a (low, high) range / a small dict for the DeepEP-on-EFA study's
+            comparison points).
         unit: its unit (``us``, ``B``, ``GB/s``, ``fraction`` ...).
-        tag: ``measured`` (a measurement: this project's record or a seed's), ``derived``
-            (computed from other figures by this model), ``assumed`` (an input, a spec sheet
-            or a modelling choice).
-        source: where it comes from (record file and date, seed experiment, spec sheet,
+        tag: ``measured`` (a measurement: this project's record or the DeepEP-on-EFA
+            study's), ``derived`` (computed from other figures by this model), ``assumed`` (an
+            input, a spec sheet or a modelling choice).
+        source: where it comes from (record file and date, study experiment, spec sheet,
             formula).
     """
 
@@ -281,8 +284,9 @@ def path_gda(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig]) -> PathResult
     return r
 
 
-def proxy_op_us(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], k: int) -> Tuple[float, Dict[str, float]]:
-    """One proxy op with ``k`` channels: (us, terms). See the module docstring."""
+def proxy_op_us(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig],
+                num_channels: int) -> Tuple[float, Dict[str, float]]:
+    """One proxy op with ``num_channels`` channels: (us, terms). See the module docstring."""
     fixed = _cal(cal, "proxy_fixed_us")
     post = _cal(cal, "proxy_post_us")
     alpha = _cal(cal, "proxy_channel_alpha")
@@ -292,40 +296,41 @@ def proxy_op_us(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], k: int) ->
     dests = (P - 1) if through_channels else (P - L)
     bytes_ch = tr["efa_bytes_efa_op"].value + (tr["efa_bytes_nvlink_op"].value if through_channels else 0.0)
     msgs = dests * max(1, math.ceil(tr["bytes_per_dest_op"].value / inp.chunk_bytes)) if dests else 0
-    keff = k ** alpha
-    issue = (msgs * post + _us(bytes_ch, rate)) / keff if bytes_ch else 0.0
+    nc_eff = num_channels ** alpha
+    issue = (msgs * post + _us(bytes_ch, rate)) / nc_eff if bytes_ch else 0.0
     wire = _us(tr["efa_bytes_efa_op"].value, inp.efa_gbps_per_node / inp.gpus_per_node)
     nvl = 0.0 if through_channels else _us(tr["efa_bytes_nvlink_op"].value, inp.nvlink_gbps * _cal(cal, "gda_link_eff"))
     t = fixed + max(issue, wire, nvl)
     return t, {"fixed": fixed, "issue": issue, "wire": wire, "nvlink": nvl, "msgs": float(msgs),
-               "post": msgs * post / keff, "channel_copy": _us(bytes_ch, rate) / keff if bytes_ch else 0.0}
+               "post": msgs * post / nc_eff, "channel_copy": _us(bytes_ch, rate) / nc_eff if bytes_ch else 0.0}
 
 
 def path_proxy(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig]) -> PathResult:
     if inp.ep == 1:
         return PathResult("proxy", False, "EP size 1: nothing to send")
-    by_k = {}
-    terms_k = {}
-    for k in range(1, inp.max_channels + 1):
-        t, terms = proxy_op_us(inp, tr, cal, k)
-        by_k[k] = 2 * t
-        terms_k[k] = terms
-    best = min(by_k.values())
+    by_nc = {}
+    terms_nc = {}
+    for nc in range(1, inp.max_channels + 1):
+        t, terms = proxy_op_us(inp, tr, cal, nc)
+        by_nc[nc] = 2 * t
+        terms_nc[nc] = terms
+    best = min(by_nc.values())
     # Fewest channels within 2% of the best: every channel is a spinning CPU thread.
-    k = min(kk for kk, v in by_k.items() if v <= best * 1.02)
-    terms = terms_k[k]
-    t = by_k[k] / 2
+    nc = min(c for c, v in by_nc.items() if v <= best * 1.02)
+    terms = terms_nc[nc]
+    t = by_nc[nc] / 2
     bound = "issue" if terms["fixed"] + terms["issue"] >= max(terms["wire"], terms["nvlink"]) else (
         "wire" if terms["wire"] >= terms["nvlink"] else "nvlink")
-    src = (f"proxy_fixed_us + max(issue(K={k}) = (msgs x proxy_post_us + channel bytes / "
+    src = (f"proxy_fixed_us + max(issue(K={nc}) = (msgs x proxy_post_us + channel bytes / "
            f"proxy_channel_gbps) / K^proxy_channel_alpha, EFA bytes / (EFA per GPU "
            f"{inp.efa_gbps_per_node / inp.gpus_per_node:g} GB/s))")
     nic = tr["efa_bytes_efa_op"].value / (t * 1e3) / (inp.efa_gbps_per_node / inp.gpus_per_node) if t else 0.0
     so = tr["efa_bytes_efa_op"].value / (t * 1e3) if t else 0.0
-    r = PathResult("proxy", True, num_channels=k, d_us=_op("d", t, src), c_us=_op("c", t, src),
-                   dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_k)
+    r = PathResult("proxy", True, num_channels=nc, d_us=_op("d", t, src), c_us=_op("c", t, src),
+                   dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_nc)
     r.extra["nic_utilisation"] = derived(nic, "fraction", "EFA bytes per op / op time / EFA per GPU")
-    r.extra["so_gbps"] = derived(so, "GB/s", "EFA (scale-out) bytes per op / op time, as the seeds' SO figure")
+    r.extra["so_gbps"] = derived(so, "GB/s", "EFA (scale-out) bytes per op / op time, as the DeepEP-on-EFA "
+                                               "study's SO figure")
     return r
 
 
@@ -378,7 +383,7 @@ def hier_traffic(inp: Inputs) -> Dict[str, Fig]:
 
 
 def path_hier(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], name: str) -> PathResult:
-    """The hier transport of design ``name`` (``hier:agg1`` | ``hier:agg0``), best K."""
+    """The hier transport of design ``name`` (``hier:agg1`` | ``hier:agg0``), best channel count."""
     if inp.group_nodes < 2:
         return PathResult(name, False, "the EP group lives on one node: hier is its local stage (gda)")
     h = hier_net(inp.ep, inp.ranks_per_node, inp.tokens_per_rank, inp.num_experts, inp.topk,
@@ -389,23 +394,23 @@ def path_hier(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], name: str) -
     rate = _cal(cal, "proxy_channel_gbps")
     local = _cal(cal, "gda_fixed_us") + _us(h["nvlink_bytes"], inp.nvlink_gbps * _cal(cal, "gda_link_eff"))
     wire = _us(h["bytes"], inp.efa_gbps_per_node / inp.gpus_per_node)
-    by_k, terms_k = {}, {}
-    for k in range(1, inp.max_channels + 1):
-        issue = (h["descriptors"] * post + _us(h["bytes"], rate)) / k ** alpha if h["bytes"] else 0.0
+    by_nc, terms_nc = {}, {}
+    for nc in range(1, inp.max_channels + 1):
+        issue = (h["descriptors"] * post + _us(h["bytes"], rate)) / nc ** alpha if h["bytes"] else 0.0
         t = fixed + max(issue, wire) + local
-        by_k[k] = 2 * t
-        terms_k[k] = {"fixed": fixed, "issue": issue, "wire": wire, "local": local,
+        by_nc[nc] = 2 * t
+        terms_nc[nc] = {"fixed": fixed, "issue": issue, "wire": wire, "local": local,
                       "msgs": h["descriptors"], "efa_messages": h["messages"]}
-    best = min(by_k.values())
-    k = min(kk for kk, v in by_k.items() if v <= best * 1.02)
-    terms = terms_k[k]
-    t = by_k[k] / 2
+    best = min(by_nc.values())
+    nc = min(c for c, v in by_nc.items() if v <= best * 1.02)
+    terms = terms_nc[nc]
+    t = by_nc[nc] / 2
     bound = max((("issue", terms["fixed"] + terms["issue"]), ("wire", terms["wire"]),
                  ("local", terms["local"])), key=lambda kv: kv[1])[0]
-    src = (f"proxy_fixed_us + max(issue(K={k}), EFA wire) + gda_fixed_us + NVLink bytes / "
+    src = (f"proxy_fixed_us + max(issue(K={nc}), EFA wire) + gda_fixed_us + NVLink bytes / "
            f"(NVLink x gda_link_eff); network traffic of {name} (hier_net)")
-    r = PathResult(name, True, num_channels=k, d_us=_op("d", t, src), c_us=_op("c", t, src),
-                   dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_k)
+    r = PathResult(name, True, num_channels=nc, d_us=_op("d", t, src), c_us=_op("c", t, src),
+                   dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_nc)
     r.extra["efa_messages_op"] = derived(h["messages"], "messages", "EFA peers with >= 1 row per op")
     r.extra["efa_bytes_op"] = derived(h["bytes"], "B", "EFA bytes per op")
     return r
@@ -451,8 +456,9 @@ def expert_gemm_us(inp: Inputs) -> Dict[str, Fig]:
             "gemm_train_us": derived(3 * fwd, "us", "forward + backward (2 x forward)")}
 
 
-def memory(inp: Inputs, k: int) -> Dict[str, Fig]:
-    """Window memory per rank (gda, proxy) and the experts' memory per GPU without EP."""
+def memory(inp: Inputs, num_channels: int) -> Dict[str, Fig]:
+    """Window memory per rank (gda, proxy with ``num_channels`` channels) and the experts' memory
+    per GPU without EP."""
     P, Tm, b = inp.ep, inp.max_tokens_per_rank, DTYPE_BYTES[inp.dtype]
     gda = 2 * P * Tm * (inp.hidden * b + 12 * 16)
     prox = 2 * P * Tm * (inp.hidden * b + 12 * inp.topk + 16)
@@ -463,7 +469,7 @@ def memory(inp: Inputs, k: int) -> Dict[str, Fig]:
     return {
         "gda_window_bytes": derived(gda, "B", "2 parities x P x T_MAX x (H x b + 12 x K_CAP=16) (kernels/gda.py layout)"),
         "proxy_window_bytes": derived(prox, "B", "send slots + receive regions: 2 x P x T_MAX x (H x b + 12 k + 16) (kernels/proxy/ layout, approx.)"),
-        "proxy_engine_bytes": Fig(72e6 * k, "B", "measured",
+        "proxy_engine_bytes": Fig(72e6 * num_channels, "B", "measured",
                                   "RESULTS.md 'Reliability: proxy': 72 MB resident per channel (tcp;ofi_rxm, 2-core VM); x K"),
         "expert_params": derived(expert_params, "params", "MoE layers x E x 3 x H x F"),
         "expert_bytes_per_gpu_no_ep": derived(no_ep, "B", f"params x (2 B bf16 weight + 4 B fp32 grad + 12 B Adam state / {world} GPUs, distributed optimizer)"),
@@ -525,8 +531,8 @@ def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
     efa_name = "gda" if paths["gda"].applicable else "proxy"
     efa = paths[efa_name]
     megatron = {n: paths[n] for n in ("alltoall", "allgather") if paths[n].applicable}
-    k = efa.num_channels if efa_name == "proxy" else paths["proxy"].num_channels
-    mem = memory(inp, max(1, k))
+    nc = efa.num_channels if efa_name == "proxy" else paths["proxy"].num_channels
+    mem = memory(inp, max(1, nc))
     fits = mem["expert_bytes_per_gpu_no_ep"].value <= mem["hbm_budget_bytes"].value
     if not efa.applicable or not megatron:
         verdict, chosen = "dense", "allgather"
@@ -552,8 +558,8 @@ def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
                   f"{inp.win_margin:g}) and the experts fit without EP "
                   f"({mem['expert_bytes_per_gpu_no_ep'].value / gb:.0f} GB <= "
                   f"{mem['hbm_budget_bytes'].value / gb:.0f} GB): use Megatron allgather")
-    kk = chosen.num_channels if chosen.name == "proxy" else 0
-    return Plan(inp, tr, paths, comp, mem, shares, step, verdict, chosen.name, kk, reason,
+    nc = chosen.num_channels if chosen.name == "proxy" else 0
+    return Plan(inp, tr, paths, comp, mem, shares, step, verdict, chosen.name, nc, reason,
                 chosen.bound, chosen.dc_us.value)
 
 
@@ -561,11 +567,13 @@ def choose_transport(ep_size: int, ranks_per_node: int, available: List[str], ca
                      hidden: int = 2048, num_experts: int = 128, topk: int = 8,
                      tokens_per_rank: int = 4096, efa_gbps_per_gpu: float = 50.0,
                      nvlink_gbps: float = 450.0, max_channels: int = 8) -> Tuple[str, int, str]:
-    """What ``EFA_EP_TRANSPORT=auto`` should pick for one EP group: ``(transport, K, reason)``.
+    """What ``EFA_EP_TRANSPORT=auto`` should pick for one EP group: ``(transport, num_channels,
+    reason)``.
 
     ``gda`` when the group lives on one node and gda is usable; ``proxy`` with the model's best
-    K (fewest channels within 2% of the fastest, from ``cal``) when the group spans nodes and
-    proxy is usable; otherwise ``torch``. ``K`` is 0 unless the transport is ``proxy``.
+    channel count (fewest channels within 2% of the fastest, from ``cal``) when the group spans
+    nodes and proxy is usable; otherwise ``torch``. ``num_channels`` is 0 unless the transport is
+    ``proxy``.
     """
     if ep_size < 1 or ranks_per_node < 1:
         raise ValueError(f"ep_size={ep_size} and ranks_per_node={ranks_per_node} must be >= 1")

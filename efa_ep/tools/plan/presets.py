@@ -1,10 +1,10 @@
-"""Named inputs of the planner: model shapes, fabrics, and the seeds' measured EFA figures.
+"""Named inputs of the planner: model shapes, fabrics, and the measured DeepEP-on-EFA figures.
 
 Every value is a :class:`~efa_ep.tools.plan.model.Fig` with a provenance tag (``measured``,
 ``derived``, ``assumed``) and a source. Model shapes come from the models' published configs;
 fabric figures from AWS/NVIDIA spec sheets (``assumed``: a spec is a promise, not a
-measurement); EFA behaviour of a CPU proxy from the seeds' measured study (``measured``, with the
-seed's experiment id).
+measurement); EFA behaviour of a CPU proxy from a measured study of DeepEP on AWS EFA (two p5en.48xlarge,
+Qwen3-30B-A3B EP16; ``measured``, with the study's experiment id).
 
 The Hydra presets under ``conf/plan/model/`` and ``conf/plan/fabric/`` carry the same numbers as
 plain keys (so they can be overridden on the command line); :data:`MODELS` and :data:`FABRICS`
@@ -16,7 +16,7 @@ from typing import Dict
 
 from .model import Fig
 
-SEED_STUDY = "seed 'DeepEP on AWS EFA' (2x p5en.48xlarge, Qwen3-30B-A3B EP16)"
+DEEPEP_EFA_STUDY = "study 'DeepEP on AWS EFA' (2x p5en.48xlarge, Qwen3-30B-A3B EP16)"
 
 # Sources of the model presets (their numbers live in conf/plan/model/<name>.yaml).
 MODELS: Dict[str, str] = {
@@ -46,13 +46,14 @@ FABRICS: Dict[str, str] = {
 }
 
 
-def seed_efa() -> Dict[str, Fig]:
-    """The seeds' measured EFA figures the planner uses or is tested against (units in names).
+def deepep_efa_figures() -> Dict[str, Fig]:
+    """The DeepEP-on-EFA study's measured figures the planner uses or is tested against (units
+    in names).
 
     Only ``proxy_channel_gbps_efa`` enters the model (the one EFA-specific rate this project
-    could not measure: no EFA here); the rest are the comparison points of the seeds' cases.
+    could not measure: no EFA here); the rest are the comparison points of the study's cases.
     """
-    src = SEED_STUDY
+    src = DEEPEP_EFA_STUDY
     return {
         "proxy_channel_gbps_efa": Fig(8.0, "GB/s", "measured",
                                       f"{src}: one proxy channel (EP_NUM_COMMS=1) prefill dispatch "

@@ -78,12 +78,12 @@ def tables(plan: Plan, cal: Dict[str, Fig]) -> str:
             continue
         sh = plan.shares[name]
         st = plan.step[name]
-        k = str(p.num_channels) if name == "proxy" or name.startswith("hier") else "-"
-        L.append(f"  {name:10s} {k:>2s} {_f(p.d_us):>14s} {_f(p.c_us):>14s} {_f(p.dc_us):>14s} "
+        nc = str(p.num_channels) if name == "proxy" or name.startswith("hier") else "-"
+        L.append(f"  {name:10s} {nc:>2s} {_f(p.d_us):>14s} {_f(p.c_us):>14s} {_f(p.dc_us):>14s} "
                  f"{_f(sh, '{:.3f}'):>12s} {st.value / 1e3:>10.2f} [D]  {p.bound}")
     px = plan.paths["proxy"]
     if px.applicable:
-        L.append("  proxy D+C by channels K: " + ", ".join(f"K={k} {v:.0f}" for k, v in px.by_channels.items()) + " us [D]")
+        L.append("  proxy D+C by channels K: " + ", ".join(f"K={nc} {v:.0f}" for nc, v in px.by_channels.items()) + " us [D]")
         t = px.terms
         L.append(f"  proxy op at K={px.num_channels}: fixed {t['fixed']:.1f} + max(issue {t['issue']:.1f} "
                  f"(posts {t['post']:.1f}, channel copy {t['channel_copy']:.1f}, {t['msgs']:.0f} descriptors), "
