@@ -43,6 +43,31 @@ Shared-expert overlap (``moe_shared_expert_overlap``): as Megatron's ``alltoall`
 the shared expert's pieces run around the transport calls on ``SharedExpertMLP.stream``
 (all-gather/copy in dispatch_preprocess, fc1 after the dispatch, fc2 and the reduce after the
 combine, its output added in combine_postprocess). On CPU the streams are no-ops.
+
+1F1B EP-communication overlap (``overlap_moe_expert_parallel_comm``, optionally with
+``delay_wgrad_compute``): Megatron's combined-1F1B schedule splits each layer into nodes,
+pre_dispatch (attention, router, step 1), dispatch (step 2, on its communication stream), mlp
+(steps 3-4 around the experts), combine (steps 5-6, communication stream), detaches the tensors
+between them, and runs micro-batch m+1's forward nodes between micro-batch m's backward nodes,
+of the same layer too (in a chunk of n layers, forward layer i pairs with backward layer
+n-1-i). What that asks of this dispatcher, and why it holds:
+
+- Per-call state on ``self`` (handle, transport, permutation): only forwards write it, and one
+  micro-batch's steps 1-6 of a layer finish before the next forward of that layer starts; the
+  backward nodes read only their autograd ctx (the handle travels there).
+- Transport calls: every one of a run is in a dispatch or combine node (forward or backward),
+  so on one stream, which the transports use as ``torch.cuda.current_stream()``; every rank
+  issues them in the schedule's order, the same everywhere.
+- Storage: the schedule frees a node's inputs after its forward (Megatron's ``free_input``: the
+  dispatch node's, and the mlp node's for any dispatcher but ``alltoall`` with one local expert),
+  which must therefore share no storage with anything autograd saved. With the overlap on, step
+  1 returns a copy of the tokens (not a view of the pre-MLP norm's output, which the router
+  saved), and drop-and-pad's step 3 a copy of its rows (the experts save their input): one
+  ``[T, H]`` copy per layer (drop-and-pad: plus one of ``[L * W * C, H]``), where ``alltoall``'s
+  permutation copies ``T * K`` rows.
+
+The arithmetic is unchanged: losses and gradients are bitwise those without the overlap and
+those of ``alltoall`` with it (tests/dispatcher/test_overlap_1f1b*.py).
 """
 from __future__ import annotations
 
@@ -70,8 +95,6 @@ from efa_ep.kernels.base import (
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
 _UNSUPPORTED = (
-    ("overlap_moe_expert_parallel_comm", False,
-     "1F1B EP-communication overlap is not supported by the efa dispatcher yet"),
     ("moe_router_padding_for_quantization", False,
      "router padding for FP8/FP4 is not supported by the efa dispatcher yet"),
     ("moe_router_padding_for_fp8", False,
@@ -432,6 +455,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         # once here; create_transport checks across the EP group that every rank has the same.
         self.transport_options = self.settings.options_for(self.transport_name)
         self.shared_experts = None       # set by set_shared_experts (moe_shared_expert_overlap)
+        self.overlap_1f1b = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
         # Per-call state (non-differentiable metadata; tensors with grads travel via returns).
         # What the last dispatch's handle holds (N, recv_topk_idx [N, K], the fixed layout's
         # W * T_MAX rows) is read from it, never copied here.
@@ -471,6 +495,8 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         (drop-and-pad: K = E; ``EFA_EP_CAPACITY_OVERFLOW=error`` adds one count all-gather)."""
         self.hidden_shape = hidden_states.shape
         x = hidden_states.view(-1, self.hidden_shape[-1])
+        if self.overlap_1f1b:
+            x = x.clone()  # the 1F1B schedule frees this (see the class docstring)
         self.probs_dtype = probs.dtype
         if self.drop_and_pad:
             self.capacity = get_capacity(num_tokens=routing_map.shape[0] * self.topk,
@@ -642,6 +668,8 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         if self.drop_and_pad:
             self.tokens_per_expert = torch.full(
                 (self.num_local_experts,), self.ep_size * self.capacity, dtype=torch.long)
+            if self.overlap_1f1b:
+                hidden_states = hidden_states.clone()  # the 1F1B schedule frees its input
             return hidden_states, self.tokens_per_expert, probs.to(self.probs_dtype)
         n, num_local = hidden_states.shape[0], self.num_local_experts
         recv_topk_idx = self.handle.recv_topk_idx  # [N, K] int64 local expert ids, -1 elsewhere

@@ -8,6 +8,10 @@ build inputs and check results; nothing in the dispatcher or the transports impo
 - :mod:`efa_ep.testing.moe_layer`: the Megatron ``MoELayer`` of the GPU layer tests and the
   per-rank workers that check it (``gda`` against ``torch``; drop-and-pad CUDA-graph replay
   against eager).
+- :mod:`efa_ep.testing.overlap_1f1b`: Megatron's combined-1F1B schedule
+  (``overlap_moe_expert_parallel_comm``) driving a tiny GPTModel, one training step per arm
+  (dispatcher, transport, overlap on/off), and the bitwise comparison of arms (CPU and GPU
+  tests); with stand-ins for the schedule's CUDA-only calls on a CPU-only torch.
 - :mod:`efa_ep.testing.reference`: the brute-force single-process reference of the transport
   contract (every rank's expected outputs from every rank's inputs, by loops).
 - :mod:`efa_ep.testing.transports`: probes of transport creation (the error a ``proxy`` with

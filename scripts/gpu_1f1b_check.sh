@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on the lent GPU host (see ../.library/device): the 1F1B EP-overlap GPU test
+# (tests/dispatcher/test_overlap_1f1b_gpu.py: Megatron's combined-1F1B schedule with the efa
+# dispatcher over torch and gda vs alltoall, bitwise). EP 2 = two processes on one GPU under
+# MPS (started here, stopped at the end).
+# Carry: .whl (the megatron-core wheel for the GPU's Python). Output: $OUT/1f1b.log
+set -u
+OUT=${OUT:-/tmp/gpu_1f1b_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d && echo "MPS on"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+timeout "${T1F1B_TIMEOUT:-540}" python3 -m pytest -x -q -rs -p no:cacheprovider \
+  tests/dispatcher/test_overlap_1f1b_gpu.py 2>&1 | tee "$OUT/1f1b.log" | grep -v -e "UserWarning" -e "warnings.warn" | tail -n 60
+rc=${PIPESTATUS[0]}
+echo quit | nvidia-cuda-mps-control
+echo "== 1f1b rc=$rc"
+exit "$rc"
