@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU host (see ../.library/device): the gda correctness checks. Ranks are
+# One call on a lent GPU host: the gda correctness checks. Ranks are
 # processes on the GPU(s) under MPS (started here, stopped at the end).
 #   GDA_STEPS   which steps, default "probe tests stress layers" (also: bench)
 #   GDA_TEST_K  pytest -k expression of the tests step (default: all)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the lent H200 (see ../.library/device): the proxy's CUDA path (host window) checked
+# One call on the lent H200: the proxy's CUDA path (host window) checked
 # bit-identical against torch, then measured: decode and prefill dispatch+combine with the device
 # kernels, the same transport with its device work as torch ops, and torch (gloo), interleaved in
 # the same ranks; plus the channel issue rates. Ranks are processes on the GPU under MPS.

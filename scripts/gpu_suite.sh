@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the lent H200 (see ../.library/device): every GPU check and measurement this
+# One call on the lent H200: every GPU check and measurement this
 # project records, in priority order, each bounded by a timeout so one overrun cannot take the
 # others down. Ranks are processes on one GPU under MPS (started here, stopped at the end).
 #

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -134,8 +135,9 @@ def _environ(values: Dict[str, str]):
 
 
 def run_arm(arm: dict, world: int, rank: int, num_microbatches: int, device,
-            model: Optional[dict] = None) -> dict:
-    """One training step of one arm; see :func:`schedule_worker`."""
+            model: Optional[dict] = None, timed_steps: int = 0, keep_grads: bool = True) -> dict:
+    """One training step of one arm, then ``timed_steps`` more, each timed; see
+    :func:`schedule_worker`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from efa_ep.tiny_moe import TinyMoEConfig, build_gpt_moe, causal_inputs
@@ -167,33 +169,50 @@ def run_arm(arm: dict, world: int, rank: int, num_microbatches: int, device,
 
             return out, loss_func
 
-        counts, undo = _count_interleaving()
-        try:
+        def step():
             with cpu_schedule():
-                stats = get_forward_backward_func()(
+                return get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=iter(batches), model=net,
                     num_microbatches=num_microbatches, seq_length=cfg.seq_length,
                     micro_batch_size=MICRO_BATCH, forward_only=False)
+
+        counts, undo = _count_interleaving()
+        try:
+            stats = step()
         finally:
             undo()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        grads = {n: (None if p.grad is None else p.grad.detach().float().cpu().numpy())
+                 for n, p in net.named_parameters()} if keep_grads else {}
+        # Timed steps (gradients accumulate; only the time is kept): one boundary, from a
+        # barrier with the device idle to the step's last kernel done on this rank.
+        step_s = []
+        for _ in range(timed_steps):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step_s.append(time.perf_counter() - t0)
         dispatchers = sorted({type(l.mlp.token_dispatcher).__name__ for l in net.decoder.layers})
         transports = sorted({getattr(getattr(l.mlp.token_dispatcher, "transport", None), "name",
                                      None) or "-" for l in net.decoder.layers})
         result = dict(
             name=arm["name"], dispatchers=dispatchers, transports=transports,
             losses=[float(s["loss"]) for s in stats],
-            schedule_plans=sum(plans), forward_steps=len(plans), **counts,
-            grads={n: (None if p.grad is None else p.grad.detach().float().cpu().numpy())
-                   for n, p in net.named_parameters()})
+            schedule_plans=sum(plans[:num_microbatches]), forward_steps=num_microbatches,
+            **counts, grads=grads, step_s=step_s)
     del net
     dist.barrier()
     return result
 
 
 def schedule_worker(rank: int, world: int, arms: List[dict], num_microbatches: int = 4,
-                    model: Optional[dict] = None) -> List[dict]:
+                    model: Optional[dict] = None, timed_steps: int = 0,
+                    keep_grads: bool = True) -> List[dict]:
     """Per rank: sets up Megatron (TP 1, PP 1, EP ``world``) and runs every arm in order.
 
     An arm: ``{"name", "dispatcher": "efa" | "alltoall", "overlap": bool, "transport": efa
@@ -203,7 +222,9 @@ def schedule_worker(rank: int, world: int, arms: List[dict], num_microbatches: i
     division by the number of micro-batches), ``schedule_plans`` (micro-batches whose forward
     built a schedule plan, i.e. went through the combined-1F1B schedule), ``forward_steps``,
     ``pairs`` / ``same_layer_pairs`` (layer steps that ran a forward and a backward together /
-    of one layer object), and ``grads`` ``{parameter name: float32 numpy array or None}``.
+    of one layer object), ``grads`` ``{parameter name: float32 numpy array or None}`` (empty
+    without ``keep_grads``) and ``step_s``, the wall seconds of each of ``timed_steps`` further
+    steps on this rank (the step's interleaving counts are of the first step only).
     GPU: rank r uses ``cuda:r % device_count`` (several ranks per GPU need MPS)."""
     import efa_ep  # noqa: F401  (registers the efa dispatcher)
     from efa_ep.tiny_moe import init_megatron
@@ -214,7 +235,8 @@ def schedule_worker(rank: int, world: int, arms: List[dict], num_microbatches: i
     else:
         device = torch.device("cpu")
     init_megatron(world)
-    return [run_arm(arm, world, rank, num_microbatches, device, model) for arm in arms]
+    return [run_arm(arm, world, rank, num_microbatches, device, model, timed_steps, keep_grads)
+            for arm in arms]
 
 
 def compare_arms(reference: dict, other: dict, rank: int) -> Optional[str]:
