@@ -137,7 +137,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",
                choices=("efa", "tcp", "shm"),
                env="EFA_EP_PROXY_PROVIDER"),
-        Option("num_channels", int, 2, "proxy channels (threads + endpoints)", min=1, max=64,
+        Option("num_channels", int, None, "proxy channels (threads + endpoints; default 4 on "
+               "hosts with >= 8 CPUs, else 2)", min=1, max=64,
                env="EFA_EP_PROXY_CHANNELS"),
         Option("timeout_s", float, 60.0, "deadline of every wait, seconds", min=1e-3,
                env="EFA_EP_PROXY_TIMEOUT_S"),

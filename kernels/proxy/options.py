@@ -6,7 +6,8 @@ parentheses is the option's name for users of the Megatron dispatcher: its setti
 when no other channel gives it; the schema in ``kernels/options.py`` names each variable.
 
     provider (EFA_EP_PROXY_PROVIDER): ``efa`` if usable, else ``tcp``; also ``shm``.
-    num_channels (EFA_EP_PROXY_CHANNELS): proxy channels (threads + endpoints), default 2.
+    num_channels (EFA_EP_PROXY_CHANNELS): proxy channels (threads + endpoints), default
+        :func:`default_num_channels` (4 on hosts with >= 8 CPUs, else 2).
     inject_reorder (EFA_EP_PROXY_INJECT): test-only fault injection (0 off, 1 target-side hold/
         delay/shuffle/batch of completions + sender-side shuffled posting).
     timeout_s (EFA_EP_PROXY_TIMEOUT_S): deadline of every wait, default 60.
@@ -48,6 +49,16 @@ def default_provider() -> str:
     return "efa" if native.probe("efa") is None else "tcp"
 
 
+def default_num_channels() -> int:
+    """Channels when none are asked for: 4 on hosts with at least 8 CPUs, else 2.
+
+    Measured on a 16-core H200 host over shm (EP 2, DeepSeek-V3 shape, bit-identical to torch
+    first): prefill dispatch+combine 29.6 ms with 4 channels against 43.8 ms with 2 (3 starts
+    each); the wire rounds of a decode 0.66 ms against 0.68 (no loss). Each channel is a
+    polling thread per rank, so small hosts keep 2: on a 2-core VM 4 channels were slower."""
+    return 4 if (os.cpu_count() or 1) >= 8 else 2
+
+
 def _opt(options: dict, key: str, default, cast):
     return cast(options[key]) if key in options else default
 
@@ -79,7 +90,9 @@ def resolve_options(options: dict) -> ProxyOptions:
     TransportError naming the option and the accepted values."""
     o = dict(options)
     provider = _opt(o, "provider", None, str) or default_provider()
-    num_channels = _opt(o, "num_channels", 2, int)
+    num_channels = _opt(o, "num_channels", None, int)
+    if num_channels is None:
+        num_channels = default_num_channels()
     inj = _opt(o, "inject_reorder", 0, int)
     inject = (native.INJECT_TARGET | native.INJECT_SENDER) if inj == 1 else inj
     timeout_ms = int(1000 * _opt(o, "timeout_s", 60.0, float))

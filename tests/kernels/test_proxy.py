@@ -245,6 +245,18 @@ def test_clear_error_without_libfabric(monkeypatch):
     assert "compiler" in proxy_mod.availability()
 
 
+def test_default_channel_count_follows_the_host(monkeypatch):
+    from efa_ep.kernels.proxy import options
+
+    monkeypatch.setattr(options.os, "cpu_count", lambda: 16)
+    assert options.resolve_options({"provider": "tcp"}).num_channels == 4
+    assert options.resolve_options({"provider": "tcp", "num_channels": 1}).num_channels == 1
+    monkeypatch.setattr(options.os, "cpu_count", lambda: 2)
+    assert options.resolve_options({"provider": "tcp"}).num_channels == 2
+    with pytest.raises(Exception, match="num_channels=0"):
+        options.resolve_options({"provider": "tcp", "num_channels": 0})
+
+
 def test_unknown_provider_is_refused():
     from efa_ep.kernels.proxy import native
 
