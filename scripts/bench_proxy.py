@@ -189,7 +189,7 @@ def bench_gpu_roundtrip(provider: str, iters: int):
 
 
 def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off",
-              torch_staging=False, chunk_bytes=None):
+              torch_staging=False, chunk_bytes=None, spin_us=None):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route as make_route
@@ -197,6 +197,8 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
     torch.set_num_threads(1)
     hidden, experts, topk = 7168, 256, 8
     chunk = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    if spin_us is not None:
+        chunk["spin_us"] = spin_us
     res = []
     for name, tokens in profiles:
         ref = create_transport("torch", None, experts, hidden, tokens, torch.bfloat16)
@@ -339,7 +341,7 @@ def bench_wire(provider: str, tokens: int, iters: int, channel_counts, starts: i
 
 def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
               hmem: str = "off", starts: int = 1, torch_staging: bool = False,
-              chunk_bytes: int = 0):
+              chunk_bytes: int = 0, spin_us=None):
     """Each start is a fresh pair of rank processes (new transports); every figure is the
     slowest (or larger) rank per iteration, pooled over all iterations of all starts, plus
     each start's median."""
@@ -349,14 +351,14 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
     if provider == "tcp":
         env["FI_PROVIDER"] = "tcp"
     runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem,
-                                     torch_staging, chunk_bytes),
+                                     torch_staging, chunk_bytes, spin_us),
                       timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
                "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
                "num_channels": num_channels, "chunk_bytes": chunk_bytes or "default",
-               "route": "random", "device": device, "hmem": hmem,
+               "spin_us": "default" if spin_us is None else spin_us, "route": "random", "device": device, "hmem": hmem,
                "starts": starts, "iters_per_start": iters,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}
@@ -431,6 +433,8 @@ def main(argv=None):
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")
     ap.add_argument("--chunk-bytes", type=int, default=0,
                     help="bytes per descriptor of the dispatch+combine cells (0: the transport's default)")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="proxy option spin_us of the dispatch+combine cells (default: the transport's)")
     ap.add_argument("--torch-staging", action="store_true",
                     help="CUDA inputs: also the proxy with all its device work as torch ops and the "
                          "proxy with the dispatch's layout and packing on the device, interleaved "
@@ -471,7 +475,7 @@ def main(argv=None):
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
             records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
-                                 args.starts, args.torch_staging, args.chunk_bytes)
+                                 args.starts, args.torch_staging, args.chunk_bytes, args.spin_us)
             for r in records[-len(profiles):]:
                 print(f"[bench_proxy] {prov} {r['profile']}: proxy D+C {r['proxy_ms']['median']:.3f} ms "
                       f"[p10 {r['proxy_ms']['p10']:.3f}, p90 {r['proxy_ms']['p90']:.3f}] (host part "
