@@ -33,13 +33,8 @@ import torch  # noqa: E402
 
 from efa_ep.distributed import run_ranks  # noqa: E402
 from efa_ep.testing.overlap_1f1b import schedule_worker  # noqa: E402
+from efa_ep.tools.bench_stats import format_stats, slowest_rank, summarize  # noqa: E402
 from efa_ep.tools.provenance import cpu_model  # noqa: E402
-
-
-def _summary(vals):
-    vals = sorted(vals)
-    return {"n": len(vals), "median": statistics.median(vals), "min": vals[0], "max": vals[-1],
-            "p10": vals[int(0.1 * (len(vals) - 1))], "p90": vals[int(0.9 * (len(vals) - 1))]}
 
 
 def main(argv=None):
@@ -72,7 +67,7 @@ def main(argv=None):
         res = run_ranks(schedule_worker, 2, (arms, args.microbatches, model, args.steps, False),
                         timeout_s=900, pg_timeout_s=600, env=env)
         for i, a in enumerate(arms):
-            steps = [max(r[i]["step_s"][j] for r in res) * 1e3 for j in range(args.steps)]
+            steps = [t * 1e3 for t in slowest_rank([r[i]["step_s"] for r in res])]
             per_start[a["name"]].append(steps)
             checks[a["name"]].append(dict(dispatchers=res[0][i]["dispatchers"],
                                           transports=res[0][i]["transports"],
@@ -88,7 +83,7 @@ def main(argv=None):
         pooled = [v for st in per_start[n] for v in st]
         med[n] = statistics.median(pooled)
         records.append({"arm": n, "dispatcher": a["dispatcher"], "overlap": a["overlap"],
-                        "transport": a.get("transport") or "-", "step_ms": _summary(pooled),
+                        "transport": a.get("transport") or "-", "step_ms": summarize(pooled),
                         "start_medians_ms": [statistics.median(st) for st in per_start[n]],
                         "checks": checks[n]})
     for r in records:
@@ -108,8 +103,7 @@ def main(argv=None):
         json.dump({"meta": meta, "records": records}, f, indent=1)
     for r in records:
         extra = f", vs no overlap {r['vs_no_overlap']:.2f}" if "vs_no_overlap" in r else ""
-        print(f"[bench_1f1b] {r['arm']}: step {r['step_ms']['median']:.2f} ms [p10 "
-              f"{r['step_ms']['p10']:.2f}, p90 {r['step_ms']['p90']:.2f}], start medians "
+        print(f"[bench_1f1b] {r['arm']}: step {format_stats(r['step_ms'], unit=' ms')}, start medians "
               f"{min(r['start_medians_ms']):.2f}-{max(r['start_medians_ms']):.2f}, vs alltoall "
               f"(same mode) {r['vs_alltoall_same_mode']:.2f}{extra}", flush=True)
     try:

@@ -54,6 +54,17 @@ import torch  # noqa: E402
 
 from efa_ep.tools.provenance import cpu_model  # noqa: E402
 
+# The dispatch+combine cells' shape: DeepSeek-V3 (hidden, routed experts, top-k), bf16.
+HIDDEN, EXPERTS, TOPK = 7168, 256, 8
+
+
+def _rank_env(provider: str) -> dict:
+    """Environment of the rank processes: loopback only, one thread, tcp alone when asked."""
+    env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
+    if provider == "tcp":
+        env["FI_PROVIDER"] = "tcp"
+    return env
+
 
 def _summary(vals):
     vals = sorted(vals)
@@ -195,7 +206,7 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
     from efa_ep.testing.routes import contract_route as make_route
 
     torch.set_num_threads(1)
-    hidden, experts, topk = 7168, 256, 8
+    hidden, experts, topk = HIDDEN, EXPERTS, TOPK
     chunk = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     if spin_us is not None:
         chunk["spin_us"] = spin_us
@@ -266,7 +277,7 @@ def _wire_rank(rank, world, provider, tokens, iters, channel_counts, seed, chunk
     from efa_ep.testing.routes import contract_route as make_route
 
     torch.set_num_threads(1)
-    hidden, experts, topk = 7168, 256, 8
+    hidden, experts, topk = HIDDEN, EXPERTS, TOPK
     idx, _ = make_route("random", tokens, experts, topk, world, seed + rank)
     # rows this rank sends to each peer in the a2a cell: its tokens picking an expert there
     per_rank = experts // world
@@ -317,17 +328,14 @@ def bench_wire(provider: str, tokens: int, iters: int, channel_counts, starts: i
     docstring, part 4); each start a fresh pair of rank processes."""
     from efa_ep.distributed import run_ranks
 
-    env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
-    if provider == "tcp":
-        env["FI_PROVIDER"] = "tcp"
     runs = [run_ranks(_wire_rank, 2, (provider, tokens, iters, list(channel_counts), 7 + s, chunk_bytes),
-                      timeout_s=900, pg_timeout_s=600, env=env) for s in range(starts)]
+                      timeout_s=900, pg_timeout_s=600, env=_rank_env(provider)) for s in range(starts)]
     out = []
     for i, nch in enumerate(channel_counts):
         per_start = [[max(r["cells"][i]["times"][j] for r in pr) * 1e3 for j in range(iters)] for pr in runs]
         meds = [statistics.median(s) for s in per_start]
         out.append({"kind": "wire", "provider": provider, "profile": "decode", "tokens_per_rank": tokens,
-                    "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
+                    "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "dtype": "bfloat16", "ranks": 2,
                     "channels": nch, "chunk_bytes": chunk_bytes or "default", "starts": starts,
                     "iters_per_start": iters, "bytes_per_op_rank0": runs[0][0]["bytes_per_op"],
                     "wire_ms": _summary([v for s in per_start for v in s]),
@@ -347,16 +355,14 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
     each start's median."""
     from efa_ep.distributed import run_ranks
 
-    env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
-    if provider == "tcp":
-        env["FI_PROVIDER"] = "tcp"
+    env = _rank_env(provider)
     runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem,
                                      torch_staging, chunk_bytes, spin_us),
                       timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
-               "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bfloat16", "ranks": 2,
+               "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "dtype": "bfloat16", "ranks": 2,
                "num_channels": num_channels, "chunk_bytes": chunk_bytes or "default",
                "spin_us": "default" if spin_us is None else spin_us, "route": "random", "device": device, "hmem": hmem,
                "starts": starts, "iters_per_start": iters,
@@ -427,7 +433,9 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096,
                     help="prefill tokens/rank (4096 is the profile; lower it on small hosts and say so)")
-    ap.add_argument("--num-channels", type=int, default=2, help="proxy channels of the dispatch+combine cells")
+    ap.add_argument("--num-channels", type=int, default=None,
+                    help="proxy channels of the dispatch+combine cells (default: the transport's, "
+                         "4 on hosts with >= 8 CPUs, else 2)")
     ap.add_argument("--gpu-roundtrip", action="store_true", help="also the Triton GPU round trip")
     ap.add_argument("--device", default="cpu", help="device of the dispatch+combine inputs (cuda: host-staged)")
     ap.add_argument("--hmem", default="off", help="proxy window for the dispatch+combine cells: off (host) or cuda (FI_HMEM)")
@@ -445,6 +453,9 @@ def main(argv=None):
     ap.add_argument("--profiles", default="decode,prefill",
                     help="dispatch+combine profiles to run (comma list of decode, prefill)")
     args = ap.parse_args(argv)
+    if args.num_channels is None:
+        from efa_ep.kernels.proxy.options import default_num_channels
+        args.num_channels = default_num_channels()
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     os.makedirs(args.out, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
