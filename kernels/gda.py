@@ -100,7 +100,8 @@ import torch
 import torch.distributed as dist
 
 from .base import (
-    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, Transport,
+    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, ProtocolError,
+    Transport,
     TransportError, TransportUnavailable, align_up, describe_status, group_input_error,
     rows_input_error, validate_dispatch_inputs,
 )
@@ -317,6 +318,13 @@ class GdaTransport(Transport):
             rank launches a waiting kernel only after every source has issued its stores for
             the op (host shared memory, see :class:`LaunchGate`); needed for ranks sharing one
             CUDA context (MPS), where a spinning wait can block a peer's module load.
+        fast_launch: 1 (default) = launch compiled kernels through their native launcher,
+            skipping Triton's per-call Python (:mod:`efa_ep.kernels.launch`); 0 = Triton's own
+            launch path (same kernels, same results; slower host).
+
+    Host time: ``blocked_s`` accumulates the seconds this transport's calls spent blocked on
+    the device (the dispatch's count read) or on peers' hosts (the launch gate); a call's wall
+    time minus its growth of ``blocked_s`` is the host time the call itself costs.
 
     Synchronization: all kernels run on the current stream. ``dispatch`` blocks the CPU once
     (device-to-host copy of the counts), so it is not CUDA-graph capturable; ``combine`` and
@@ -348,6 +356,8 @@ class GdaTransport(Transport):
         # after_backward(): one host sync per layer backward that raises deferred deadline
         # errors before the optimizer can use the gradients (0 = defer to the next dispatch)
         self.check_backward = bool(int(opts.get("check_backward", 1)))
+        self.fast_launch = bool(int(opts.get("fast_launch", 1)))
+        self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):
             raise TransportError(f"rank {self.rank}: gda option launch_gate must be auto, on or "
@@ -373,10 +383,11 @@ class GdaTransport(Transport):
         sms = props.multi_processor_count
         default_programs = max(4, 2 * sms // self.ranks_per_device)
         self.num_programs = int(opts.get("num_programs", default_programs))
-        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        self._elem = cfg.dtype.itemsize
         self.layout = WindowLayout(world=self.world_size, t_max=cfg.max_tokens_per_rank,
-                                   row_bytes=align_up(cfg.hidden * elem, 16), k_cap=self.max_topk,
-                                   num_local=cfg.num_local_experts)
+                                   row_bytes=align_up(cfg.hidden * self._elem, 16),
+                                   k_cap=self.max_topk, num_local=cfg.num_local_experts)
+        self._offs = (self.layout.offsets(0), self.layout.offsets(1))
         self._buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._hdl = symm_mem.rendezvous(self._buf, group)
         # Peers' windows at the same offset inside their allocations as ours inside ours.
@@ -391,6 +402,7 @@ class GdaTransport(Transport):
         # error word: [missing-source bits (bit 62: a source reported bad input in a
         # fixed-capacity dispatch), epoch * 8 + kind of the first expired wait, bad sources]
         self._err = torch.zeros(3, dtype=torch.int64, device=self.device)
+        gda_kernels.check_err(self._err)
         # rows of each parity's id region written per source (fixed mode clears the rest), and
         # per parity the top-k width last written (a new width makes every row stale)
         self._hw = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
@@ -406,17 +418,23 @@ class GdaTransport(Transport):
         self._dev_base = 0
         self._capturing = False
         self._broken: Optional[str] = None
+        # per-call constants, built once: the wait arguments and the header view per parity
+        self._wait_kw = dict(timeout_ns=int(self.timeout_s * 1e9), max_spins=2**31 - 1,
+                             use_globaltimer=True)
+        n_hdr = self.world_size * self.layout.hdr_len
+        self._hdr = tuple(self._buf[o["hdr_off"]:o["hdr_off"] + 8 * n_hdr].view(torch.int64)
+                          .view(self.world_size, -1) for o in self._offs)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------------------------
     def _wait_args(self):
-        return dict(timeout_ns=int(self.timeout_s * 1e9), max_spins=2**31 - 1,
-                    use_globaltimer=True)
+        return self._wait_kw
 
     def _op(self, epoch: int) -> dict:
-        """Kernel arguments naming op ``epoch``: the device base and the delta from it."""
-        return dict(epoch=epoch - self._dev_base, op_base=self._op_base)
+        """Kernel arguments naming op ``epoch``: the device base and the delta from it (and the
+        launch path)."""
+        return dict(epoch=epoch - self._dev_base, op_base=self._op_base, fast=self.fast_launch)
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -449,11 +467,14 @@ class GdaTransport(Transport):
             # in one host call, so its waits never depend on a peer's host (see capture()).
             return
         self._gate.publish(epoch)
+        t0 = time.perf_counter()
         try:
             self._gate.wait(epoch, self.timeout_s, kind)
         except TransportError as e:
             self._break(str(e), epoch, kind)
             raise
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
     def _raise_missing(self, bits: int, record: int) -> None:
         """Raises :class:`PeerTimeoutError` for the error word ``(bits, record)`` (no-op if 0)."""
@@ -503,9 +524,6 @@ class GdaTransport(Transport):
     def _region(self, off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         return self._buf[off:off + nbytes].view(dtype)
 
-    def _hdr_view(self, hdr_off: int) -> torch.Tensor:
-        n = self.world_size * self.layout.hdr_len
-        return self._buf[hdr_off:hdr_off + 8 * n].view(torch.int64).view(self.world_size, -1)
 
     def _host_check(self, x, topk_idx, topk_weights) -> Optional[str]:
         """The contract's host-side checks (no sync; value checks run on the device in the
@@ -523,7 +541,7 @@ class GdaTransport(Transport):
         return None
 
     def _check_row_fits(self, d: int, dtype: torch.dtype, what: str) -> None:
-        nbytes = d * torch.empty((), dtype=dtype).element_size()
+        nbytes = d * dtype.itemsize
         if nbytes > self.layout.row_bytes:
             raise DispatchInputError(
                 f"rank {self.rank}: {what} rows of {d} x {dtype} ({nbytes} bytes) exceed the gda "
@@ -548,7 +566,7 @@ class GdaTransport(Transport):
                 f"be captured in a CUDA graph; use dispatch_fixed inside capture()")
         error = self._host_check(x, topk_idx, topk_weights)
         epoch = self._begin_op("dispatch")
-        offs = self.layout.offsets(epoch % 2)
+        offs = self._offs[epoch % 2]
         if error is not None:  # take part with no rows and a bad status: nobody waits forever
             x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
             topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
@@ -557,7 +575,7 @@ class GdaTransport(Transport):
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
         slot, send_idx, num_per_rank, num_per_expert, status = kern.layout(
-            topk_idx, topk_weights, cfg.num_experts, world)
+            topk_idx, topk_weights, cfg.num_experts, world, fast=self.fast_launch)
         if error is not None:
             status.fill_(STATUS_BAD_INPUT)
         kern.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
@@ -567,17 +585,21 @@ class GdaTransport(Transport):
         self._issued(epoch, "dispatch")
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
+        parity = epoch % 2
         info, recv_offsets = kern.recv_header(
-            self._my_sig, self._hdr_view(offs["hdr_off"]), self._err, num_per_rank,
-            self._hw[epoch % 2], num_local=cfg.num_local_experts, t_max=cfg.max_tokens_per_rank,
-            **self._op(epoch), kind="dispatch", **self._wait_args())
+            self._my_sig, self._hdr[parity], self._err, num_per_rank, self._hw[parity],
+            num_local=cfg.num_local_experts, t_max=cfg.max_tokens_per_rank, **self._op(epoch),
+            kind="dispatch", **self._wait_args())
+        t0 = time.perf_counter()
         info = info.cpu()  # the one host sync per dispatch
-        if int(info[0]):
+        self.blocked_s += time.perf_counter() - t0
+        vals = info.tolist()
+        if vals[0]:
             self.check_errors()
         hdr_len = self.layout.hdr_len
-        hdr = info[1:1 + world * hdr_len].view(world, hdr_len)
-        num_send = info[1 + world * hdr_len:].tolist()
-        bad = {s: int(hdr[s, 0]) for s in range(world) if int(hdr[s, 0]) != STATUS_OK}
+        hdr_rows = [vals[1 + s * hdr_len:1 + (s + 1) * hdr_len] for s in range(world)]
+        num_send = vals[1 + world * hdr_len:]
+        bad = {s: row[0] for s, row in enumerate(hdr_rows) if row[0] != STATUS_OK}
         if error is not None or bad:
             # Every rank refuses; only the offending rank knows its own words (no text travels
             # in the window header), the others name it.
@@ -588,18 +610,26 @@ class GdaTransport(Transport):
             elif mine is not None:
                 words[self.rank] = f"rank {self.rank}: {describe_status(mine, cfg.num_experts)}"
             raise group_input_error(f"gda dispatch (op {epoch})", words)
-        num_recv = hdr[:, 1].tolist()
-        tokens_per_expert = hdr[:, 2:].sum(0)
-        n = int(sum(num_recv))
-        recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=self.device)
-        recv_idx = torch.empty(n, k, dtype=torch.int64, device=self.device)
-        recv_w = torch.empty(n, k, dtype=torch.float32, device=self.device)
+        num_recv = [row[1] for row in hdr_rows]
+        t_max = cfg.max_tokens_per_rank
+        if not all(0 <= r <= t_max for r in num_recv):  # peers' counts are untrusted
+            msg = (f"rank {self.rank}: gda dispatch (op {epoch}): source rank(s) "
+                   f"{[s for s, r in enumerate(num_recv) if not 0 <= r <= t_max]} announced row "
+                   f"counts {num_recv} outside [0, max_tokens_per_rank={t_max}]")
+            self._break(msg, epoch, "dispatch")
+            raise ProtocolError(msg)
+        tokens_per_expert = info[1:1 + world * hdr_len].view(world, hdr_len)[:, 2:].sum(0)
+        n = sum(num_recv)
+        dev = self.device
+        recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
+        recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
+        recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
         if n:
             kern.gather_rows(self._win_ptr, recv_offsets, recv_x, recv_idx, recv_w, self._my_sig,
                           self._err, data_off=offs["data_off"], idx_off=offs["idx_off"],
                           w_off=offs["w_off"], t_max=cfg.max_tokens_per_rank, **self._op(epoch),
                           wait=False, num_programs=self.num_programs, **self._wait_args())
-        s_total = int(sum(num_send))
+        s_total = sum(num_send)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
             send_token_idx=send_idx[:s_total], num_send_per_rank=tuple(num_send),
@@ -632,7 +662,7 @@ class GdaTransport(Transport):
         error = self._host_check(x, topk_idx, topk_weights)
         epoch = self._begin_op("dispatch")
         parity = epoch % 2
-        offs = self.layout.offsets(parity)
+        offs = self._offs[parity]
         if error is not None:  # take part with no rows and a bad status (see dispatch)
             x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
             topk_idx = torch.empty(0, topk_idx.shape[1] if topk_idx.dim() == 2 else 1,
@@ -643,7 +673,7 @@ class GdaTransport(Transport):
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
         slot, send_idx, num_per_rank, num_per_expert, status = kern.layout(
-            topk_idx, topk_weights, cfg.num_experts, world)
+            topk_idx, topk_weights, cfg.num_experts, world, fast=self.fast_launch)
         if error is not None:
             status.fill_(STATUS_BAD_INPUT)
         t_max = cfg.max_tokens_per_rank
@@ -659,14 +689,13 @@ class GdaTransport(Transport):
                                         device=self.device)
         idx_region = self._region(offs["idx_off"], rows * k * 8, torch.int64)
         w_region = self._region(offs["w_off"], rows * k * 4, torch.float32)
-        kern.recv_header_fixed(self._my_sig, self._hdr_view(offs["hdr_off"]), self._err,
+        kern.recv_header_fixed(self._my_sig, self._hdr[parity], self._err,
                             self._hw[parity], num_recv, tokens_per_expert, idx_region, w_region,
                             num_topk=k, t_max=t_max, **self._op(epoch), full=full, kind="dispatch",
                             **self._wait_args())
         if error is not None:
             raise DispatchInputError(error)
-        elem = torch.empty((), dtype=cfg.dtype).element_size()
-        recv_x = self._region(offs["data_off"], rows * cfg.hidden * elem,
+        recv_x = self._region(offs["data_off"], rows * cfg.hidden * self._elem,
                               cfg.dtype).view(rows, cfg.hidden)
         recv_idx, recv_w = idx_region.view(rows, k), w_region.view(rows, k)
         handle = DispatchHandle(
@@ -691,7 +720,7 @@ class GdaTransport(Transport):
             self._refuse(str(e), "cached dispatch")
         kern = self._kern
         epoch = self._begin_op("dispatch_cached")
-        offs = self.layout.offsets(epoch % 2)
+        offs = self._offs[epoch % 2]
         x = x.contiguous() if (x.shape[1] > 1 and x.stride(1) != 1) else x
         kern.dispatch_store(x, None, None, st.slot_TW, None, None, None, self._buf_ptrs,
                          self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
@@ -756,7 +785,7 @@ class GdaTransport(Transport):
             self._refuse(str(e), kind)
         kern = self._kern
         epoch = self._begin_op(kind)
-        offs = self.layout.offsets(epoch % 2)
+        offs = self._offs[epoch % 2]
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         kern.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, self._buf_ptrs,
                         self._sig_ptrs, self._done[1:2], data_off=offs["data_off"], me=self.rank,
@@ -777,7 +806,7 @@ class GdaTransport(Transport):
         (one single-program store launch and one wait). Keeps a captured op count even."""
         kern = self._kern
         epoch = self._begin_op("combine")
-        offs = self.layout.offsets(epoch % 2)
+        offs = self._offs[epoch % 2]
         if getattr(self, "_no_rows", None) is None:  # one row routed nowhere (slot -1)
             self._no_rows = (torch.zeros(1, 16, dtype=torch.uint8, device=self.device),
                              torch.full((1, self.world_size), -1, dtype=torch.int64,

@@ -132,6 +132,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                choices=(0, 1)),
         Option("launch_gate", str, "auto", "launch waiting kernels only after every source stored "
                "(on when ranks share a GPU)", choices=("auto", "on", "off", "0", "1")),
+        Option("fast_launch", int, 1, "1 = launch compiled kernels through their native launcher "
+               "(no per-call Triton Python); 0 = Triton's own launch path", choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

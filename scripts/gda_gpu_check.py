@@ -17,6 +17,12 @@ summed over all ranks x row bytes; "HBM frac" = 2 x bytes (each byte read once a
 time / 4.26 TB/s (the H200's measured device copy rate): all ranks share one GPU's HBM here, so
 this is an HBM-bound stand-in for NVLink, not an NVLink figure. Launch floor: the same number of
 empty Triton launches plus one device-to-host copy, timed the same way on every rank.
+Host columns (eager modes): per op, the wall time of the Python call minus the time the transport
+reports blocked on the device or on peers (``GdaTransport.blocked_s``: the count read, the
+launch gate), median per rank, slowest rank: dispatch (hD), combine (hC), and in the regular mode
+cached dispatch (hCD) and weight combine (hWC) with the dispatch's handle.
+``--starts N`` repeats every EP size with fresh rank processes (one record per start);
+``--options k=v,...`` passes gda options (``fast_launch=0``: Triton's own launch path).
 
 Writes ``$OUT/gda_gpu_check.json`` (and pytest's log) and prints a short table last.
 """
@@ -94,15 +100,26 @@ def _time_graph(graph, n, dist):
                 steady_us=s0.elapsed_time(s1) * 1e3 / n, host_us=statistics.median(host))
 
 
-def _bench_rank(rank, world, routes, modes=("regular",)):
+def _bench_rank(rank, world, routes, modes=("regular",), options=None):
     out = {}
     for mode in modes:
-        for key, v in _bench_mode(rank, world, routes, mode).items():
+        for key, v in _bench_mode(rank, world, routes, mode, options or {}).items():
             out[key if mode == "regular" else f"{key}/{mode}"] = v
     return out
 
 
-def _bench_mode(rank, world, routes, mode):
+def _host_times(tr, fn):
+    """(result, host us, blocked us) of one call: wall of the Python call, and the part of it
+    the transport reports as blocked on the device or on peers (``blocked_s``)."""
+    b0 = tr.blocked_s
+    t0 = time.perf_counter()
+    r = fn()
+    wall = time.perf_counter() - t0
+    blocked = tr.blocked_s - b0
+    return r, (wall - blocked) * 1e6, blocked * 1e6
+
+
+def _bench_mode(rank, world, routes, mode, options):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
@@ -110,7 +127,8 @@ def _bench_mode(rank, world, routes, mode):
     _empty = _empty_kernel()
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    tr = create_transport("gda", None, EXPERTS, HIDDEN, T_MAX, torch.bfloat16, timeout_s=60)
+    tr = create_transport("gda", None, EXPERTS, HIDDEN, T_MAX, torch.bfloat16,
+                          **{"timeout_s": 60, **options})
     out = {}
     for route in routes:
         for prof, t in PROFILES.items():
@@ -148,13 +166,28 @@ def _bench_mode(rank, world, routes, mode):
             dist.barrier()
             n = ITERS[prof]
             evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
+            host_d, host_c = [], []
             for e in evs:
                 e[0].record()
-                r = disp_fn(x, idx, w)
+                r, hd, _ = _host_times(tr, lambda: disp_fn(x, idx, w))
                 e[1].record()
-                tr.combine(r[0], r[-1])
+                _, hc, _ = _host_times(tr, lambda: tr.combine(r[0], r[-1]))
                 e[2].record()
+                host_d.append(hd)
+                host_c.append(hc)
             torch.cuda.synchronize()
+            # host time of the two backward ops (cached dispatch, weight combine) with a handle
+            host_cd, host_wc = [], []
+            if mode == "regular":
+                r = disp_fn(x, idx, w)
+                gw = torch.ones_like(r[2])
+                for _ in range(min(n, 100)):
+                    _, hcd, _ = _host_times(tr, lambda: tr.dispatch_cached(x, r[-1]))
+                    _, hwc, _ = _host_times(tr, lambda: tr.combine_topk_weights(gw, r[-1]))
+                    host_cd.append(hcd)
+                    host_wc.append(hwc)
+                tr.combine(r[0], r[-1])
+                torch.cuda.synchronize()
             # steady state: one event pair around n back-to-back D+C (the host may run ahead)
             dist.barrier()
             s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -190,7 +223,11 @@ def _bench_mode(rank, world, routes, mode):
                 dispatch_us=statistics.median(disp), combine_us=statistics.median(comb),
                 total_us=statistics.median(both), total_p10_us=_pct(both, 0.1),
                 total_p90_us=_pct(both, 0.9), floor_us=statistics.median(fl), iters=n,
-                steady_us=steady, mode=mode)
+                steady_us=steady, mode=mode,
+                host_dispatch_us=statistics.median(host_d), host_combine_us=statistics.median(host_c),
+                host_cached_us=statistics.median(host_cd) if host_cd else 0.0,
+                host_wcombine_us=statistics.median(host_wc) if host_wc else 0.0,
+                host_us=statistics.median([a + b for a, b in zip(host_d, host_c)]))
     tr.check_errors()
     dist.barrier()
     return out
@@ -204,13 +241,20 @@ def main():
     ap.add_argument("--pytest-args", default="")
     ap.add_argument("--modes", default="regular",
                     help="regular,fixed (dispatch_fixed),graph (fixed D+C in a CUDA graph)")
+    ap.add_argument("--starts", type=int, default=1,
+                    help="fresh sets of rank processes per EP size (each a start)")
+    ap.add_argument("--options", default="",
+                    help="gda transport options, k=v,... (e.g. fast_launch=0)")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = ap.parse_args()
+    options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv)
     out_dir = os.environ.get("OUT", os.path.join(REPO, "outputs"))
     os.makedirs(out_dir, exist_ok=True)
     report = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         torch=torch.__version__, mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        starts=args.starts, options=options,
         shape=dict(hidden=HIDDEN, experts=EXPERTS, topk=TOPK, dtype="bf16", t_max=T_MAX),
         copy_ceiling_tbps=COPY_CEILING_BPS / 1e12)
     try:
@@ -231,10 +275,10 @@ def main():
     from efa_ep.distributed import run_ranks
     cells = []
     routes = args.routes.split(",")
-    for world in [int(w) for w in args.worlds.split(",")]:
+    for world, start in [(int(w), s) for s in range(args.starts) for w in args.worlds.split(",")]:
         t0 = time.time()
         try:
-            res = run_ranks(_bench_rank, world, (routes, tuple(args.modes.split(","))),
+            res = run_ranks(_bench_rank, world, (routes, tuple(args.modes.split(",")), options),
                             timeout_s=300, pg_timeout_s=250,
                             env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
         except Exception as e:  # record and go on with the next size
@@ -249,7 +293,7 @@ def main():
             c = max(p["combine_us"] for p in per)
             tot = max(p["total_us"] for p in per)
             cells.append(dict(
-                world=world, cell=key, ok=all(p["ok"] for p in per), bytes_moved=moved,
+                world=world, start=start, cell=key, ok=all(p["ok"] for p in per), bytes_moved=moved,
                 dispatch_us=d, combine_us=c, total_us=tot,
                 total_p10_us=max(p["total_p10_us"] for p in per),
                 total_p90_us=max(p["total_p90_us"] for p in per),
@@ -261,9 +305,11 @@ def main():
                 combine_hbm_frac=2 * moved / (c * 1e-6) / COPY_CEILING_BPS if c else 0.0,
                 total_hbm_frac=4 * moved / (tot * 1e-6) / COPY_CEILING_BPS,
                 host_us=max(p.get("host_us", 0.0) for p in per),
+                **{h: max(p.get(h, 0.0) for p in per) for h in (
+                    "host_dispatch_us", "host_combine_us", "host_cached_us", "host_wcombine_us")},
                 per_rank=per, seconds=round(time.time() - t0, 1)))
     report["cells"] = cells
-    with open(os.path.join(out_dir, "gda_gpu_check.json"), "w") as f:
+    with open(os.path.join(out_dir, f"gda_gpu_check{args.tag}.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"\ngda on {report['device']} (MPS {'on' if report['mps'] else 'OFF'}), H={HIDDEN} bf16 "
           f"top-{TOPK}/{EXPERTS}; slowest-rank medians; frac = share of 4.26 TB/s (read+write)")
@@ -271,7 +317,7 @@ def main():
         print(f"GPU tests rc={report['tests']['rc']} ({report['tests']['seconds']}s)")
     print(f"{'W':>2} {'cell':<22} {'ok':<3} {'MB':>7} {'disp us':>8} {'comb us':>8} {'D+C us':>8} "
           f"{'p10-p90':>13} {'floor':>6} {'D frac':>6} {'C frac':>6} {'DC frac':>7} "
-          f"{'steady':>7} {'st frac':>7} {'host':>6}")
+          f"{'steady':>7} {'st frac':>7} {'host':>6} {'hD':>5} {'hC':>5} {'hCD':>5} {'hWC':>5}")
     for c in cells:
         if "error" in c:
             print(f"{c['world']:>2} ERROR {c['error'][-200:]}")
@@ -281,7 +327,8 @@ def main():
               f"{c['total_us']:8.1f} {c['total_p10_us']:6.0f}-{c['total_p90_us']:<6.0f} "
               f"{c['floor_us']:6.1f} {c['dispatch_hbm_frac']:6.2f} {c['combine_hbm_frac']:6.2f} "
               f"{c['total_hbm_frac']:7.2f} {c['steady_us']:7.1f} {c['steady_hbm_frac']:7.2f} "
-              f"{c['host_us']:6.1f}")
+              f"{c['host_us']:6.1f} {c['host_dispatch_us']:5.1f} {c['host_combine_us']:5.1f} "
+              f"{c['host_cached_us']:5.1f} {c['host_wcombine_us']:5.1f}")
 
 
 if __name__ == "__main__":

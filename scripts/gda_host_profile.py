@@ -20,13 +20,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def _rank(rank, world, mode, iters):
+def _rank(rank, world, mode, iters, threads=0, options=None):
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
 
+    if threads:
+        torch.set_num_threads(threads)
+
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
-    tr = create_transport("gda", None, 256, 7168, 4096, torch.bfloat16, timeout_s=60)
+    tr = create_transport("gda", None, 256, 7168, 4096, torch.bfloat16,
+                          **{"timeout_s": 60, **(options or {})})
     idx, w = contract_route("random", 128, 256, 8, world, seed=rank)
     idx, w = idx.to(dev), w.to(dev)
     x = torch.randn(128, 7168, device=dev).to(torch.bfloat16)
@@ -35,6 +39,20 @@ def _rank(rank, world, mode, iters):
         r = fn(x, idx, w)
         tr.combine(r[0], r[-1])
     torch.cuda.synchronize()
+    # unprofiled: wall per D+C and host per op (wall minus the transport's blocked time)
+    hd, hc, walls = [], [], []
+    for _ in range(iters):
+        b0, t0 = tr.blocked_s, time.perf_counter()
+        r = fn(x, idx, w)
+        b1, t1 = tr.blocked_s, time.perf_counter()
+        tr.combine(r[0], r[-1])
+        t2 = time.perf_counter()
+        hd.append((t1 - t0 - (b1 - b0)) * 1e6)
+        hc.append((t2 - t1 - (tr.blocked_s - b1)) * 1e6)
+        walls.append((t2 - t0) * 1e6)
+    torch.cuda.synchronize()
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    plain = dict(host_dispatch_us=med(hd), host_combine_us=med(hc), wall_us=med(walls))
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -46,9 +64,9 @@ def _rank(rank, world, mode, iters):
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / iters * 1e6
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     tr.check_errors()
-    return dict(host_us_per_iter=host, wall_us_per_iter=wall, profile=s.getvalue())
+    return dict(host_us_per_iter=host, wall_us_per_iter=wall, profile=s.getvalue(), **plain)
 
 
 def main():
@@ -58,11 +76,16 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--mode", default="fixed")
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in each rank")
+    ap.add_argument("--options", default="", help="gda options k=v,...")
     a = ap.parse_args()
-    res = run_ranks(_rank, a.world, (a.mode, a.iters), timeout_s=300,
+    options = dict(kv.split("=", 1) for kv in a.options.split(",") if kv)
+    res = run_ranks(_rank, a.world, (a.mode, a.iters, a.threads, options), timeout_s=300,
                     env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
     for r, out in enumerate(res):
-        print(f"rank {r}: host (profiled) {out['host_us_per_iter']:.0f} us/iter, "
+        print(f"rank {r}: unprofiled: host dispatch {out['host_dispatch_us']:.0f} us, host "
+              f"combine {out['host_combine_us']:.0f} us, wall D+C {out['wall_us']:.0f} us; "
+              f"profiled: host {out['host_us_per_iter']:.0f} us/iter, "
               f"wall {out['wall_us_per_iter']:.0f} us/iter")
     print(res[0]["profile"][-6000:])
 
