@@ -111,6 +111,11 @@ _MAX_WORLD = 62   # the error word is a 64-bit mask of missing sources; bit 62: 
 _BAD_INPUT_BIT = 1 << 62
 
 
+def n_rows_bound(num_recv, k: int) -> int:
+    """Most (row, local expert) pairs ``num_recv`` rows of top-``k`` can carry."""
+    return sum(num_recv) * k
+
+
 class PeerTimeoutError(TransportError):
     """A wait (device-side, or the host launch gate) passed its deadline: the named source
     rank(s) never signalled / never issued their stores."""
@@ -163,11 +168,17 @@ class LaunchGate:
             os.unlink(path)  # nothing left behind, even after a crash
         arr = np.frombuffer(self._mm, dtype=np.int64)
         self.issued, self.failed = arr[:world], arr[world:]
+        # the hot path reads and writes through a memoryview: Python ints, no numpy per call
+        self._slots = memoryview(self._mm).cast("q")
         self.rank, self.world = rank, world
 
     def publish(self, epoch: int) -> None:
         """This rank has enqueued its stores of op ``epoch`` (an aligned 8-byte store)."""
-        self.issued[self.rank] = epoch
+        self._slots[self.rank] = epoch
+
+    def ready(self, epoch: int) -> bool:
+        """Every rank has issued op ``epoch`` (no wait)."""
+        return min(self._slots[:self.world]) >= epoch
 
     def fail(self, record: int) -> None:
         self.failed[self.rank] = record
@@ -175,12 +186,12 @@ class LaunchGate:
     def wait(self, epoch: int, timeout_s: float, op: str) -> None:
         """Returns once every rank has issued op ``epoch``; raises naming the ranks otherwise."""
         issued, failed = self.issued, self.failed
-        if issued.min() >= epoch:
+        if self.ready(epoch):
             return
         deadline = time.monotonic() + timeout_s
         spins = 0
         while True:
-            if issued.min() >= epoch:
+            if self.ready(epoch):
                 return
             if failed.any():
                 gone = [int(r) for r in np.flatnonzero(failed)
@@ -202,6 +213,7 @@ class LaunchGate:
     def close(self) -> None:
         if getattr(self, "_mm", None) is not None:
             self.issued = self.failed = None
+            self._slots.release()
             try:
                 self._mm.close()
             except BufferError:
@@ -467,6 +479,8 @@ class GdaTransport(Transport):
             # in one host call, so its waits never depend on a peer's host (see capture()).
             return
         self._gate.publish(epoch)
+        if self._gate.ready(epoch):
+            return
         t0 = time.perf_counter()
         try:
             self._gate.wait(epoch, self.timeout_s, kind)
@@ -598,7 +612,7 @@ class GdaTransport(Transport):
             self.check_errors()
         hdr_len = self.layout.hdr_len
         hdr_rows = [vals[1 + s * hdr_len:1 + (s + 1) * hdr_len] for s in range(world)]
-        num_send = vals[1 + world * hdr_len:]
+        num_send = vals[1 + world * hdr_len:1 + world * hdr_len + world]
         bad = {s: row[0] for s, row in enumerate(hdr_rows) if row[0] != STATUS_OK}
         if error is not None or bad:
             # Every rank refuses; only the offending rank knows its own words (no text travels
@@ -618,7 +632,14 @@ class GdaTransport(Transport):
                    f"counts {num_recv} outside [0, max_tokens_per_rank={t_max}]")
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
-        tokens_per_expert = info[1:1 + world * hdr_len].view(world, hdr_len)[:, 2:].sum(0)
+        per_expert = vals[1 + world * hdr_len + world:]
+        if per_expert and (min(per_expert) < 0 or sum(per_expert) > n_rows_bound(num_recv, k)):
+            msg = (f"rank {self.rank}: gda dispatch (op {epoch}): the sources' rows per local "
+                   f"expert {per_expert} are not counts of the {sum(num_recv)} rows received "
+                   f"with top-{k}")
+            self._break(msg, epoch, "dispatch")
+            raise ProtocolError(msg)
+        tokens_per_expert = info[1 + world * hdr_len + world:]  # summed on the device
         n = sum(num_recv)
         dev = self.device
         recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)

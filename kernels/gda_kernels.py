@@ -383,16 +383,17 @@ def _recv_header_kernel(
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
     err_ptr: tl.pointer_type(tl.int64),             # [3] sticky error word (see _wait_for_sources)
     num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
-    info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W] for the host
+    info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W + L] for the host
     offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
     hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
     num_local, T_MAX, epoch_delta, kind, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
 ):
-    """One program: wait for every source, then copy the headers (and the error word, and this
-    rank's send counts) into ``info`` for one device-to-host copy; offsets = exclusive prefix
-    sum of the rows each source sent here. ``hw`` keeps the highest row count of this parity's
+    """One program: wait for every source, then copy the headers (and the error word, this
+    rank's send counts and the rows received per local expert, summed over sources) into
+    ``info`` for one device-to-host copy; offsets = exclusive prefix sum of the rows each
+    source sent here. ``hw`` keeps the highest row count of this parity's
     id region per source, so a fixed-capacity dispatch knows which stale rows to clear."""
     epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
@@ -401,8 +402,10 @@ def _recv_header_kernel(
     s = tl.arange(0, W_PAD)
     c = tl.arange(0, HDR_PAD)
     hm = (s[:, None] < W) & (c[None, :] < hdr_len)
-    h = tl.load(hdr_ptr + s[:, None] * hdr_len + c[None, :], mask=hm)
+    h = tl.load(hdr_ptr + s[:, None] * hdr_len + c[None, :], mask=hm, other=0)
     tl.store(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], h, mask=hm)
+    per_expert = tl.sum(h, axis=0)  # [HDR_PAD]: column 2 + l is local expert l's rows
+    tl.store(info_ptr + 1 + W * hdr_len + W + c - 2, per_expert, mask=(c >= 2) & (c < hdr_len))
     n = tl.load(hdr_ptr + s * hdr_len + 1, mask=s < W, other=0)
     tl.store(offsets_ptr + 1 + s, tl.cumsum(n, axis=0), mask=s < W)
     tl.store(offsets_ptr, 0)
@@ -823,14 +826,14 @@ def check_err(err: torch.Tensor) -> None:
 
 def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
                 max_spins, use_globaltimer, kind="dispatch", op_base=None, fast=True, out=None):
-    """Waits for every source and returns (info [1 + W*(2+L) + W] int64, offsets [W+1] int64)
-    on the device. info = [error bits, headers (status, rows, rows per local expert) per
-    source, rows this rank sent per destination]. ``my_sig``: ``[W]`` int32; ``hdr``:
+    """Waits for every source and returns (info [1 + W*(2+L) + W + L] int64, offsets [W+1]
+    int64) on the device. info = [error bits, headers (status, rows, rows per local expert) per
+    source, rows this rank sent per destination, rows received per local expert]. ``my_sig``: ``[W]`` int32; ``hdr``:
     ``[W, 2 + L]`` int64; ``err``: ``[3]`` int64 error word (:func:`check_err`); ``hw``:
     ``[W]`` int64 id-region high-water mark of this parity (updated). ``out``: an int64
     buffer of at least ``info + offsets`` elements to write into (None: allocated here)."""
     world = my_sig.numel()
-    n_info = 1 + world * (2 + num_local) + world
+    n_info = 1 + world * (2 + num_local) + world + num_local
     o_off = _even(n_info)
     if out is None:
         out = torch.empty(o_off + world + 1, dtype=torch.int64, device=hdr.device)

@@ -82,27 +82,45 @@ def _hooks_set() -> bool:
     return False
 
 
+def _direct_launcher(kernel):
+    """``(launch, function, cooperative, pdl, packed_metadata)`` to call the kernel's native
+    launch function without the Python frame around it, or None where that frame does work
+    (scratch memory to allocate, tensor descriptors to expand) or the layout is unknown."""
+    run = kernel.run
+    launch = getattr(run, "launch", None)
+    if launch is None or getattr(run, "global_scratch_size", 1) or \
+            getattr(run, "profile_scratch_size", 1) or type(launch).__name__ == "function":
+        return None  # (a Python function here is Triton's tensor-descriptor wrapper)
+    return (launch, kernel.function, getattr(run, "launch_cooperative_grid", None),
+            getattr(run, "launch_pdl", None), kernel.packed_metadata)
+
+
 class FastKernel:
     """One ``@triton.jit`` kernel launched with its compiled launcher once compiled.
 
     Args:
-        fn: the ``triton.jit`` function.
+        fn: the ``triton.jit`` function. Its constexpr parameters must come after all the
+            others (every kernel of this package is written so).
         enabled: False = always ``fn[grid](...)`` (Triton's own path).
 
-    Call ``launch(grid, args, num_warps[, fast])`` with **every** parameter of ``fn`` positionally, in
-    signature order, constexprs included (the same values ``fn[grid](*args, num_warps=...)``
-    would take). Tensors must be on the current CUDA device.
+    Call ``launch(grid, args, num_warps[, fast])`` with **every** parameter of ``fn``
+    positionally, in signature order, constexprs included (the same values
+    ``fn[grid](*args, num_warps=...)`` would take). Tensors must be on the current CUDA device.
     """
 
-    __slots__ = ("fn", "enabled", "_const", "_dns", "_entries")
+    __slots__ = ("fn", "enabled", "_num_runtime", "_dns", "_entries")
 
     def __init__(self, fn, enabled: bool = True):
         self.fn = fn
         params = getattr(fn, "params", None)  # None under TRITON_INTERPRET (interpreted fn)
         self.enabled = bool(enabled) and params is not None and fast_launch_supported()
-        params = params or ()
-        self._const = tuple(bool(p.is_constexpr) for p in params)
-        self._dns = tuple(bool(p.do_not_specialize) for p in params)
+        params = list(params or ())
+        const = [bool(p.is_constexpr) for p in params]
+        self._num_runtime = const.index(True) if True in const else len(const)
+        if any(not c for c in const[self._num_runtime:]):
+            raise ValueError(f"{getattr(fn, '__name__', fn)}: FastKernel needs the constexpr "
+                             f"parameters after all the others")
+        self._dns = tuple(bool(p.do_not_specialize) for p in params[:self._num_runtime])
         self._entries: Dict[tuple, Any] = {}
 
     def launch(self, grid: Sequence[int], args: Sequence[Any], num_warps: int,
@@ -112,33 +130,38 @@ class FastKernel:
         if not (fast and self.enabled):
             self.fn[grid](*args, num_warps=num_warps)
             return
-        key = [num_warps]
+        n = self._num_runtime
         call = list(args)
-        tensor = torch.Tensor
-        for i, a in enumerate(args):
-            if self._const[i]:
-                key.append(a)
-            elif isinstance(a, tensor):
+        key = [num_warps]
+        dns = self._dns
+        for i in range(n):
+            a = call[i]
+            if type(a) is int:
+                key.append((_I32_MIN <= a <= _I32_MAX) if dns[i] else a)
+            else:  # a tensor: its address goes to the launcher as an integer
                 p = a.data_ptr()
-                key.append((a.dtype, not (p & 15)))
                 call[i] = p
-            elif type(a) is int:
-                key.append((_I32_MIN <= a <= _I32_MAX) if self._dns[i] else a)
-            else:  # bool, float, None: Triton types these by value; so does the key
-                key.append((type(a), a))
+                key.append((a.dtype, not (p & 15)))
+        key.extend(args[n:])
         key = tuple(key)
-        kernel = self._entries.get(key)
-        if kernel is None or _hooks_set():
+        entry = self._entries.get(key)
+        if entry is None or _hooks_set():
             kernel = self.fn[grid](*args, num_warps=num_warps)
             if len(self._entries) < _MAX_ENTRIES and not hasattr(kernel, "result"):
-                self._entries[key] = kernel
+                self._entries[key] = (kernel, _direct_launcher(kernel))
             return
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,
+        kernel, direct = entry
+        if direct is not None:
+            launch, function, coop, pdl, meta = direct
+            launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None,
                    *call)
+        else:
+            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None,
+                       None, *call)
 
     @property
     def num_compiled(self) -> int:

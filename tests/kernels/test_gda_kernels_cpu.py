@@ -176,7 +176,8 @@ def _run_dispatch_combine(row_dtype_name):
             assert int(info[0]) == 0
             hdr = info[1:1 + world * hl].view(world, hl)
             assert hdr[:, 0].tolist() == [0] * world
-            assert info[1 + world * hl:].tolist() == lays[me][2].tolist()
+            assert info[1 + world * hl:1 + world * hl + world].tolist() == lays[me][2].tolist()
+            assert info[1 + world * hl + world:].tolist() == hdr[:, 2:].sum(0).tolist()
             n = int(hdr[:, 1].sum())
             rx = torch.full((n, hidden), float("nan"), dtype=dtype)
             ri = torch.full((n, topk), -7, dtype=torch.int64)
