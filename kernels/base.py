@@ -892,6 +892,10 @@ class Transport(abc.ABC):
     name: str = "?"
     #: the :class:`HandleState` subclass in the handles this transport's dispatch makes
     state_type: type = HandleState
+    #: seconds this transport's calls spent blocked on the device or on peers since it was
+    #: created (a call's wall time minus its growth is the host time the call itself costs);
+    #: None where the transport does not measure it
+    blocked_s: Optional[float] = None
 
     def __init__(self, cfg: TransportConfig, group):
         self.cfg = cfg

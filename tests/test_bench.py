@@ -494,3 +494,48 @@ def test_layer_view_features_on_cpu(tmp_path):
     for f in features:
         assert table.count(f"| single | {f} |") == 2
     assert summary["plots"] and all(os.path.exists(p) for p in summary["plots"])
+
+
+def test_host_per_op_subtracts_the_time_a_transport_reports_blocked(tmp_path):
+    """host_per_op: the dispatch of this fake transport blocks for all of its wall time (host
+    ~0), its combine spins on the host for >= 2 ms and reports nothing blocked (host >= 2 ms);
+    a transport without ``blocked_s`` gets None; the report's median keeps both ops."""
+    import time
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from efa_ep.tools.bench.report import _host_median
+    from efa_ep.tools.bench.transport_cells import host_per_op
+
+    class Fake:
+        blocked_s = 0.0
+
+        def dispatch(self):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 1e-3:
+                pass
+            self.blocked_s += time.perf_counter() - t0
+            return ("rows", "handle")
+
+        def combine(self, r):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 2e-3:
+                pass
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ctx = types.SimpleNamespace(cfg={"iters": 5}, device=torch.device("cpu"), world=1,
+                                    barrier=lambda: None)
+        t = Fake()
+        h = host_per_op(ctx, t, t.dispatch, t.combine)
+        assert h["combine"] >= 2000.0, h
+        assert 0.0 <= h["dispatch"] < 1000.0, h
+        assert host_per_op(ctx, object(), t.dispatch, t.combine) is None
+    finally:
+        dist.destroy_process_group()
+    recs = [{"void": False, "host_us": {"dispatch": d, "combine": 2 * d}} for d in (1.0, 3.0, 2.0)]
+    assert _host_median(recs + [{"void": True, "host_us": None}]) == {"dispatch": 2.0, "combine": 4.0}
+    assert _host_median([{"void": False, "host_us": None}]) is None

@@ -102,9 +102,40 @@ def test_verdicts():
     # no win, experts do not fit (tiny HBM) -> capacity, fastest path.
     p = make_plan(_inp(nodes=1, gpus_per_node=4, ep=4, hbm_gb=1e-6), _cal(gda_fixed_us=5000.0))
     assert p.verdict == "capacity" and p.transport in ("alltoall", "allgather") and "fit" in p.reason
-    # across nodes the efa path is the proxy, with its K.
+    # across nodes the efa path is the fastest of proxy and the hier designs, with its K.
     p = make_plan(_inp(), _cal(nccl_fixed_us=1e5))
-    assert p.verdict == "efa" and p.transport == "proxy" and 1 <= p.num_channels <= 8
+    across = {n: p.paths[n].dc_us.value for n in ("proxy", "hier:agg1", "hier:agg0")}
+    assert p.verdict == "efa" and p.transport == min(across, key=across.get) and 1 <= p.num_channels <= 8
+
+
+def test_verdict_ranks_hier_with_proxy_and_megatron():
+    """Across nodes the verdict ranks hier (what `auto` runs there) with proxy and Megatron, and
+    picks it when it is the fastest efa path."""
+    # hier's local stage (gda) cheap, proxy's channels slow: hier:agg1 sends a token once per node.
+    cal = _cal(nccl_fixed_us=1e5, gda_fixed_us=0.0, proxy_channel_gbps=0.1)
+    p = make_plan(_inp(), cal)
+    names = [r["name"] for r in p.ranking]
+    assert set(names) == {"proxy", "alltoall", "allgather", "hier:agg1", "hier:agg0"}
+    dcs = [r["dc_us"] for r in p.ranking]
+    assert dcs == sorted(dcs) and names[0].startswith("hier:")
+    ref = p.paths["alltoall"].dc_us.value
+    for r in p.ranking:
+        assert math.isclose(r["x_ref"], p.paths[r["name"]].dc_us.value / ref) and r["efa"] == (
+            r["name"] not in ("alltoall", "allgather"))
+    assert p.verdict == "efa" and p.transport == names[0]
+    assert p.num_channels == p.paths[names[0]].num_channels >= 1
+    assert "hier:agg1" in p.reason and "hier:agg0" in p.reason and "x Megatron alltoall" in p.reason
+    text = report.tables(p, cal)
+    verdict = text[text.index("Verdict:"):]
+    assert "hier:agg1" in verdict and "hier:agg0" in verdict and "proxy" in verdict
+    assert report.final_line(p).startswith(f"plan: verdict=efa transport={names[0]} ")
+    # no win: the reason still ranks hier (capacity: experts do not fit without EP)
+    p = make_plan(_inp(hbm_gb=1e-6), _cal(gda_fixed_us=5000.0, proxy_fixed_us=5000.0))
+    assert p.verdict == "capacity" and p.transport in ("alltoall", "allgather")
+    assert "hier:agg1" in p.reason and "hier:agg0" in p.reason and "proxy" in p.reason
+    # one node: gda is the efa path, hier does not apply and is not ranked
+    p = make_plan(_inp(nodes=1, gpus_per_node=4, ep=4), _cal(nccl_fixed_us=500.0))
+    assert p.transport == "gda" and "hier" not in " ".join(r["name"] for r in p.ranking)
 
 
 def test_bad_inputs_are_named():
@@ -141,6 +172,78 @@ def test_calibration_round_trip(tmp_path):
     shipped = cal_mod.read(SHIPPED)
     for k in cal_mod.PARAMS:
         assert math.isclose(float(shipped[k].value), float(back[k].value), rel_tol=1e-6), k
+
+
+def _plan_record(arm, link, date, ep, tokens, us, **kw):
+    r = {"schema": "efa_ep.plan.record/1", "kind": "dc", "arm": arm, "link": link, "machine": "m", "date": date,
+         "profile": "decode" if tokens < 1000 else "prefill", "tokens_per_rank": tokens, "hidden": 1024,
+         "num_experts": 16, "topk": 2, "ep_size": ep, "ranks_per_node": ep, "dtype": "bf16",
+         "dc_us": {"n": 3, "min": us, "max": us, "median": us}, "source": f"test {arm}@{link} {date}"}
+    r.update(kw)
+    return r
+
+
+def test_gda_fixed_cost_from_the_newest_records_link_efficiency_from_nvlink(tmp_path):
+    """gda's fixed cost per op is host work: it comes from the newest gda records on any link
+    (here one GPU, ``hbm``); its link efficiency from the NVLink fit's slope (older records)."""
+    bpr = cal_mod.dc_bytes(128, 1024, 16, 2, 2, "bf16")          # one rank's D+C bytes at T=128
+    nv = [_plan_record("gda", "nvlink", "2026-01-01", 2, t, 2 * 300.0 + cal_mod.dc_bytes(t, 1024, 16, 2, 2, "bf16")
+                       / 100e3) for t in (128, 4096)]                                # 300 us, 100 GB/s
+    nv += [_plan_record("nccl_a2a", "nvlink", "2026-01-01", 2, t, 100.0 + t, rows_per_peer=t) for t in (128, 4096)]
+    # one GPU, newer: 200 us fixed, 500 GB/s over the bytes of all ranks (they share the GPU)
+    hbm = [_plan_record("gda", "hbm", "2026-02-01", ep, t, 2 * 200.0 + ep * cal_mod.dc_bytes(t, 1024, 16, 2, ep, "bf16")
+                        / 500e3) for ep in (2, 4) for t in (128, 4096)]
+    # an older one-GPU run of other code: a group of its own, not mixed into the newer fit
+    old = [_plan_record("gda", "hbm", "2025-12-01", 2, t, 5000.0 + t) for t in (128, 4096)]
+    files = []
+    for name, recs in (("nv.jsonl", nv), ("hbm.jsonl", hbm), ("old.jsonl", old)):
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in recs))
+        files.append(str(tmp_path / name))
+    proxy = os.path.join(ROOT, "results", "h200", "bench_proxy.json")
+    obs = cal_mod.load(files[1:2])
+    assert all(math.isclose(o["bytes"], o["ep_size"] * cal_mod.dc_bytes(o["tokens_per_rank"], 1024, 16, 2, o["ep_size"],
+                                                                        "bf16")) for o in obs)
+    assert math.isclose(cal_mod.load(files[:1])[0]["bytes"], bpr)          # NVLink: one rank's bytes
+    doc = cal_mod.calibrate(files + [proxy])
+    assert {"gda@hbm 2026-02-01", "gda@hbm 2025-12-01", "gda@nvlink"} <= set(doc["groups"])
+    p = doc["params"]
+    assert math.isclose(p["gda_fixed_us"]["value"], 200.0, rel_tol=1e-4) and p["gda_fixed_us"]["tag"] == "measured"
+    assert "gda@hbm 2026-02-01" in p["gda_fixed_us"]["source"] and "hbm.jsonl" in p["gda_fixed_us"]["source"]
+    assert math.isclose(p["gda_link_eff"]["value"], 100.0 / cal_mod.NVLINK4_GBPS, rel_tol=1e-3)
+    assert "nv.jsonl" in p["gda_link_eff"]["source"] and "gda@nvlink" in p["gda_link_eff"]["source"]
+    assert p["proxy_fixed_us"]["value"] > 200.0 and "gda_fixed_us 200.0" in p["proxy_fixed_us"]["source"]
+    # one shape at two EP sizes: held out by EP size (exact here: the records are on the line)
+    rows = [r for r in doc["validation"]["rows"] if r["group"] == "gda@hbm 2026-02-01"]
+    assert {r["held_out"] for r in rows} == {"EP 2", "EP 4"} and all(abs(r["rel_err"]) < 1e-6 for r in rows)
+    # no one-GPU records: the NVLink fit gives both (the earlier behaviour); same date: NVLink wins
+    doc = cal_mod.calibrate([files[0], proxy])
+    assert math.isclose(doc["params"]["gda_fixed_us"]["value"], 300.0, rel_tol=1e-4)
+    assert cal_mod.newest_group({"gda@hbm": {"date": "d"}, "gda@nvlink": {"date": "d"}}, "gda") == "gda@nvlink"
+
+
+def test_shipped_gda_records_match_the_raw_run():
+    """results/plan/measured_h200_gda_eager.jsonl: the planner-record form of the one-H200 run
+    (results/gda_perop/gda_gpu_check_after.json), same keys as the two-GPU records, and the
+    shipped calibration takes gda's fixed cost from it."""
+    import statistics
+
+    recs = [json.loads(ln) for ln in open(os.path.join(ROOT, "results", "plan", "measured_h200_gda_eager.jsonl"))]
+    ref = [json.loads(ln) for ln in open(os.path.join(ROOT, "results", "plan", "measured_h200x2.jsonl"))]
+    assert all(list(r) == list(ref[0]) for r in recs)
+    raw = json.load(open(os.path.join(ROOT, "results", "gda_perop", "gda_gpu_check_after.json")))
+    assert {(r["ep_size"], r["profile"]) for r in recs} == {(2, "decode"), (2, "prefill"), (4, "decode"), (4, "prefill")}
+    for r in recs:
+        cells = [c for c in raw["cells"] if c["world"] == r["ep_size"] and c["cell"] == f"random/{r['profile']}"]
+        tot = [c["total_us"] for c in cells]
+        assert r["dc_us"] == {"n": 3, "min": round(min(tot)), "max": round(max(tot)), "median": round(statistics.median(tot))}
+        assert r["d_us"] == round(statistics.median(c["dispatch_us"] for c in cells))
+        assert r["c_us"] == round(statistics.median(c["combine_us"] for c in cells))
+        assert (r["arm"], r["link"], r["date"]) == ("gda", "hbm", "2026-12-02") and all(c["ok"] for c in cells)
+        assert "scripts/gda_gpu_check.py" in r["source"] and "#" not in r["source"]
+    shipped = cal_mod.read(SHIPPED)
+    assert shipped["gda_fixed_us"].tag == "measured"
+    assert "results/plan/measured_h200_gda_eager.jsonl" in shipped["gda_fixed_us"].source
+    assert "results/plan/measured_h200x2.jsonl" in shipped["gda_link_eff"].source
 
 
 def test_calibration_from_bench_records_jsonl(tmp_path):
@@ -229,7 +332,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     last = text.strip().splitlines()[-1]
     import re
-    m = re.fullmatch(r"plan: verdict=(dense|capacity|efa) transport=(\w+) num_channels=(\d+) "
+    m = re.fullmatch(r"plan: verdict=(dense|capacity|efa) transport=([\w:]+) num_channels=(\d+) "
                      r"dc_us=([0-9.]+) bound=(\w+)", last)
     assert m, last
     doc = json.loads((out / "plan.json").read_text())
@@ -241,6 +344,37 @@ def test_cli_end_to_end(tmp_path, capsys):
             assert fig["tag"] in ("measured", "derived", "assumed") and fig["source"], (section, name)
     assert doc["inputs"]["tokens_per_rank"]["source"].startswith("command line")
     assert {r["tokens_per_rank"] for r in doc["sweep"]} == {128, 4096}
+    assert {r["name"] for r in doc["ranking"]} >= {"proxy", "alltoall", "hier:agg1", "hier:agg0"}
+    # what it cites exists in this repository (no file outside it, e.g. a design note not shipped)
+    cited = _cited_files(text + json.dumps(doc))
+    assert "DESIGN.md" not in text + json.dumps(doc)
+    assert cited and all(os.path.exists(os.path.join(ROOT, c)) for c in cited), cited
+
+
+def _cited_files(text):
+    """Repository paths a text cites: tokens ending in .md/.json/.jsonl/.py/.yaml (under ./)."""
+    import re
+
+    toks = re.findall(r"[A-Za-z0-9_./-]+\.(?:md|jsonl|json|py|yaml)\b", text)
+    return sorted({t for t in toks if not t.startswith(("/", ".")) and "plan_" not in t and t != "plan.json"})
+
+
+def test_report_wraps_calibration_sources_without_cutting_them():
+    cal = cal_mod.read(SHIPPED)
+    text = report.tables(make_plan(_qwen_ep16_case(128, "channels"), cal), cal)
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Calibration ("))
+    end = lines.index("", start)
+    block = lines[start + 1:end]
+    assert all(len(ln) <= report.WIDTH for ln in block), max(block, key=len)
+    joined = " ".join(ln.strip() for ln in block)
+    for k, v in cal.items():
+        if not k.startswith("_"):
+            assert " ".join(v.source.split()) in joined, k   # every source whole, no word cut
+    assert "DESIGN.md" not in text
+    assert all(os.path.exists(os.path.join(ROOT, c)) for c in _cited_files(text)), _cited_files(text)
+    # a word longer than the line stays whole
+    assert report.wrap("x ", "a " + "b" * 200, indent=2, width=40) == ["x a", "  " + "b" * 200]
 
 
 @pytest.mark.parametrize("model,fabric,nodes,ep", [("deepseek_v3", "p6-b200", 4, 32), ("kimi_k2", "p6-b300", 2, 16),

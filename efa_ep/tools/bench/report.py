@@ -63,7 +63,8 @@ def summarize_records(records: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Lis
                      "collective": r0["arm"] in COLLECTIVE_ARM_NAMES,
                      # deterministic per cell (same route every start): the first record's
                      "net_counts": next((r.get("net_counts") for r in recs
-                                         if not r["void"] and r.get("net_counts")), None)})
+                                         if not r["void"] and r.get("net_counts")), None),
+                     "host_us": _host_median(recs)})
     by_key = {_cell_of(r) + (r["arm"],): r for r in rows}
     for r in rows:
         cell = _cell_of(r)
@@ -82,6 +83,17 @@ def summarize_records(records: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Lis
                              r["route"], order.get(r["feature"], len(order)), str(r["feature"]),
                              r["arm"]))
     return rows
+
+
+def _host_median(recs: List[Dict[str, Any]]) -> Any:
+    """Median over starts of the records' host time per op (``{"dispatch", "combine"}`` us),
+    or None when no record has one."""
+    import statistics
+
+    hs = [r.get("host_us") for r in recs if not r["void"] and r.get("host_us")]
+    if not hs:
+        return None
+    return {op: round(statistics.median(h[op] for h in hs), 2) for op in ("dispatch", "combine")}
 
 
 def markdown_table(rows: List[Dict[str, Any]], cfg: Dict[str, Any], meta: Dict[str, Any]) -> str:
@@ -111,11 +123,13 @@ def markdown_table(rows: List[Dict[str, Any]], cfg: Dict[str, Any], meta: Dict[s
                  else "MoE layer forward + backward (Megatron MoELayer)")
         vs_coll = not layer and coll
         vs_plain = layer and any(r["feature"] not in (None, "plain") for r in vr)
+        host = not layer and any(r.get("host_us") for r in vr)
         head = (f"| timing | {'feature' if layer else 'profile'} | shape (H, E, top-k, tok/rank) | "
                 f"route | arm | latency us | tokens/s (aggregate) | vs {ref}"
                 + (" (same feature)" if layer else "") + " |"
                 + (f" vs {'/'.join(coll)} |" if vs_coll else "")
-                + (" vs plain (same arm) |" if vs_plain else "") + " void |")
+                + (" vs plain (same arm) |" if vs_plain else "")
+                + (" host us per op (D / C) |" if host else "") + " void |")
         lines += ["", f"### {title}", ""]
         if vs_plain:
             lines += [_FEATURES_NOTE, ""]
@@ -127,8 +141,11 @@ def markdown_table(rows: List[Dict[str, Any]], cfg: Dict[str, Any], meta: Dict[s
             vc = (f" {r['vs_collective']:.3f} |" if r.get("vs_collective") else " - |") if vs_coll else ""
             vp = (f" {r['vs_plain']:.3f} |" if r.get("vs_plain") else " - |") if vs_plain else ""
             second = (r.get("feature") or "plain") if layer else r["profile"]
+            hu = r.get("host_us")
+            hc = ((f" {hu['dispatch']:.0f} / {hu['combine']:.0f} |" if hu else " - |")
+                  if host else "")
             lines.append(f"| {r['timing']} | {second} | {shape} | {r['route']} | {r['arm']} | "
-                         f"{bench_stats.format_stats(r['latency_us'])} | {tps} | {vs} |{vc}{vp} "
+                         f"{bench_stats.format_stats(r['latency_us'])} | {tps} | {vs} |{vc}{vp}{hc} "
                          f"{r['n_void']} |")
     lines += net_counts_table(rows)
     if meta.get("not_run"):

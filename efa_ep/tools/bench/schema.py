@@ -32,7 +32,7 @@ RECORD_FIELDS = (
     "timing", "steady_iters", "clock", "timing_boundary", "check", "void", "void_reason",
     "slowest_us", "start_median_us", "per_rank_median_us", "vs_reference", "dispatch_rows",
     "dispatch_bytes", "collective_bytes", "net_counts", "sm_budget", "transport_info",
-    "provenance",
+    "host_us", "provenance",
 )
 # Config dtype names -> torch dtype attribute names.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}

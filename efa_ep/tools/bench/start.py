@@ -85,4 +85,7 @@ def _record_head(cfg, run_id, start, order_index, cell: Cell, world, rstats,
         "steady_iters": int(cfg.get("steady_iters", 1)) if cell.timing == "steady" else 1,
         "clock": clock_of(cell.timing, ctx.device),
         "timing_boundary": timing_boundary(cell.timing, cell.arm.view),
+        # host time per op ({"dispatch": us, "combine": us}, slowest rank's medians) where the
+        # arm's transport reports the time it blocks (``Transport.blocked_s``); else None
+        "host_us": None,
     }

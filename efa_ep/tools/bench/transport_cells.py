@@ -3,7 +3,7 @@ its fixed and CUDA-graph modes), checked against the ``torch`` transport and tim
 network counts of one op."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from .cells import Cell
 from .rank import (RankContext, all_ranks_ok, cell_inputs, compare_to_reference, finish_record,
@@ -65,7 +65,10 @@ def run_transport_cell(ctx: RankContext, cell: Cell) -> Dict[str, Any]:
         rx, _, _, _, h = t.dispatch(x, idx, w)
         t.combine(rx, h)
 
-    return finish_record(rec, time_cell(ctx, once, cell))
+    rec = finish_record(rec, time_cell(ctx, once, cell))
+    rec["host_us"] = host_per_op(ctx, t, lambda: t.dispatch(x, idx, w),
+                                 lambda r: t.combine(r[0], r[-1]))
+    return rec
 
 
 def _run_fixed_cell(ctx: RankContext, cell: Cell, t, inputs, ref) -> Dict[str, Any]:
@@ -119,7 +122,42 @@ def _run_fixed_cell(ctx: RankContext, cell: Cell, t, inputs, ref) -> Dict[str, A
         r = t.dispatch_fixed(x, idx, w)
         t.combine(r[0], r[-1])
 
-    return finish_record(rec, time_cell(ctx, once, cell))
+    rec = finish_record(rec, time_cell(ctx, once, cell))
+    rec["host_us"] = host_per_op(ctx, t, lambda: t.dispatch_fixed(x, idx, w),
+                                 lambda r: t.combine(r[0], r[-1]))
+    return rec
+
+
+def host_per_op(ctx: RankContext, t, dispatch, combine) -> Optional[Dict[str, float]]:
+    """Host time per op of transport ``t``: the wall time of each Python call minus the time
+    the transport reports blocked on the device or on peers (``t.blocked_s``), median over the
+    config's ``iters`` D+C after a device sync each, slowest rank. None (on every rank) when the
+    transport does not report its blocked time. Collective (one all_gather_object)."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    if getattr(t, "blocked_s", None) is None:
+        return None
+    hd, hc = [], []
+    for _ in range(int(ctx.cfg["iters"])):
+        ctx.barrier()
+        if ctx.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(ctx.device)
+        b0, t0 = t.blocked_s, time.perf_counter()
+        r = dispatch()
+        b1, t1 = t.blocked_s, time.perf_counter()
+        combine(r)
+        t2, b2 = time.perf_counter(), t.blocked_s
+        hd.append((t1 - t0) - (b1 - b0))
+        hc.append((t2 - t1) - (b2 - b1))
+    mine = (statistics.median(hd) * 1e6, statistics.median(hc) * 1e6)
+    every = [None] * ctx.world
+    dist.all_gather_object(every, mine)
+    return {"dispatch": round(max(e[0] for e in every), 2),
+            "combine": round(max(e[1] for e in every), 2)}
 
 
 def _rows_and_handle(dispatched):

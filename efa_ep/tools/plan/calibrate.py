@@ -12,8 +12,12 @@ Inputs (any mix; the format is recognised per file):
 Every dispatch+combine observation becomes ``(group, shape, bytes, us)`` where ``group`` is the
 arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``proxy:k2@hbm``,
 ``torch@hbm``, ``nccl_a2a@nvlink``) and ``bytes`` the model's bytes of one D+C
-(:func:`dc_bytes`). Each group is fitted with ``us = 2 x fixed + bytes / rate`` (least squares).
-The planner uses ``gda@nvlink`` and ``nccl_a2a@nvlink`` (fixed cost and link efficiency), the
+(:func:`dc_bytes`: one rank's; on ``hbm`` summed over the ranks, which share the one GPU's memory,
+so EP sizes compare). Each group is fitted with ``us = 2 x fixed + bytes / rate`` (least squares);
+a group measured on several dates is fitted once per date (:func:`dc_groups`).
+The planner uses gda's fixed cost from the newest gda records on any link (host work: with the
+shipped records, the current code on one H200, ``gda@hbm``), gda's link efficiency from
+``gda@nvlink`` (two GPUs), ``nccl_a2a@nvlink`` (fixed cost and link efficiency), the
 proxy's descriptor rates (per-descriptor cost, channel-scaling exponent ``alpha`` in
 ``rate(num_channels) = rate(1) x num_channels**alpha``) and the GPU round trip. Parameters the records cannot give
 (EFA-specific rates: no EFA here) come from the measured DeepEP-on-EFA study (p5en, EP16),
@@ -84,12 +88,15 @@ def _dtype(d: str) -> str:
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(d, d)
 
 
-def _obs(group, shape, tokens, hidden, experts, topk, ep, dtype, us, source, nbytes=None, lo=None, hi=None):
+def _obs(group, shape, tokens, hidden, experts, topk, ep, dtype, us, source, nbytes=None, lo=None, hi=None,
+         date="?"):
     if nbytes is None:
         nbytes = dc_bytes(tokens, hidden, experts, topk, ep, _dtype(dtype))
+    if group.endswith("@hbm"):
+        nbytes *= ep   # every rank on one GPU: they share its memory, so the bytes of all ranks count
     return {"kind": "dc", "group": group, "shape": shape, "tokens_per_rank": tokens, "hidden": hidden,
             "num_experts": experts, "topk": topk, "ep_size": ep, "bytes": nbytes, "us": float(us),
-            "min_us": lo, "max_us": hi, "source": source}
+            "min_us": lo, "max_us": hi, "source": source, "date": str(date)[:10]}
 
 
 def _arm_group(arm: str) -> str:
@@ -150,7 +157,7 @@ def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
                 out.append(_obs(f"{_arm_group(arm)}@{link}", shape, r0["tokens_per_rank"], r0["hidden"], r0["num_experts"],
                                 r0["topk"], ep, dtype, statistics.median(vals),
                                 f"{name} ({date}, n={len(vals)} starts, {prof}/{route})",
-                                lo=min(vals), hi=max(vals)))
+                                lo=min(vals), hi=max(vals), date=date))
             if not got:
                 raise ValueError(f"{path}: no efa-ep-bench or planner records in it")
         else:
@@ -172,7 +179,7 @@ def _from_bench_summary(doc, name) -> List[Dict[str, Any]]:
         out.append(_obs(f"{_arm_group(c['arm'])}@{link}", c["shape"], c["tokens_per_rank"], c["hidden"], c["num_experts"],
                         c["topk"], c["ep_size"], c["dtype"], st["median"],
                         f"{name} ({date}, {gpu}, EP {c['ep_size']}, n={st.get('n')} starts, "
-                        f"{c['profile']}/{c['route']})", lo=st.get("min"), hi=st.get("max")))
+                        f"{c['profile']}/{c['route']})", lo=st.get("min"), hi=st.get("max"), date=date))
     return out
 
 
@@ -184,7 +191,7 @@ def _from_plan_record(r, name) -> Dict[str, Any]:
     return _obs(f"{r['arm']}@{r['link']}", f"H{r['hidden']}/E{r['num_experts']}/k{r['topk']}",
                 r["tokens_per_rank"], r["hidden"], r["num_experts"], r["topk"], r["ep_size"], r["dtype"],
                 st["median"], f"{name}: {r['source']} ({r['date']}, {r['machine']})", nbytes=nbytes,
-                lo=st.get("min"), hi=st.get("max"))
+                lo=st.get("min"), hi=st.get("max"), date=r["date"])
 
 
 def _from_bench_proxy(doc, name) -> List[Dict[str, Any]]:
@@ -245,14 +252,52 @@ def fit_alpha(rates: Sequence[Dict[str, Any]]) -> Tuple[float, float, int]:
     return num / den, statistics.median(posts), n
 
 
+def dc_groups(obs: Sequence[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """The D+C observations by fit group. A group measured on several dates is split into one
+    group per date, named ``<group> <YYYY-MM-DD>`` (e.g. ``gda@hbm 2026-12-02``): records of
+    different dates may be of different code (gda's host path changed between the 2026-11-29
+    bench and the 2026-12-02 records), and one fit across them describes neither."""
+    by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
+    for o in obs:
+        if o["kind"] == "dc":
+            by.setdefault(o["group"], {}).setdefault(o.get("date", "?"), []).append(o)
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for g, dates in by.items():
+        if len(dates) == 1:
+            out[g] = next(iter(dates.values()))
+        else:
+            for d, os_ in dates.items():
+                out[f"{g} {d}"] = os_
+    return out
+
+
+def newest_group(fits: Dict[str, Dict[str, Any]], prefix: str,
+                 links: Sequence[str] = ("nvlink", "hbm")) -> Optional[str]:
+    """The fitted group of arm ``prefix`` (e.g. ``gda``) on one of ``links`` with the newest
+    measurement date; on equal dates the earlier link in ``links`` wins. None when there is none."""
+    best, key = None, None
+    for g, f in fits.items():
+        base = g.split(" ")[0]
+        arm, _, link = base.partition("@")
+        if arm != prefix or link not in links:
+            continue
+        k = (f.get("date") or "?", -list(links).index(link))
+        if key is None or k > key:
+            best, key = g, k
+    return best
+
+
 def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64) -> Dict[str, Any]:
     """Fits every parameter from the records in ``paths``; returns the calibration document
-    (``params``: name -> Fig dict; ``groups``: every fitted group; ``validation``: held-out rows)."""
+    (``params``: name -> Fig dict; ``groups``: every fitted group; ``validation``: held-out rows).
+
+    gda's fixed cost per op is host work (launches, the count read), not link time, so it comes
+    from the newest gda records on any link (:func:`newest_group`: the current code; with the
+    shipped records, the one-H200 ``gda@hbm`` records of 2026-12-02). gda's link efficiency
+    needs a real NVLink: it comes from the ``gda@nvlink`` fit's rate (its slope: the difference
+    between its shapes, which the fixed cost cancels out of)."""
     obs = load(paths)
-    dcs = [o for o in obs if o["kind"] == "dc"]
-    groups: Dict[str, List[Dict[str, Any]]] = {}
-    for o in dcs:
-        groups.setdefault(o["group"], []).append(o)
+    groups = dc_groups(obs)
     fits = {}
     for g, os_ in sorted(groups.items()):
         fixed, slope = fit_linear(os_)
@@ -260,22 +305,33 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
         rel = [abs(p - o["us"]) / o["us"] for p, o in zip(pred, os_)]
         fits[g] = {"fixed_us": fixed, "gbps": (1e-3 / slope) if slope > 0 else None, "n": len(os_),
                    "shapes": sorted({o["shape"] for o in os_}), "max_abs_rel_err": max(rel),
+                   "date": max(o.get("date", "?") for o in os_),
                    "sources": sorted({o["source"].split(" (")[0] for o in os_})}
     params: Dict[str, Fig] = {}
     study = deepep_efa_figures()
 
-    def from_group(g: str, what: str) -> Dict[str, Any]:
+    def from_group(g: Optional[str], what: str, name: Optional[str] = None) -> Dict[str, Any]:
         if g not in fits:
-            raise ValueError(f"no records for {g} ({what}); pass a file with them (e.g. "
+            raise ValueError(f"no records for {name or g} ({what}); pass a file with them (e.g. "
                              f"results/plan/measured_h200x2.jsonl)")
         return fits[g]
 
-    gda = from_group("gda@nvlink", "gda over NVLink")
-    src = "; ".join(gda["sources"])
-    params["gda_fixed_us"] = Fig(round(gda["fixed_us"], 2), "us", "measured",
-                                 f"fit of gda@nvlink D+C = 2 x fixed + bytes / rate (n={gda['n']}): {src}")
-    params["gda_link_eff"] = Fig(round(gda["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
-                                 f"fitted gda@nvlink rate {gda['gbps']:.0f} GB/s / NVLink 4 spec {NVLINK4_GBPS:g} GB/s per direction")
+    nv_name = newest_group(fits, "gda", ("nvlink",))
+    nv = from_group(nv_name, "gda over NVLink", "gda@nvlink")
+    fx_name = newest_group(fits, "gda")
+    fx = fits[fx_name]
+    src = "; ".join(fx["sources"])
+    why = ("" if fx_name == nv_name else
+           f"; the newest gda records ({fx['date']}; gda@nvlink: {nv['date']}): the fixed cost is host work, "
+           f"not link time")
+    params["gda_fixed_us"] = Fig(round(fx["fixed_us"], 2), "us", "measured",
+                                 f"fit of {fx_name} D+C = 2 x fixed + bytes / rate (n={fx['n']}, max |error| "
+                                 f"{100 * fx['max_abs_rel_err']:.0f}%){why}: {src}")
+    params["gda_link_eff"] = Fig(round(nv["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
+                                 f"fitted {nv_name} rate {nv['gbps']:.0f} GB/s (slope of its fit, n={nv['n']}, "
+                                 f"{nv['date']}) / NVLink 4 spec {NVLINK4_GBPS:g} GB/s per direction: "
+                                 + "; ".join(nv["sources"]))
+    gda = fx
     nc = from_group("nccl_a2a@nvlink", "NCCL all-to-all over NVLink")
     src = "; ".join(nc["sources"])
     params["nccl_fixed_us"] = Fig(round(nc["fixed_us"], 2), "us", "measured",
@@ -313,26 +369,29 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
 
 
 def validate(obs: Sequence[Dict[str, Any]], provider: str = "shm", desc_bytes: int = 64) -> Dict[str, Any]:
-    """Held-out predictions: per D+C group with >= 2 shapes, leave one shape out, fit on the
-    rest, predict it; per descriptor-rate file, predict its rates on more than one channel from
+    """Held-out predictions: per D+C group (:func:`dc_groups`) with >= 2 shapes, leave one shape out, fit on the
+    rest, predict it (a group of one shape measured at >= 2 EP sizes: leave one EP size out,
+    held_out ``EP <n>``); per descriptor-rate file, predict its rates on more than one channel from
     its own one-channel rate and the alpha fitted on the other files. Rows: group, held_out, measured_us, predicted_us,
     rel_err (predicted / measured - 1)."""
     rows = []
-    groups: Dict[str, List[Dict[str, Any]]] = {}
-    for o in obs:
-        if o["kind"] == "dc":
-            groups.setdefault(o["group"], []).append(o)
+    groups = dc_groups(obs)
     not_held = []
     for g, os_ in sorted(groups.items()):
         shapes = sorted({o["shape"] for o in os_})
-        if len(shapes) < 2:
-            not_held.append(f"{g}: one shape ({len(os_)} points) - fitted, not held out")
+        eps = sorted({o["ep_size"] for o in os_})
+        if len(shapes) >= 2:
+            key, held = (lambda o: o["shape"]), shapes
+        elif len(eps) >= 2:
+            key, held = (lambda o: f"EP {o['ep_size']}"), [f"EP {e}" for e in eps]
+        else:
+            not_held.append(f"{g}: one shape and one EP size ({len(os_)} points) - fitted, not held out")
             continue
-        for s in shapes:
-            train = [o for o in os_ if o["shape"] != s]
+        for s in held:
+            train = [o for o in os_ if key(o) != s]
             fixed, slope = fit_linear(train)
             for o in os_:
-                if o["shape"] == s:
+                if key(o) == s:
                     p = 2 * fixed + o["bytes"] * slope
                     rows.append({"kind": "dc", "group": g, "held_out": s, "tokens_per_rank": o["tokens_per_rank"],
                                  "measured": o["us"], "predicted": p, "unit": "us", "rel_err": p / o["us"] - 1,
@@ -396,7 +455,8 @@ def read(path: str) -> Dict[str, Fig]:
 def default_record_files(root: str) -> List[str]:
     """The record files in ``results/`` the shipped calibration is built from."""
     cands = ["results/h200/bench_ep4/bench_summary.json", "results/h200/bench_proxy.json",
-             "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl"]
+             "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
+             "results/plan/measured_h200_gda_eager.jsonl"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
 
 

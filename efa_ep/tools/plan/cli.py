@@ -10,6 +10,8 @@ Usage::
 
 The plan prints its tables and ends with one line
 ``plan: verdict=<dense|capacity|efa> transport=<name> num_channels=<n> dc_us=<D+C per layer> bound=<...>``
+(``transport``: gda, proxy, hier:agg1, hier:agg0, alltoall or allgather; ``hier:aggN`` is
+``EFA_EP_TRANSPORT=hier`` with ``aggregate=N``)
 and writes ``plan.json`` and ``plan.png`` into ``out_dir`` (default ``./plan_<model>_<fabric>``).
 """
 from __future__ import annotations

@@ -494,6 +494,23 @@ class Plan:
     reason: str
     bound: str
     dc_us: float
+    ranking: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+EFA_PATHS = ("gda", "proxy", "hier:agg1", "hier:agg0")
+
+
+def rank_paths(paths: Dict[str, "PathResult"], ref: "PathResult") -> List[Dict[str, Any]]:
+    """Every applicable path, fastest first: ``name``, ``dc_us``, ``x_ref`` (D+C / ``ref``'s D+C),
+    ``efa`` (one of the efa dispatcher's transports: gda, proxy, hier designs)."""
+    rows = [{"name": n, "dc_us": p.dc_us.value, "x_ref": p.dc_us.value / ref.dc_us.value, "efa": n in EFA_PATHS}
+            for n, p in paths.items() if p.applicable]
+    return sorted(rows, key=lambda r: r["dc_us"])
+
+
+def ranking_text(ranking: List[Dict[str, Any]], ref: str) -> str:
+    return f"ranked by D+C (x Megatron {ref}): " + ", ".join(
+        f"{r['name']} {r['dc_us']:.0f} us ({r['x_ref']:.2f}x)" for r in ranking)
 
 
 def _path_fns():
@@ -506,11 +523,13 @@ def _path_fns():
 def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
     """The full plan: traffic, every path's D+C, shares of the step, memory and the verdict.
 
-    Verdict: ``efa`` when the best ``efa`` path (gda inside a node, else proxy) is at most
-    ``win_margin`` x the best Megatron path; else ``capacity`` when the experts do not fit a
-    GPU without EP (weights + grads + optimizer > ``memory_budget`` x HBM): EP is needed to fit,
-    take the fastest path; else ``dense``: the all-to-all buys nothing, use Megatron's
-    ``allgather`` dispatcher (or no EP).
+    Verdict: ``efa`` when the best ``efa`` path (gda inside a node; across nodes the fastest of
+    ``proxy`` and the ``hier`` designs, ``hier:agg1`` being what ``EFA_EP_TRANSPORT=auto`` runs)
+    is at most ``win_margin`` x the best Megatron path; else ``capacity`` when the experts do not
+    fit a GPU without EP (weights + grads + optimizer > ``memory_budget`` x HBM): EP is needed to
+    fit, take the fastest path; else ``dense``: the all-to-all buys nothing, use Megatron's
+    ``allgather`` dispatcher (or no EP). ``ranking``: every applicable path, fastest first, with
+    its D+C over the best Megatron path's (:func:`rank_paths`); the reason ends with it.
     """
     tr = {**traffic(inp), **hier_traffic(inp)}
     paths = {n: f(inp, tr, cal) for n, f in _path_fns().items()}
@@ -528,10 +547,12 @@ def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
         step[n] = derived(comm_train * per_step, "us", f"2 x D+C x {inp.moe_layers} MoE layers x "
                                                       f"{inp.micro_batches_per_step} micro-batches")
     step["gemm"] = derived(gemm_train * per_step, "us", "expert GEMM fwd+bwd x layers x micro-batches")
-    efa_name = "gda" if paths["gda"].applicable else "proxy"
-    efa = paths[efa_name]
+    cands = [paths[n] for n in (("gda",) if paths["gda"].applicable else ("proxy", "hier:agg1", "hier:agg0"))
+             if paths[n].applicable]
+    efa = min(cands, key=lambda p: p.dc_us.value) if cands else paths["proxy"]
+    efa_name = efa.name
     megatron = {n: paths[n] for n in ("alltoall", "allgather") if paths[n].applicable}
-    nc = efa.num_channels if efa_name == "proxy" else paths["proxy"].num_channels
+    nc = efa.num_channels if efa.num_channels else paths["proxy"].num_channels
     mem = memory(inp, max(1, nc))
     fits = mem["expert_bytes_per_gpu_no_ep"].value <= mem["hbm_budget_bytes"].value
     if not efa.applicable or not megatron:
@@ -539,6 +560,7 @@ def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
         reason = "EP size 1: no expert-parallel exchange"
         return Plan(inp, tr, paths, comp, mem, shares, step, verdict, chosen, 0, reason, "none", 0.0)
     best_m = min(megatron.values(), key=lambda p: p.dc_us.value)
+    ranking = rank_paths(paths, best_m)
     ratio = efa.dc_us.value / best_m.dc_us.value
     fastest = min([efa] + list(megatron.values()), key=lambda p: p.dc_us.value)
     gb = 1e9
@@ -550,17 +572,18 @@ def make_plan(inp: Inputs, cal: Dict[str, Fig]) -> Plan:
         verdict, chosen = "capacity", fastest
         reason = (f"experts need {mem['expert_bytes_per_gpu_no_ep'].value / gb:.0f} GB per GPU without "
                   f"EP (> {mem['hbm_budget_bytes'].value / gb:.0f} GB budget): EP is needed to fit; "
-                  f"efa ({efa_name}) is {ratio:.2f}x Megatron {best_m.name}, not a throughput win; "
-                  f"fastest: {fastest.name}")
+                  f"the best efa path ({efa_name}) is {ratio:.2f}x Megatron {best_m.name}, not a throughput "
+                  f"win; fastest: {fastest.name}")
     else:
         verdict, chosen = "dense", paths["allgather"]
-        reason = (f"efa ({efa_name}) is {ratio:.2f}x Megatron {best_m.name} (no win below "
+        reason = (f"the best efa path ({efa_name}) is {ratio:.2f}x Megatron {best_m.name} (no win below "
                   f"{inp.win_margin:g}) and the experts fit without EP "
                   f"({mem['expert_bytes_per_gpu_no_ep'].value / gb:.0f} GB <= "
                   f"{mem['hbm_budget_bytes'].value / gb:.0f} GB): use Megatron allgather")
-    nc = chosen.num_channels if chosen.name == "proxy" else 0
+    reason += "; " + ranking_text(ranking, best_m.name)
+    nc = chosen.num_channels if chosen.name in EFA_PATHS else 0
     return Plan(inp, tr, paths, comp, mem, shares, step, verdict, chosen.name, nc, reason,
-                chosen.bound, chosen.dc_us.value)
+                chosen.bound, chosen.dc_us.value, ranking)
 
 
 def choose_transport(ep_size: int, ranks_per_node: int, available: List[str], cal: Dict[str, Fig],

@@ -3,11 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence
 
 from .model import Fig, Inputs, Plan, make_plan
 
 _TAG = {"measured": "M", "derived": "D", "assumed": "A"}
+WIDTH = 132   # printed lines wrap at word boundaries to this width (sources are never cut)
+
+
+def wrap(first: str, text: str, indent: int = 0, width: int = WIDTH) -> List[str]:
+    """``first`` + ``text`` wrapped at spaces to ``width`` columns, continuation lines indented
+    by ``indent`` (a word longer than a line is kept whole, not cut)."""
+    return textwrap.wrap(text, width=width, initial_indent=first, subsequent_indent=" " * indent,
+                         break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
 
 
 def _b(n: float) -> str:
@@ -54,7 +63,8 @@ def tables(plan: Plan, cal: Dict[str, Fig]) -> str:
     for k, v in cal.items():
         if k.startswith("_"):
             continue
-        L.append(f"  {k:22s} {v.value:>10.4g} {v.unit:9s} [{_TAG[v.tag]}] {v.source[:110]}")
+        head = f"  {k:22s} {v.value:>10.4g} {v.unit:9s} [{_TAG[v.tag]}] "
+        L += wrap(head, v.source, indent=len(head))
     L.append("")
     L.append("Bytes per rank (efa dispatcher: one row per destination rank)")
     L.append(f"  {'':24s} {'NVLink':>12s} {'EFA':>12s}")
@@ -99,7 +109,7 @@ def tables(plan: Plan, cal: Dict[str, Fig]) -> str:
               "expert_bytes_per_gpu_ep", "hbm_budget_bytes"):
         L.append(f"  {k:28s} {_b(m[k].value):>10s} [{_TAG[m[k].tag]}] {m[k].source}")
     L.append("")
-    L.append(f"Verdict: {plan.verdict} - {plan.reason}")
+    L += wrap(f"Verdict: {plan.verdict} - ", plan.reason, indent=4)
     return "\n".join(L)
 
 
@@ -118,13 +128,15 @@ def hier_lines(plan: Plan) -> List[str]:
         L.append(f"    {n:10s} {tr[n + '_efa_messages_op'].value:>9.2f} {tr[n + '_efa_rows_op'].value:>10.1f} "
                  f"{_b(tr[n + '_efa_bytes_op'].value):>10s} {tr[n + '_descriptors_op'].value:>6.0f} "
                  f"{_b(tr[n + '_nvlink_bytes_op'].value):>12s} {p.dc_us.value:>9.1f}  {p.num_channels}")
-    L.append("    (the verdict compares gda/proxy with Megatron; the hier rows are what `auto` runs "
-             "across nodes, for comparison)")
+    L.append("    (hier:agg1 is what `auto` runs across nodes; the verdict ranks both designs with proxy and "
+             "Megatron)")
     return L
 
 
 def final_line(plan: Plan) -> str:
-    """The one line other tools parse (format fixed)."""
+    """The one line other tools parse (format fixed; ``transport`` is a path name: gda, proxy,
+    hier:agg1 / hier:agg0 = ``EFA_EP_TRANSPORT=hier`` with ``aggregate=1`` / ``0``, alltoall,
+    allgather)."""
     return (f"plan: verdict={plan.verdict} transport={plan.transport} num_channels={plan.num_channels} "
             f"dc_us={plan.dc_us:.1f} bound={plan.bound}")
 
@@ -154,7 +166,8 @@ def to_json(plan: Plan, cal: Dict[str, Fig], sweep_rows, extra: Dict[str, Any]) 
         "paths": {k: v.to_dict() for k, v in plan.paths.items()},
         "share_of_step": d(plan.shares), "per_step_us": d(plan.step),
         "verdict": plan.verdict, "transport": plan.transport, "num_channels": plan.num_channels,
-        "reason": plan.reason, "bound": plan.bound, "dc_us": plan.dc_us, "line": final_line(plan),
+        "reason": plan.reason, "ranking": plan.ranking, "bound": plan.bound, "dc_us": plan.dc_us,
+        "line": final_line(plan),
         "sweep": sweep_rows, **extra,
     }
 
