@@ -82,6 +82,11 @@ def _hooks_set() -> bool:
     return False
 
 
+def _current_stream() -> int:
+    """The current CUDA stream of the current device, as the raw handle Triton launches on."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
 def _direct_launcher(kernel):
     """``(launch, function, cooperative, pdl, packed_metadata)`` to call the kernel's native
     launch function without the Python frame around it, or None where that frame does work
@@ -153,7 +158,7 @@ class FastKernel:
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        stream = _current_stream()
         kernel, direct = entry
         if direct is not None:
             launch, function, coop, pdl, meta = direct
