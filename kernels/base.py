@@ -141,6 +141,21 @@ class TransportBroken(TransportError):
     later call; the message carries the original error. Create a new transport to continue."""
 
 
+def error_for_errno(code: int, message: str) -> TransportError:
+    """The error kind of a failed native wait or transfer (``code``: negative errno): a deadline
+    or a lost peer is a :class:`PeerFailure` (``EIO``: the proxy engine failed because a
+    channel's writes to a peer failed; the message names the peer), a protocol violation a
+    :class:`ProtocolError`, anything else a plain :class:`TransportError`."""
+    import errno
+
+    if code in (-errno.ETIMEDOUT, -errno.EIO, -errno.ECONNRESET, -errno.EPIPE,
+                -errno.ECONNABORTED, -errno.ENOTCONN, -errno.EHOSTUNREACH):
+        return PeerFailure(message)
+    if code in (-errno.EPROTO, -errno.EBADMSG):
+        return ProtocolError(message)
+    return TransportError(message)
+
+
 @dataclasses.dataclass(frozen=True)
 class TransportConfig:
     """What every rank of an EP group must agree on; checked at setup across the group.

@@ -100,8 +100,8 @@ import torch
 import torch.distributed as dist
 
 from .base import (
-    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, ProtocolError,
-    Transport,
+    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, PeerFailure,
+    ProtocolError, Transport, TransportBroken,
     TransportError, TransportUnavailable, align_up, describe_status, group_input_error,
     rows_input_error, validate_dispatch_inputs,
 )
@@ -116,12 +116,12 @@ def n_rows_bound(num_recv, k: int) -> int:
     return sum(num_recv) * k
 
 
-class PeerTimeoutError(TransportError):
+class PeerTimeoutError(PeerFailure):
     """A wait (device-side, or the host launch gate) passed its deadline: the named source
     rank(s) never signalled / never issued their stores."""
 
 
-class PeerFailedError(TransportError):
+class PeerFailedError(PeerFailure):
     """An EP peer gave up (deadline, closed transport) before issuing this op's stores."""
 
 
@@ -450,7 +450,7 @@ class GdaTransport(Transport):
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise TransportError(f"rank {self.rank}: gda transport unusable after an earlier "
+            raise TransportBroken(f"rank {self.rank}: gda transport unusable after an earlier "
                                  f"failure ({self._broken}); create a new one")
 
     def _begin_op(self, op: str) -> int:

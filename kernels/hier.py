@@ -75,8 +75,9 @@ import torch
 import torch.distributed as dist
 
 from .base import (
-    DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
-    TransportError, agree_on_input, collective_device, compute_send_layout, rows_input_error,
+    DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
+    ProtocolError,
+    Transport, TransportBroken, TransportError, agree_on_input, collective_device, compute_send_layout, rows_input_error,
     validate_dispatch_inputs,
 )
 
@@ -241,18 +242,26 @@ class HierTransport(Transport):
     def _agree(self, op: str, error: Optional[str]) -> None:
         """The group-wide status exchange: every rank raises if any rank's input is bad."""
         if self._broken is not None:
-            raise TransportError(f"rank {self.rank}: hier transport unusable after an earlier "
-                                 f"failure ({self._broken}); create a new one")
-        agree_on_input(self.group, self.rank, f"hier {op}", error, self._ctl)
+            raise TransportBroken(f"rank {self.rank}: hier transport unusable after an earlier "
+                                  f"failure ({self._broken}); create a new one")
+        self._stage(agree_on_input, self.group, self.rank, f"hier {op}", error, self._ctl)
 
     def _stage(self, fn, *args):
+        """Runs one stage (a transport's op or a collective of hier's own). A failure other than
+        a group's input error breaks hier on this rank; a backend error of a collective (gloo and
+        NCCL raise RuntimeError) becomes a :class:`PeerFailure` naming hier."""
         try:
             return fn(*args)
         except DispatchInputError:
             raise
         except TransportError as e:
-            self._broken = str(e)
+            self._broken = self._broken or str(e)
             raise
+        except RuntimeError as e:
+            msg = (f"rank {self.rank}: hier: a collective over its groups failed ({type(e).__name__}: "
+                   f"{str(e).strip()[:500]})")
+            self._broken = self._broken or msg
+            raise PeerFailure(msg) from e
 
     # ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights):
@@ -334,11 +343,11 @@ class HierTransport(Transport):
         g, n = counts_GN.shape
         send = counts_GN.to(self._ctl).contiguous()
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.node_group)
+        self._stage(dist.all_to_all_single, recv, send, None, None, self.node_group)
         recv = recv.cpu()
         if (recv < 0).any() or int(recv.sum()) > n * g * self.cfg.max_tokens_per_rank:
             self._broken = f"rank {self.rank}: hier received invalid forward counts {recv.tolist()}"
-            raise TransportError(self._broken)
+            raise ProtocolError(self._broken)
         return recv
 
     def dispatch_cached(self, x, handle):

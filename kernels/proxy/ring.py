@@ -17,17 +17,18 @@ import os
 import numpy as np
 import torch
 
-from ..base import TransportError, ceil_div
+from ..base import TransportError, ceil_div, error_for_errno
 from . import native
 
 
 def native_call(fn, *args):
-    """Calls a native wrapper; its NativeError (message from C: verb, peer, message) becomes a
-    TransportError."""
+    """Calls a native wrapper; its NativeError (message from C: verb, peer, message) becomes
+    the contract's error kind (:func:`~efa_ep.kernels.base.error_for_errno`: a deadline or lost
+    peer is a PeerFailure)."""
     try:
         return fn(*args)
     except native.NativeError as ex:
-        raise TransportError(str(ex)) from ex
+        raise error_for_errno(ex.code, str(ex)) from ex
 
 
 def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes: int) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
-    TransportConfig, TransportError, check_group_agreement, describe_value_errors,
+    TransportBroken, TransportConfig, TransportError, check_group_agreement, describe_value_errors,
     align_up, int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
     validate_dispatch_inputs,
 )
@@ -406,11 +406,11 @@ class ProxyTransport(Transport):
     # Failure state --------------------------------------------------------------------------
     def _check_usable(self, what: str) -> None:
         if self._broken is not None:
-            raise TransportError(
+            raise TransportBroken(
                 f"rank {self.rank}: proxy transport refuses {what}: it is broken since an earlier "
                 f"failure (create a new transport): {self._broken}")
         if self.engine is None:
-            raise TransportError(f"rank {self.rank}: proxy transport refuses {what}: it is closed")
+            raise TransportBroken(f"rank {self.rank}: proxy transport refuses {what}: it is closed")
 
     def _guarded(self, fn, *args):
         """Runs one operation; anything but an error every rank raised in step marks the

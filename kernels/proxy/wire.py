@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from ..base import (
-    STATUS_BAD_INPUT, STATUS_OK, TransportError, align_up, ceil_div, group_input_error,
+    STATUS_BAD_INPUT, STATUS_OK, ProtocolError, TransportError, align_up, ceil_div,
+    error_for_errno, group_input_error,
 )
 from . import native
 from .options import PY_TAMPER
@@ -54,7 +55,7 @@ class GroupError(TransportError):
     in step): the transport remains usable."""
 
 
-class ProtocolViolation(TransportError):
+class ProtocolViolation(ProtocolError):
     """A peer sent something the protocol forbids (counts beyond capacity, ids out of range,
     inconsistent header and data, stale round tag)."""
 
@@ -384,7 +385,7 @@ class Wire:
                 self._nw.finish()
             except native.NativeError as ex:
                 if ex.code != -errno.EPROTO:
-                    raise TransportError(str(ex)) from ex
+                    raise error_for_errno(ex.code, str(ex)) from ex
                 self._footer_violation(int(self._nw.st.bad_peer), OP_NAMES[op], widths, tag)
         else:
             srcs = self._peers[self._rows_from[self._peers] > 0]

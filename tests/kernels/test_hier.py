@@ -329,3 +329,39 @@ def test_auto_choice_uses_hier_across_hosts_and_the_calibration_for_k():
     assert auto_choice(16, 8, {}, None) == ("hier", {}, "EP group spans 2 hosts: hier")
     one = auto_choice(8, 8, {}, cal)
     assert one[0] == resolve_transport_name("auto") and one[1] == {}
+
+
+def _lost_peer_worker(rank, world):
+    """hier over two emulated nodes (network ``torch``): one good round, then rank 1 exits
+    without closing anything; rank 0's next dispatch and the call after it."""
+    import os
+
+    import torch.distributed as dist
+
+    from efa_ep.kernels import base, create_transport
+
+    t = create_transport("hier", None, 4, 8, 16, torch.float32, node_size=1, network="torch")
+    idx = torch.tensor([[0, 3], [2, 1]], dtype=torch.int64)
+    t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    kinds = []
+    for _ in range(2):
+        try:
+            t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))
+            kinds.append("no error")
+        except Exception as e:
+            kinds.append([k for k in ("PeerFailure", "TransportBroken", "ProtocolError")
+                          if isinstance(e, getattr(base, k))] or type(e).__name__)
+    return kinds
+
+
+def test_hier_lost_peer_is_a_peer_failure_then_broken():
+    """The contract's error kinds through hier: a peer lost in a collective of hier's own or of a
+    stage is a PeerFailure, and every later call refuses with TransportBroken."""
+    out = run_ranks(_lost_peer_worker, 2, (), timeout_s=120, pg_timeout_s=30,
+                    raise_on_error=False)
+    ok, kinds = out[0]
+    assert ok, kinds
+    assert kinds == [["PeerFailure"], ["TransportBroken"]], kinds

@@ -431,19 +431,30 @@ def _dead_or_absent_rank(rank, world, mode, timeout_s):
         return "absent"
     time.sleep(0.3)
     start = time.monotonic()
+    kinds = []
     try:
         t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))
         msg = "no error"
     except TransportError as e:
         msg = str(e)
+        kinds.append(_kinds(e))
     took = time.monotonic() - start
     try:
         t.combine(torch.ones(1, 8), None)
         after = "no error"
     except TransportError as e:
         after = str(e)
+        kinds.append(_kinds(e))
     t.close()
-    return msg, took, after
+    return msg, took, after, kinds
+
+
+def _kinds(e):
+    """The contract's error kinds ``e`` is an instance of (names, for the parent process)."""
+    from efa_ep.kernels import base
+
+    return [k for k in ("PeerFailure", "ProtocolError", "TransportBroken", "DispatchInputError")
+            if isinstance(e, getattr(base, k))]
 
 
 @pytest.mark.parametrize("mode", ["killed", pytest.param("absent", marks=pytest.mark.skipif(
@@ -453,9 +464,11 @@ def test_dead_or_absent_peer_is_named_and_breaks_the_transport(mode):
                     env=LOOPBACK, raise_on_error=False)
     ok, val = out[0]
     assert ok, val
-    msg, took, after = val
+    msg, took, after, kinds = val
     assert "rank 1" in msg, msg
     assert "broken" in after and "rank 1" in after, after
+    # the README's error kinds: a lost or late peer is a PeerFailure, then TransportBroken
+    assert kinds == [["PeerFailure"], ["TransportBroken"]], (kinds, msg, after)
     if mode == "killed":
         assert took < 1.5, (took, msg)  # the provider's refusal, well before the deadline
     else:
