@@ -11,6 +11,12 @@ nothing at construction), restores the type on the config, and installs
 ``alltoall``/``flex`` (``moe_shared_expert_overlap``) pass its validation; the type string stays
 ``"efa"``.
 
+With ``EFA_EP_FALLBACK=alltoall`` (or ``config.efa_ep_fallback``) the wrap first asks every
+rank of the EP group whether the efa transport can be created and passes a self-test there
+(:func:`efa_ep.dispatcher.transports.decide_fallback`, collective); if any rank says no, every
+rank builds the layer with Megatron's ``alltoall`` dispatcher instead (the same placeholder
+mechanism, with ``alltoall`` in place of ``allgather``), and one log line says why.
+
 ``import efa_ep`` only installs an import hook: each wrap happens when its Megatron module
 (``moe_layer``, ``transformer_config``) is first imported (or immediately, if it already was),
 so importing efa_ep does not import Megatron.
@@ -56,16 +62,20 @@ def register_with_megatron(moe_layer_module=None) -> None:
 
             check_supported(config)
             cpu_compat.enable()  # no-op where CUDA is available
-            config.moe_token_dispatcher_type = "allgather"  # placeholder, replaced below
-            try:
-                original_init(self, config, *args, **kwargs)
-            finally:
-                config.moe_token_dispatcher_type = requested
             pg_collection = kwargs.get("pg_collection", args[2] if len(args) > 2 else None)
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
                 pg_collection = get_default_pg_collection()
+            fallback = _fallback_for(config, pg_collection)
+            # placeholder, replaced below; with a fallback, Megatron's own dispatcher stays
+            config.moe_token_dispatcher_type = fallback or "allgather"
+            try:
+                original_init(self, config, *args, **kwargs)
+            finally:
+                config.moe_token_dispatcher_type = requested
+            if fallback:
+                return
             self.token_dispatcher = EfaTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config,
                 pg_collection=pg_collection)
@@ -74,6 +84,20 @@ def register_with_megatron(moe_layer_module=None) -> None:
         return __init__
 
     _wrap_once(moe_layer_module.MoELayer, "__init__", wrap)
+
+
+def _fallback_for(config, pg_collection):
+    """The Megatron dispatcher type to build instead of efa (``EFA_EP_FALLBACK``), when one is
+    asked for and the EP group agreed that the efa transport cannot run on some rank; else
+    None. Collective over the EP group only when a fallback is asked for."""
+    from .settings import fallback_dispatcher
+
+    fallback = fallback_dispatcher(config)
+    if fallback is None:
+        return None
+    from .transports import decide_fallback
+
+    return fallback if decide_fallback(config, pg_collection.ep, fallback) else None
 
 
 def register_config_validation(config_module=None) -> None:

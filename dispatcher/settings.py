@@ -25,6 +25,11 @@ Precedence (highest first): :func:`configure` in this process; attributes set on
 - ``EFA_EP_GROW_MAX_TOKENS_PER_RANK``: the most tokens per rank ``grow`` sizes windows for
   (default and maximum 2**24; a dispatch that needs more raises);
   ``config.efa_ep_grow_max_tokens_per_rank`` wins; see :func:`grow_max_tokens_per_rank`.
+- ``EFA_EP_FALLBACK``: ``alltoall`` makes every rank of an EP group run Megatron's
+  ``alltoall`` dispatcher instead of ``efa`` when the transport cannot be created or fails its
+  self-test on some rank (decided together, one log line says why); unset or ``none`` (default):
+  the transport's error is raised, one line on every rank. ``config.efa_ep_fallback`` wins; see
+  :func:`fallback_dispatcher` and :mod:`efa_ep.dispatcher.transports`.
 
 Every value is checked against the transport's option schema (:mod:`efa_ep.kernels.options`)
 where it enters: a wrong name, an unknown option key (with "did you mean") or a value of the
@@ -323,13 +328,53 @@ def grow_max_tokens_per_rank(config=None, environ: Optional[Mapping[str, str]] =
                                        f"{MAX_MAX_TOKENS_PER_RANK}") from None
 
 
+ENV_FALLBACK = "EFA_EP_FALLBACK"
+FALLBACK_DISPATCHERS = ("alltoall",)
+_NO_FALLBACK = ("", "none", "off", "0")
+
+
+def fallback_dispatcher(config=None, environ: Optional[Mapping[str, str]] = None,
+                        names: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The Megatron dispatcher type every EP rank builds instead of ``efa`` when the efa
+    transport cannot run on some rank of the group (``alltoall``), or None: no fallback, the
+    transport's error is raised on every rank (the default). Why a fallback exists: a job that
+    prefers running on Megatron's path to stopping, e.g. on a cluster where some hosts lack
+    the libfabric provider. The probe and the agreement are in
+    :mod:`efa_ep.dispatcher.transports`.
+
+    From ``config.efa_ep_fallback`` if set, else ``EFA_EP_FALLBACK``; ``none``, ``off`` or empty
+    mean no fallback.
+
+    Raises:
+        ConfigError: any other value, one line naming where it came from.
+    """
+    value = getattr(config, "efa_ep_fallback", None) if config is not None else None
+    where = "config.efa_ep_fallback"
+    if value is None or (isinstance(value, str) and not value.strip()):
+        env = os.environ if environ is None else environ
+        where = dict(names or {}).get(ENV_FALLBACK, ENV_FALLBACK)
+        value = env.get(ENV_FALLBACK) or ""
+    value = str(value).strip().lower()
+    if value in _NO_FALLBACK:
+        return None
+    if value not in FALLBACK_DISPATCHERS:
+        raise ConfigError(
+            f"{where}={value!r}: expected {' or '.join(FALLBACK_DISPATCHERS)} (or none)"
+            f"{did_you_mean(value, FALLBACK_DISPATCHERS)}",
+            hint="alltoall: every EP rank runs Megatron's alltoall dispatcher when the efa "
+                 "transport cannot run on some rank; none (default): raise the transport's error")
+    return value
+
+
 def check_environment(environ: Optional[Mapping[str, str]] = None,
                       names: Optional[Mapping[str, str]] = None,
                       check_available: bool = True) -> DispatcherSettings:
     """What a launcher calls before starting ranks on this machine: the settings the ranks will
     read from ``environ``, validated (the transport's per-option variables,
     ``EFA_EP_CAPACITY_OVERFLOW`` and ``EFA_EP_GROW_MAX_TOKENS_PER_RANK`` included), with
-    ``auto`` resolved and (``check_available``) the transport's availability checked here.
+    ``auto`` resolved and (``check_available``) the transport's availability checked here;
+    with ``EFA_EP_FALLBACK`` set, a transport that cannot run here is left to the ranks, which
+    then agree on the fallback.
 
     Raises:
         ConfigError: one line naming the variable, with a hint (e.g. ``gda`` on a machine
@@ -338,6 +383,7 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     s = DispatcherSettings.from_env(environ, names)
     capacity_overflow_policy(None, environ, names)
     grow_max_tokens_per_rank(None, environ, names)
+    fallback = fallback_dispatcher(None, environ, names)
     if not check_available:
         if s.transport != "auto":
             _convert_option_variables(s.transport, s.option_variables, names)
@@ -348,7 +394,7 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     resolved = s.resolved_transport()
     _convert_option_variables(resolved, s.option_variables, names)
     why = _status_keeping_sigint(transport_status).get(resolved)
-    if why is not None:
+    if why is not None and fallback is None:
         short = why.split(" (needs ")[0]
         raise ConfigError(f"{s.sources[0]}={s.transport!r}: transport {resolved!r} cannot run on "
                           f"this machine: {short}", hint=unavailable_hint(resolved, s.sources[0]))
@@ -373,5 +419,5 @@ def _status_keeping_sigint(status_fn):
 
 __all__ = ["DispatcherSettings", "configure", "reset", "current_settings", "check_environment",
            "parse_options", "ConfigError", "capacity_overflow_policy", "grow_max_tokens_per_rank",
-           "environment_options",
+           "environment_options", "fallback_dispatcher",
            "option_variables"]
