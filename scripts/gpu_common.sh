@@ -13,3 +13,10 @@ mps_start() {
   nvidia-cuda-mps-control -d && echo "MPS on"
 }
 mps_stop() { echo quit | nvidia-cuda-mps-control; }
+# The carried wheels (.whl: megatron-core and friends for the GPU's Python) into /tmp/site, and
+# the environment every GPU script runs its Python with.
+gpu_setup() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+}

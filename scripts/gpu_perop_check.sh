@@ -9,9 +9,8 @@
 # Carry: .whl (megatron-core wheel for the GPU's Python), .before when a before step runs.
 set -u
 OUT=${OUT:-/tmp/gpu_perop_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
 source scripts/gpu_common.sh
+gpu_setup || exit 1
 mps_start
 want() { case " ${PEROP_STEPS:-tests bench} " in *" $1 "*) return 0;; esac; return 1; }
 N=${PEROP_STARTS:-3}
