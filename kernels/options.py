@@ -187,6 +187,21 @@ def describe_transport(name: str) -> str:
     return f"{name} options: " + ", ".join(o.describe() for o in schema.values())
 
 
+def option_names(name: str) -> str:
+    """``"proxy options: provider, num_channels, ..."``: the keys alone, short enough for a hint
+    line (:func:`describe_transport` has types and defaults). hier names its own keys and the
+    proxy's it passes through."""
+    schema = SCHEMAS.get(name, {})
+    if not schema:
+        return f"{name} takes no options"
+    if name == "hier":
+        own = [k for k in schema if k not in SCHEMAS["proxy"]]
+        left_out = [k for k in SCHEMAS["proxy"] if k not in schema]
+        return (f"hier options: {', '.join(own)}, and the proxy's"
+                + (f" except {', '.join(left_out)}" if left_out else ""))
+    return f"{name} options: " + ", ".join(schema)
+
+
 def check_transport_name(name: Any, where: str) -> str:
     """``name`` stripped and checked against :data:`TRANSPORT_NAMES`."""
     text = str(name).strip()
@@ -251,11 +266,16 @@ def validate_options(name: str, options: Mapping[str, Any], where: str) -> Dict[
                 raise ConfigError(f"{where}: transport {name!r} takes no options (got {key!r})",
                                   hint=f"remove them, or pick the transport they belong to "
                                        f"({_owners(key)})")
+            # The hint stays one short line: the suggested option's meaning, else the key names
+            # (describe_transport's types and defaults of every key would run to 500 characters).
             elsewhere = _owners(key, exclude=name)
+            close = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.6)
+            hint = (f"{close[0]}: {schema[close[0]].doc}" if close else
+                    (f"{key!r} is an option of {elsewhere}; " if elsewhere != "none" else "")
+                    + option_names(name))
             raise ConfigError(
                 f"{where}: unknown option {key!r} for transport {name!r}{did_you_mean(key, schema)}",
-                hint=describe_transport(name) + (f"; {key!r} is an option of {elsewhere}"
-                                                 if elsewhere != "none" else ""))
+                hint=hint)
         out[key] = schema[key].convert(value, where)
     return out
 
@@ -309,4 +329,4 @@ def unavailable_hint(name: str, where: str = "EFA_EP_TRANSPORT") -> str:
 
 __all__ = ["ConfigError", "Option", "SCHEMAS", "TRANSPORT_NAMES", "validate_options",
            "check_transport_name", "check_max_tokens_per_rank", "parse_options_text",
-           "check_resolved", "describe_transport", "unavailable_hint", "did_you_mean"]
+           "check_resolved", "describe_transport", "option_names", "unavailable_hint", "did_you_mean"]

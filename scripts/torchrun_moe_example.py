@@ -1,18 +1,33 @@
 #!/usr/bin/env python3
 """A Megatron GPT-MoE training step with the efa dispatcher under torchrun (the README snippet).
 
-    torchrun --nproc-per-node 2 scripts/torchrun_moe_example.py      # CPU: gloo, EP 2
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/torchrun_moe_example.py   # CPU: gloo, EP 2
 
-On GPUs (one per rank) the same script uses NCCL. The transport comes from EFA_EP_TRANSPORT
+prints one line per rank: its loss and the dispatcher class. Set OMP_NUM_THREADS as shown:
+without it torchrun prints a 4-line banner (that it set it to 1) before this script runs. On
+GPUs (one per rank) the same script uses NCCL. The transport comes from EFA_EP_TRANSPORT
 (default auto: gda on GPUs, torch on CPU), checked before the model is built.
+
+Known warnings are silenced here, each by its message, so that anything else still shows:
+Megatron-Core's "Transformer Engine and Apex are not installed" / "Apex is not installed" (it
+falls back to torch: expected on CPU and without Apex) and its "GPTModel IS DEPRECATED" notice
+(GPTModel is still what this Megatron-Core version builds a GPT from; the efa dispatcher does not
+depend on the model class).
 """
+import logging
 import os
+import warnings
 
-import torch
-import torch.distributed as dist
+# Before anything imports Megatron-Core: these warnings fire at import time.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex are|Apex is) not installed")
+# "GPTModel IS DEPRECATED", logged at WARNING by rank 0 when the model is built
+logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 
-import efa_ep  # noqa: F401  registers moe_token_dispatcher_type="efa" with Megatron-Core
-from efa_ep.dispatcher.settings import check_environment
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import efa_ep  # noqa: F401,E402  registers moe_token_dispatcher_type="efa" with Megatron-Core
+from efa_ep.dispatcher.settings import check_environment  # noqa: E402
 
 if __name__ == "__main__":
     check_environment()  # a bad EFA_EP_* setting fails here, in one line, on every rank
@@ -38,7 +53,7 @@ if __name__ == "__main__":
         tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep,
+        moe_ffn_hidden_size=128, num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep,
         moe_token_dispatcher_type="efa",                      # the one line that selects efa-ep
         use_cpu_initialization=True, gradient_accumulation_fusion=False,
         add_bias_linear=False, bias_dropout_fusion=False, apply_rope_fusion=False,

@@ -28,7 +28,9 @@ def test_ci_config_passes(tmp_path, capsys):
     line = _line(capsys)
     report = json.loads((out / "loss_match.json").read_text())
     assert rc == 0, (line, report["verdict"]["failures"])
-    assert line.startswith("loss-match: PASS max_rel_dloss=") and "steps=20" in line, line
+    assert line.startswith("loss-match: PASS: vs allgather max rel |dloss| ") and "steps=20" in line, line
+    # each baseline with its own tolerance (cpu.yaml: 1e-5 vs allgather, 2e-4 vs ep1), each <=
+    assert " <= 1e-05; vs ep1 max rel |dloss| " in line and " <= 0.0002; " in line, line
     assert (out / "loss_match.png").stat().st_size > 1000
     v = report["verdict"]
     arms = report["arms"]
@@ -116,12 +118,32 @@ def test_per_baseline_tolerance_and_result_line():
     tol = _tol(bitwise={"enabled": False}, per_baseline={"ep1": {"max_rel_dloss": 1e-4}})
     v = loss_match.compare(arms, res, tol, 2)
     assert v["pass"], v["failures"]
+    # Each comparison with its own measured value and its own tolerance: 5e-5 is within ep1's
+    # 1e-4 and is never set against allgather's 1e-5.
     line = loss_match.result_line(v, tol)
-    assert line.startswith("loss-match: PASS max_rel_dloss=5.000e-05 tol=1e-05,ep1:0.0001")
-    assert line.endswith("steps=2 arms=allgather,ep1,alltoall")
+    assert line == ("loss-match: PASS: vs allgather max rel |dloss| 0 <= 1e-05; vs ep1 max rel "
+                    "|dloss| 5.000e-05 <= 0.0001; steps=2 arms=allgather,ep1,alltoall"), line
     tol["per_baseline"]["ep1"]["max_rel_dloss"] = 1e-5
     v = loss_match.compare(arms, res, tol, 2)
-    assert not v["pass"] and loss_match.result_line(v, tol).startswith("loss-match: FAIL")
+    assert not v["pass"]
+    assert loss_match.result_line(v, tol) == (
+        "loss-match: FAIL: vs allgather max rel |dloss| 0 <= 1e-05; vs ep1 max rel |dloss| "
+        "5.000e-05 > 1e-05 (alltoall); steps=2 arms=allgather,ep1,alltoall")
+    # bf16-style: an absolute tolerance, ep1 reported but not gated; the bitwise check named
+    arms.append(A("efa:torch", "candidate", "efa", 2, "torch"))
+    res = {k: {**r, "grad_norms": [1, 1]} for k, r in res.items()}
+    res["efa:torch"] = dict(res["alltoall"])
+    tol = _tol(max_rel_dloss=None, max_abs_dloss=1e-4,
+               per_baseline={"ep1": {"gate": False, "max_rel_dloss": None, "max_abs_dloss": None}})
+    v = loss_match.compare(arms, res, tol, 2)
+    assert v["pass"], v["failures"]
+    assert loss_match.result_line(v, tol) == (
+        "loss-match: PASS: vs allgather max abs |dloss| 0 <= 0.0001; vs ep1 max abs |dloss| "
+        "1.000e-04 (not gated); bitwise efa == alltoall; steps=2 arms=allgather,ep1,alltoall,efa:torch")
+    # a failure the comparisons do not show (a crashed arm) is counted on the line
+    res["efa:torch"] = {"error": "RuntimeError: boom"}
+    line = loss_match.result_line(loss_match.compare(arms, res, tol, 2), tol)
+    assert line.startswith("loss-match: FAIL: ") and "; 1 other failure (listed above); " in line, line
 
 
 def test_export_import_roundtrip(tmp_path):

@@ -200,6 +200,16 @@ def collective_arm(cfg: Dict[str, Any]):
     return nccl_arm_refusal(backend)
 
 
+def _check_experts(where: str, shape: Dict[str, Any], ep: int) -> None:
+    """``topk`` <= ``num_experts``, and the experts split evenly over the ``ep`` ranks."""
+    experts, topk = int(shape["num_experts"]), int(shape["topk"])
+    if topk > experts:
+        raise ValueError(f"{where}.topk={topk} must be <= {where}.num_experts={experts}")
+    if experts % ep:
+        raise ValueError(f"{where}.num_experts={experts} must be a multiple of ep_size={ep} (experts "
+                         f"split evenly over the ranks)")
+
+
 def timing_modes(cfg: Dict[str, Any]) -> List[str]:
     """``timing`` as a list: ``single``, ``steady`` or both (each a cell of its own)."""
     t = cfg.get("timing", "single")
@@ -212,7 +222,35 @@ def timing_modes(cfg: Dict[str, Any]) -> List[str]:
 
 
 def validate_config(cfg: Dict[str, Any]) -> None:
-    """Combinations that cannot run, refused in the parent before any rank starts."""
+    """Settings that cannot run, refused in the parent before any rank starts: every key's value
+    (``efa_ep.tools.config.SETTINGS["bench"]``: ``starts`` >= 1, ``warmup`` >= 0, ...), then
+    combinations (a run with no cell, top-k above the experts, backend vs device, ...).
+
+    Raises:
+        ValueError: one line naming the key, its value and what is expected
+            (:class:`~efa_ep.kernels.options.ConfigError`, with a hint, for a single key).
+    """
+    from ..config import SETTINGS, check_settings
+
+    check_settings(cfg, SETTINGS["bench"])
+    gda_arms(cfg, ())  # arms.gda_modes, checked where gda is not available too
+    ep = int(cfg["ep_size"])
+    if transport_view(cfg):
+        for key in ("profiles", "use_shapes", "routes"):
+            if not cfg.get(key):
+                raise ValueError(f"{key}={cfg.get(key)!r}: the transport view needs at least one "
+                                 f"(or transport_view=false for the layer view alone)")
+        for name in cfg["use_shapes"]:
+            if name not in (cfg.get("shapes") or {}):
+                raise ValueError(f"use_shapes: {name!r} is not a key of shapes "
+                                 f"({', '.join(cfg.get('shapes') or {}) or 'none'})")
+            _check_experts(f"shapes.{name}", cfg["shapes"][name], ep)
+    if cfg.get("layer", {}).get("enabled"):
+        lay = cfg["layer"]
+        _check_experts("layer", lay, ep)
+        if int(lay["tokens_per_rank"]) % int(lay["micro_batch"]):
+            raise ValueError(f"layer.tokens_per_rank={lay['tokens_per_rank']} must be a multiple of "
+                             f"layer.micro_batch={lay['micro_batch']} (sequences of equal length)")
     backend, device = str(cfg["backend"]).lower(), str(cfg["device"])
     if backend == "nccl" and not device.startswith("cuda"):
         raise ValueError(f"backend=nccl requires device=cuda (NCCL moves GPU memory only), "

@@ -32,6 +32,8 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     os.makedirs(out_dir, exist_ok=True)
     arms, not_run = resolve_arms(cfg, available_transports())
     cells = build_cells(cfg, arms)
+    if not cells:
+        raise ValueError("no cell to run: no arm of this config is available here")
     world = int(cfg["ep_size"])
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + hashlib.sha1(os.urandom(8)).hexdigest()[:6]
     env = {"FI_TCP_IFACE": os.environ.get("FI_TCP_IFACE", "lo"), "PYTHONWARNINGS": "ignore",
@@ -107,8 +109,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = args.config_name or ("quick" if args.quick else "default")
     try:
         cfg = compose("bench", name, args.overrides)
-        # Settings that cannot run are refused here, in one line, before any rank starts.
+        # Settings that cannot run are refused here, in one line, before any rank starts: each
+        # key's value, their combinations, and the arms they ask for.
         validate_config(cfg)
+        from efa_ep.kernels import available_transports
+
+        if not build_cells(cfg, resolve_arms(cfg, available_transports())[0]):
+            raise ValueError("no cell to run: no arm of this config is available here")
     except (ConfigError, ValueError) as e:
         print(f"efa-ep-bench: error: {e}", file=sys.stderr)
         if getattr(e, "hint", None):

@@ -19,15 +19,17 @@ broken transport cannot hide the others).
 
 Output (``out_dir``): ``loss_match.json`` (config, provenance, per-arm per-step loss and grad
 norm, per-candidate max abs / rel |d loss| vs each baseline, tolerances with reasons, pass/fail),
-``loss_match.png`` (loss curves and per-step |d loss| on a log axis), and the last printed line
-``loss-match: PASS max_rel_dloss=<x> tol=<t> steps=<n> arms=<list>`` (FAIL likewise, exit 1).
+``loss_match.png`` (loss curves and per-step |d loss| on a log axis), and the last printed line,
+each baseline with its own measured value and its own tolerance (FAIL likewise, exit 1):
+``loss-match: PASS: vs allgather max rel |dloss| 0 <= 1e-05; vs ep1 max rel |dloss| 2.208e-05 <=
+0.0002; bitwise efa == alltoall; steps=<n> arms=<list>``.
 
 ``--export-result DIR`` writes one ``<arm>.txt`` per arm with ``"<step> <repr(loss)>"`` lines;
 ``--import-result FILE`` adds such a file as a baseline arm ``file:<stem>``; with
 ``--assert-equal`` every candidate must equal every imported arm bit for bit (torchtitan's
 ``loss_compare.py`` pattern).
 
-Modules: :mod:`.arms` (arms from the config), :mod:`.corpus` (the seeded data),
+Modules: :mod:`.arms` (arms from the config, config checks), :mod:`.corpus` (the seeded data),
 :mod:`.train` (training per rank), :mod:`.launch` (rank launches, per-arm results),
 :mod:`.verdict` (comparison and result line), :mod:`.report` (plot, export/import),
 :mod:`.cli` (the command).
@@ -38,7 +40,7 @@ Usage::
     efa-ep-loss-match --config-name gpu_bf16            # H200: bf16, 100 steps, ranks on cuda:0
     efa-ep-loss-match steps=20 arms.candidates=[alltoall] out_dir=/tmp/lm
 """
-from .arms import Arm, resolve_arms, safe_name
+from .arms import Arm, resolve_arms, safe_name, validate_config
 from .cli import SCHEMA, main, run
 from .corpus import make_corpus, markov_entropy
 from .launch import load_routing, run_arms
@@ -49,5 +51,5 @@ from .verdict import RESULT_LINE, compare, result_line, routing_diff
 __all__ = [
     "Arm", "RESULT_LINE", "SCHEMA", "compare", "export_result", "import_result", "load_routing",
     "main", "make_corpus", "markov_entropy", "plot", "rank_main", "resolve_arms", "result_line",
-    "routing_diff", "run", "run_arms", "safe_name",
+    "routing_diff", "run", "run_arms", "safe_name", "validate_config",
 ]

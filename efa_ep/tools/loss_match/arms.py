@@ -1,5 +1,5 @@
 """The loss-match arms (one training run each: a dispatcher at an EP size) resolved from the
-config, and the file-name form of an arm name."""
+config, the config checks made before any rank starts, and the file-name form of an arm name."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,3 +60,38 @@ def resolve_arms(cfg: Dict[str, Any], available: Sequence[str]) -> List[Arm]:
 
 def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def validate_config(cfg: Dict[str, Any]) -> None:
+    """Settings that cannot run, refused in the parent before any rank starts: every key's value
+    (``efa_ep.tools.config.SETTINGS["loss_match"]``: ``steps`` >= 1, ``global_batch`` >= 1, ...),
+    then combinations (the batch split over the ranks, top-k above the experts, arm names).
+
+    Raises:
+        ValueError: one line naming the key, its value and what is expected
+            (:class:`~efa_ep.kernels.options.ConfigError`, with a hint, for a single key).
+    """
+    from efa_ep.kernels.options import TRANSPORT_NAMES, check_transport_name
+
+    from ..config import SETTINGS, check_settings
+
+    check_settings(cfg, SETTINGS["loss_match"])
+    m, ep = cfg["model"], int(cfg["ep_size"])
+    if int(cfg["global_batch"]) % ep:
+        raise ValueError(f"global_batch={cfg['global_batch']} must be a multiple of ep_size={ep} "
+                         f"(each rank trains global_batch / ep_size sequences; DP = EP)")
+    if int(m["moe_router_topk"]) > int(m["num_moe_experts"]):
+        raise ValueError(f"model.moe_router_topk={m['moe_router_topk']} must be <= "
+                         f"model.num_moe_experts={m['num_moe_experts']}")
+    if int(m["num_moe_experts"]) % ep:
+        raise ValueError(f"model.num_moe_experts={m['num_moe_experts']} must be a multiple of "
+                         f"ep_size={ep} (experts split evenly over the ranks)")
+    if int(m["hidden_size"]) % int(m["num_attention_heads"]):
+        raise ValueError(f"model.hidden_size={m['hidden_size']} must be a multiple of "
+                         f"model.num_attention_heads={m['num_attention_heads']}")
+    for key in ("baselines", "candidates"):
+        for spec in cfg["arms"].get(key) or []:
+            if str(spec).startswith("efa:") and spec != "efa:*":
+                check_transport_name(str(spec)[4:], f"arms.{key} entry efa:<transport>")
+    # names, duplicates and empty lists, as if every transport were available here
+    resolve_arms(cfg, [t for t in TRANSPORT_NAMES if t != "auto"])

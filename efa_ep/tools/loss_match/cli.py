@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Any, Dict, Optional, Sequence
 
-from .arms import Arm, resolve_arms
+from .arms import Arm, resolve_arms, validate_config
 from .corpus import markov_entropy
 from .launch import load_routing, run_arms
 from .report import export_result, import_result, plot
@@ -27,6 +27,7 @@ def run(cfg: Dict[str, Any], *, fault=None, import_paths: Sequence[str] = (),
 
     from ..provenance import collect
 
+    validate_config(cfg)
     out_dir = os.path.abspath(cfg["out_dir"])
     os.makedirs(out_dir, exist_ok=True)
     available = available_transports()
@@ -121,9 +122,11 @@ output: <out_dir>/loss_match.json (every loss, the comparisons, provenance) and
 
     try:
         cfg = compose("loss_match", args.config_name, args.overrides)
-    except ConfigError as e:
+        # Settings that cannot run are refused here, in one line, before any rank starts.
+        validate_config(cfg)
+    except (ConfigError, ValueError) as e:
         print(f"efa-ep-loss-match: error: {e}", file=sys.stderr)
-        if e.hint:
+        if getattr(e, "hint", None):
             print(f"  hint: {e.hint}", file=sys.stderr)
         return 2
     fault = None

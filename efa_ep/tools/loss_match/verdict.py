@@ -121,34 +121,47 @@ def compare(arms: List[Arm], results: Dict[str, Dict[str, Any]], tol: Dict[str, 
 
 
 def result_line(verdict: Dict[str, Any], tol: Dict[str, Any]) -> str:
-    """``loss-match: PASS max_rel_dloss=<x> tol=<t>[,<baseline>:<t>] steps=<n> arms=<list>``.
+    """The last printed line: the verdict, then each baseline's comparison with its own measured
+    value and its own tolerance, e.g.
 
-    ``max_rel_dloss`` is the largest over every candidate/baseline pair; ``tol`` lists the
-    default tolerance and each per-baseline override; ``worst=`` names the pair closest to (or
-    furthest past) its own tolerance."""
-    def fmt(t):
-        return "none" if t is None else f"{t:g}"
+    ``loss-match: PASS: vs allgather max rel |dloss| 0 <= 1e-05; vs ep1 max rel |dloss| 2.208e-05
+    <= 0.0002; bitwise efa == alltoall; steps=50 arms=allgather,ep1,efa:torch,alltoall``
 
-    rel_tol, abs_tol = tol.get("max_rel_dloss"), tol.get("max_abs_dloss")
-    per = tol.get("per_baseline") or {}
-    def per_fmt(v, key, default):
-        return "info" if not v.get("gate", True) else fmt(v.get(key, default))
+    Per baseline, the measured value is the largest over the candidates, shown for each
+    tolerance that baseline has (``max rel`` and/or ``max abs``): ``<=`` within it, ``>`` past
+    it with the candidates past it named; a baseline with ``gate: false`` (or no tolerance) is
+    shown with the default tolerance's measure and ``(not gated)``. The bitwise check follows,
+    and a count of any other failures (listed on the lines before)."""
+    def num(x: float) -> str:
+        return "0" if x == 0 else f"{x:.3e}"
 
-    t = fmt(rel_tol) + "".join(f",{b}:{per_fmt(v, 'max_rel_dloss', rel_tol)}" for b, v in per.items())
-    line = (f"{RESULT_LINE} {'PASS' if verdict['pass'] else 'FAIL'} "
-            f"max_rel_dloss={verdict['max_rel_dloss']:.3e} tol={t}")
-    if abs_tol is not None or any("max_abs_dloss" in v for v in per.values()):
-        ta = fmt(abs_tol) + "".join(f",{b}:{per_fmt(v, 'max_abs_dloss', abs_tol)}" for b, v in per.items())
-        line += f" max_abs_dloss={verdict['max_abs_dloss']:.3e} abs_tol={ta}"
-    worst, ratio = None, -1.0
-    for c in verdict.get("comparisons", []):
-        if not c.get("gated", True):
-            continue
-        for d, tl in ((c["max_rel_dloss"], c["tol_rel"]), (c["max_abs_dloss"], c["tol_abs"])):
-            if tl:
-                r = d / tl
-                if r > ratio:
-                    worst, ratio = f"{c['candidate']}~{c['baseline']}({r:.2g}xtol)", r
-    if worst:
-        line += f" worst={worst}"
-    return line + f" steps={verdict['steps']} arms={','.join(verdict['arms'])}"
+    measures = (("rel", "max_rel_dloss", "tol_rel"), ("abs", "max_abs_dloss", "tol_abs"))
+    default = [m for m in measures if tol.get(m[1]) is not None] or [measures[0]]
+    parts, over_count = [], 0
+    cmps = verdict.get("comparisons", [])
+    for base in dict.fromkeys(c["baseline"] for c in cmps):
+        group = [c for c in cmps if c["baseline"] == base]
+        gated = group[0].get("gated", True)
+        shown = [m for m in measures if group[0].get(m[2]) is not None] if gated else []
+        texts = []
+        for word, key, tkey in shown or default:
+            worst = max(c[key] for c in group)
+            t = group[0].get(tkey)
+            if not gated or t is None:
+                texts.append(f"max {word} |dloss| {num(worst)} (not gated)")
+                continue
+            over = [c["candidate"] for c in group if c[key] > t]
+            texts.append(f"max {word} |dloss| {num(worst)} {'>' if over else '<='} {t:g}"
+                         + (f" ({', '.join(over)})" if over else ""))
+        over_count += sum(1 for c in group if not c["pass"])
+        parts.append(f"vs {base} " + ", ".join(texts))
+    bw = verdict.get("bitwise") or []
+    if bw:
+        control = bw[0]["control"]
+        diff = [b["candidate"] for b in bw if not b["pass"]]
+        parts.append(f"bitwise {', '.join(diff)} != {control}" if diff else f"bitwise efa == {control}")
+    other = len(verdict.get("failures", [])) - over_count - sum(1 for b in bw if not b["pass"])
+    if other > 0:
+        parts.append(f"{other} other failure{'s' if other > 1 else ''} (listed above)")
+    return (f"{RESULT_LINE} {'PASS' if verdict['pass'] else 'FAIL'}: " + "; ".join(parts)
+            + f"; steps={verdict['steps']} arms={','.join(verdict['arms'])}")

@@ -189,7 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = compose("plan", a.config_name, a.overrides)
         run_plan(cfg, a.overrides)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"efa-ep-plan: {e}", file=sys.stderr)
+        # one line (a misspelled preset lists the presets there are), plus a hint where there is one
+        print(f"efa-ep-plan: error: {e}", file=sys.stderr)
+        if getattr(e, "hint", None):
+            print(f"  hint: {e.hint}", file=sys.stderr)
         return 2
     return 0
 
