@@ -7,13 +7,21 @@ named in the error, and the others are killed.
 Nothing listens beyond loopback: the rendezvous store is served by the launcher on a socket it
 binds to 127.0.0.1 itself (torch's ``TCPStore`` server would listen on every interface), and
 gloo is pointed at the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise.
+
+Ctrl-C: a SIGINT that reaches the launching process while it starts the ranks is held until the
+last one has started, then raised, so the cleanup knows every rank to stop (none is left
+half-started). With ``ranks_block_sigint`` the ranks start with SIGINT blocked and never see it
+(see :func:`run_ranks`).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as queue_mod
+import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -117,9 +125,44 @@ def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, args, result_
                 pass
 
 
+@contextlib.contextmanager
+def _starting_ranks(block_sigint: bool):
+    """Around the start of the ranks (main thread only; elsewhere nothing): a SIGINT is held
+    (recorded, not raised) and handed to the previous Python handler afterwards (by default:
+    KeyboardInterrupt), so the caller's cleanup sees every started rank. With ``block_sigint``
+    SIGINT is also blocked meanwhile, and each rank process inherits that mask at spawn.
+
+    Yields a function to call before each start: it blocks SIGINT again, in case something
+    (multiprocessing's resource tracker, when it is restarted) unblocked it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    held = []
+    if callable(previous):
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+
+    def block():
+        if block_sigint:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    try:
+        yield block
+    finally:
+        # Handler first, then the mask: a SIGINT pending on this thread arrives at the handler.
+        if callable(previous):
+            signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if held:
+        previous(signal.SIGINT, held[0])
+
+
 def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backend: Optional[str] = "gloo",
               timeout_s: float = 300.0, pg_timeout_s: float = 60.0,
-              env: Optional[Dict[str, str]] = None, raise_on_error: bool = True) -> List[Any]:
+              env: Optional[Dict[str, str]] = None, raise_on_error: bool = True,
+              ranks_block_sigint: bool = False) -> List[Any]:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
     Args:
@@ -130,6 +173,12 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
         env: extra environment variables for the children.
         raise_on_error: raise RankFailure if any rank failed; otherwise return per-rank
             ``(ok, value_or_traceback)`` tuples.
+        ranks_block_sigint: start the ranks with SIGINT blocked (a mask survives spawn's exec),
+            for a launcher that handles Ctrl-C itself: a terminal's Ctrl-C reaches the whole
+            process group, and a rank would otherwise die at whatever it was doing, or, before
+            it could install a handler, with a traceback; a blocked signal also never reaches
+            a handler a library installs later (libfabric's ends the process with status 1).
+            On KeyboardInterrupt here the ranks are killed.
 
     Returns:
         Per-rank return values (rank order), or ``(ok, value)`` tuples when not raising.
@@ -145,11 +194,13 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
                          args=(fn, r, world_size, port, backend, pg_timeout_s, dict(env or {}),
                                tuple(args), result_q, os.getpid()))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: Dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout_s
     try:
+        with _starting_ranks(ranks_block_sigint) as block_sigint:
+            for p in procs:
+                block_sigint()
+                p.start()
+        deadline = time.monotonic() + timeout_s
         while len(results) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -173,9 +224,10 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, backen
                         results.setdefault(r, (False, f"process exited with code {procs[r].exitcode} "
                                                       f"without reporting"))
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             p.join(timeout=5 if len(results) == world_size else 0.1)
-        for p in procs:
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

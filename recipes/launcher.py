@@ -11,18 +11,32 @@ misspelled key is refused with the closest existing one.
 
 Which trainer runs: ``efa_ep.trainer`` in the recipe (``auto`` by default): ``auto`` picks NeMo-RL
 if ``import nemo_rl.algorithms.grpo`` works, else the built-in trainer; ``builtin`` / ``nemo_rl``
-force one. The first log line says which one runs and why.
+force one. The first log line says that Ctrl-C is handled, the next one which trainer runs and
+why.
 
-Exit codes: 0 done; 1 a rank failed (its first error on one line, every traceback in
-``<logger.log_dir>/rank_errors.log``); 2 a setting is wrong (one line naming it, before any rank
-starts); 130 interrupted (Ctrl-C: the partial run's metrics and plot are written).
+Built-in trainer: every run writes into its own directory ``<logger.log_dir>/<UTC start
+time>/`` (metrics.jsonl, tensorboard/, grpo_curves.png, summary.json; rank_errors.log if a rank
+failed), and ``<logger.log_dir>/latest`` links to it; the recipe's ``logger.log_dir`` is
+``runs/<recipe>``. The last line of a finished run is its verdict
+(:mod:`efa_ep.recipes.grpo.verdict`): ``verdict: PASS - <what was checked>`` or
+``verdict: FAIL - <why>``.
+
+Exit codes: 0 done, verdict PASS; 1 the run failed: a rank failed (its first error on one line,
+every traceback in ``<run directory>/rank_errors.log``) or the verdict is FAIL; 2 a setting is
+wrong (one line naming it, before any rank starts: every key's type included); 130 interrupted
+(Ctrl-C at any moment once the launcher has said it handles it: one ``interrupted ...`` line;
+the partial run's metrics and plot are written).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -66,10 +80,12 @@ _EPILOG = """\
 overrides (after the options; NeMo-RL's rules):
   key=value              change a key the recipe has, e.g. grpo.max_num_steps=50
   +key=value             add a key it lacks, e.g. +policy.megatron_cfg.efa_ep_transport=gda
+                         (NeMo-RL; the built-in trainer refuses keys it does not read)
   efa_ep.transport.transport=torch|proxy|gda|auto   the efa dispatcher's transport
   efa_ep.transport.transport_options='num_channels=4,provider=tcp'   (proxy knobs)
   policy.megatron_cfg.moe_token_dispatcher_type=alltoall            A/B against Megatron's
-  logger.log_dir=DIR     where metrics.jsonl, TensorBoard events and grpo_curves.png go
+  logger.log_dir=DIR     each run writes into DIR/<UTC start time>/ (metrics.jsonl, tensorboard/,
+                         grpo_curves.png, summary.json); DIR/latest links to the newest run
 without --config, Hydra groups of efa_ep/conf/grpo.yaml: transport=auto|torch|gda|proxy
 
 shipped recipes (--config NAME):
@@ -82,7 +98,8 @@ after start-up). The llm/ recipes need NeMo-RL and p5en nodes.
 environment: EFA_EP_TRANSPORT, EFA_EP_TRANSPORT_OPTIONS, EFA_EP_MAX_TOKENS_PER_RANK apply
 where the recipe's efa_ep.transport keys are auto / null / empty; all are checked before
 ranks start.
-exit codes: 0 done, 1 a rank failed, 2 a setting is wrong, 130 interrupted (partial plot written).
+exit codes: 0 done (verdict PASS), 1 a rank failed or verdict FAIL, 2 a setting is wrong,
+130 interrupted (partial plot written).
 """
 
 
@@ -107,8 +124,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
     parser.add_argument("--summary-json", default=None,
-                        help="also write the run summary (start/end reward and accuracy, wall "
-                             "time, paths) as JSON to this file")
+                        help="also write the run summary (status, verdict, run directory, "
+                             "start/end reward and accuracy, wall time, paths) as JSON to this "
+                             "file (every run also writes it to its directory as summary.json)")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -130,22 +148,125 @@ def _error(msg: str, hint: str = "") -> None:
         print(f"  hint: {hint}", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the command; returns its exit code (see the module docstring)."""
-    args, overrides = parse_args(argv)
+_REPEAT_S = 0.5
+"""Seconds after a SIGINT that raised during which another one only counts."""
+
+
+class _CtrlC:
+    """Ctrl-C for the whole command, armed first thing in :func:`main`.
+
+    The terminal's SIGINT reaches the launcher and its ranks (one process group). The ranks
+    start with it blocked (``run_ranks(..., ranks_block_sigint=True)``) and never act on it; here
+    it raises KeyboardInterrupt wherever the launcher is (loading the recipe, starting the
+    ranks, waiting for them, reporting), which :func:`main` turns into the ``interrupted`` line
+    and exit 130 after the ranks are stopped. Every SIGINT is also counted, so one whose
+    exception a library swallowed still ends the command as interrupted. A SIGINT within
+    :data:`_REPEAT_S` of the last one that raised (a key held or pressed twice) is only counted,
+    and so is every SIGINT once :meth:`settle` is called (the launcher is stopping, or has
+    decided the run's outcome): the stop and the report are not cut short.
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.raising = True
+        self.last_raise = -math.inf
+        self.previous = None
+        self.armed = False
+
+    def arm(self) -> bool:
+        """Installs the handler (main thread only; False elsewhere). Also where the command
+        started with SIGINT ignored, as a script's background job does (``cmd &``): a SIGINT
+        sent to the run's process group is meant for the run; ignored here, the run would go
+        on to the end."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        self.previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handler)
+        self.armed = True
+        return True
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        now = time.monotonic()
+        if self.raising and now - self.last_raise > _REPEAT_S:
+            self.last_raise = now
+            raise KeyboardInterrupt
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def check(self) -> None:
+        """Raises KeyboardInterrupt if a SIGINT came (its exception may have been swallowed)."""
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def settle(self) -> None:
+        self.raising = False
+
+    def disarm(self) -> None:
+        if self.armed and self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.armed = False
+
+
+class _Run:
+    """What :func:`main` knows about the run so far, for the ``interrupted`` line."""
+
+    def __init__(self):
+        self.t0 = time.time()
+        self.tcfg = None      # TrainerConfig, once the recipe is checked (built-in trainer)
+        self.run_dir = None   # the run's directory, once made
+        self.trainer = None   # "builtin" | "nemo_rl", once chosen
+        self.summary_json = None
+
+
+def main(argv: Optional[Sequence[str]] = None, sigint_held: Sequence = ()) -> int:
+    """Runs the command; returns its exit code (see the module docstring). Called with ``argv``
+    (from Python), the caller's SIGINT handler is put back on return; from the command line a
+    SIGINT after the outcome is decided is ignored, so it cannot change the exit code.
+    ``sigint_held``: SIGINTs an entry script caught before this module was imported (non-empty:
+    the command is interrupted at once)."""
+    ctrl_c, state = _CtrlC(), _Run()
+    armed = ctrl_c.arm()
     try:
-        return _main(args, overrides)
-    except (ValueError, FileNotFoundError) as e:
-        # ConfigError and the recipe dataclasses' checks: one line, before any rank starts.
-        _error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
-               getattr(e, "hint", "") or "see efa-ep-grpo --help")
-        return 2
+        if sigint_held:
+            raise KeyboardInterrupt
+        args, overrides = parse_args(argv)
+        state.summary_json = args.summary_json
+        if armed:
+            _log("Ctrl-C stops the run at any moment: the ranks are stopped, the steps done are "
+                 "kept and plotted, exit 130")
+        try:
+            return _main(args, overrides, ctrl_c, state)
+        except (ValueError, FileNotFoundError) as e:
+            # ConfigError and the recipe dataclasses' checks: one line, before any rank starts.
+            ctrl_c.check()
+            ctrl_c.settle()
+            _error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+                   getattr(e, "hint", "") or "see efa-ep-grpo --help")
+            return 2
+    except KeyboardInterrupt:
+        ctrl_c.settle()
+        return _interrupted(state)
+    finally:
+        ctrl_c.settle()
+        if argv is not None:
+            ctrl_c.disarm()
+        elif ctrl_c.armed:
+            # The outcome is decided. Python's exit resets a handler installed from Python to
+            # the default (a SIGINT would then end the process as killed, not with this exit
+            # code); an ignored SIGINT stays ignored.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _main(args, overrides: List[str]) -> int:
-    t0 = time.time()
+def _main(args, overrides: List[str], ctrl_c: _CtrlC, state: _Run) -> int:
     cfg = load(args, overrides)
+    from .grpo.config import check_recipe_types
+
+    check_recipe_types(cfg)
     trainer, why = choose_trainer(cfg)
+    state.trainer = trainer
     if trainer == "nemo_rl":
         _log(f"trainer: NeMo-RL GRPO with the efa-ep Megatron policy-worker extension ({why})")
     else:
@@ -164,44 +285,82 @@ def _main(args, overrides: List[str]) -> int:
         # The workers run elsewhere (Ray): check the schema here, not availability.
         check_environment(transport_env(cfg), check_available=False)
         run_nemo_rl_grpo(cfg, config_path=args.config, overrides=overrides)
+        ctrl_c.check()
         return 0
     from efa_ep.distributed import RankFailure
-    from .grpo.config import trainer_config
+    from .grpo.config import check_added_keys, trainer_config
+    from .grpo.metrics import new_run_dir, point_latest
     from .grpo.trainer import check_before_start, run
 
+    check_added_keys(overrides)
     tcfg = trainer_config(cfg)
     check_before_start(tcfg)
+    state.tcfg = tcfg
+    ctrl_c.check()
+    # Only now, with every setting checked: a refused run leaves no directory behind.
+    state.run_dir = run_dir = new_run_dir(tcfg.logger.log_dir)
+    latest = point_latest(run_dir)
+    cfg = dict(cfg, logger=dict(cfg.get("logger") or {}, log_dir=run_dir))
+    state.tcfg = tcfg = dataclasses.replace(tcfg, logger=dataclasses.replace(tcfg.logger, log_dir=run_dir))
+    _log(f"run directory: {run_dir}" + (f" ({latest} points to it)" if latest else ""))
     try:
         summary = run(cfg)
-    except KeyboardInterrupt:
-        return _interrupted(tcfg, time.time() - t0)
     except RankFailure as e:
-        if e.failures and all(text.startswith("KeyboardInterrupt") for _, text in e.failures):
-            return _interrupted(tcfg, time.time() - t0)
-        return _rank_failed(e, tcfg)
-    summary["launcher_wall_s"] = time.time() - t0
+        ctrl_c.settle()
+        if ctrl_c.requested or (e.failures and all(text.startswith("KeyboardInterrupt")
+                                                   for _, text in e.failures)):
+            return _interrupted(state)
+        return _rank_failed(e, tcfg, state)
+    return _finished(summary, tcfg, ctrl_c, state)
+
+
+def _finished(summary: dict, tcfg, ctrl_c: _CtrlC, state: _Run) -> int:
+    """The finished run's report; its last line the verdict (exit 0 on PASS, 1 on FAIL)."""
+    from .grpo.verdict import verdict
+
+    summary["launcher_wall_s"] = time.time() - state.t0
     _log(f"done in {summary['launcher_wall_s']:.1f}s ({summary['steps']} GRPO steps, "
          f"{summary['grpo_wall_s']:.1f}s in the GRPO loop)")
-    _log(f"train/reward: first {summary['reward_first']:.3f}; mean of first "
-         f"{summary['reward_window']} steps {summary['reward_start']:.3f} -> mean of last "
-         f"{summary['reward_window']} steps {summary['reward_end']:.3f}")
+    if summary.get("reward_start") is not None:
+        _log(f"train/reward: first {summary['reward_first']:.3f}; mean of first "
+             f"{summary['reward_window']} steps {summary['reward_start']:.3f} -> mean of last "
+             f"{summary['reward_window']} steps {summary['reward_end']:.3f}")
     if summary.get("val_accuracy_start") is not None:
         _log(f"validation/accuracy (greedy): {summary['val_accuracy_start']:.3f} -> "
              f"{summary['val_accuracy_end']:.3f}")
-    _log(f"metrics: {summary['metrics_jsonl']}" + (f"; curves: {summary['png']}" if summary.get("png") else ""))
-    if args.summary_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
-        with open(args.summary_json, "w") as f:
+    passed, text = verdict(summary, tcfg)
+    summary.update(status="pass" if passed else "fail", verdict=text)
+    # A Ctrl-C up to here ends as interrupted; from here on the verdict stands.
+    ctrl_c.settle()
+    ctrl_c.check()
+    _write_summary(state, summary)
+    files = ", ".join(f for f in ("metrics.jsonl", "grpo_curves.png", "tensorboard/", "summary.json")
+                      if os.path.exists(os.path.join(state.run_dir, f.rstrip("/"))))
+    _log(f"run directory: {state.run_dir}: {files}")
+    _log(f"verdict: {text}")
+    return 0 if passed else 1
+
+
+def _write_summary(state: _Run, summary: dict) -> None:
+    """``summary.json`` in the run's directory, and the ``--summary-json`` file if given."""
+    from .grpo.metrics import SUMMARY_NAME
+
+    summary = dict(summary, run_dir=state.run_dir)
+    paths = [os.path.join(state.run_dir, SUMMARY_NAME)] if state.run_dir else []
+    if state.summary_json:
+        paths.append(state.summary_json)
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(summary, f, indent=2)
-    return 0
 
 
 ERROR_LOG_NAME = "rank_errors.log"
 
 
-def _rank_failed(e, tcfg) -> int:
-    """One line: the first failing rank's error; every rank's traceback goes to a file. What
-    the ranks logged before is kept, and plotted."""
+def _rank_failed(e, tcfg, state: Optional[_Run] = None) -> int:
+    """One line: the first failing rank's error; every rank's traceback goes to a file in the
+    run's directory. What the ranks logged before is kept, and plotted."""
     log_dir = tcfg.logger.log_dir
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, ERROR_LOG_NAME)
@@ -210,6 +369,8 @@ def _rank_failed(e, tcfg) -> int:
     failures = e.failures or [(-1, str(e))]
     step = _last_step(tcfg)
     at = f" at step {step} of {tcfg.grpo.max_num_steps}" if step else ""
+    if state is not None:
+        _write_summary(state, {"status": "rank_failed", "steps": step, "rank_errors": path})
     if all("did not report within" in t for _, t in failures):
         _error(f"the run did not finish within efa_ep.timeout_s={tcfg.efa_ep.timeout_s:g}s "
                f"(ranks stopped{at})",
@@ -244,15 +405,30 @@ def _plot_partial(tcfg) -> None:
         _log(f"partial run: metrics {jsonl}" + (f"; curves {png}" if png else ""))
 
 
-def _interrupted(tcfg, wall_s: float) -> int:
-    """Ctrl-C: say where the run stopped, plot what it logged, exit 130 (128 + SIGINT)."""
+def _interrupted(state: _Run) -> int:
+    """Ctrl-C: stop what is left of the ranks, say where the run stopped (one line), plot what
+    it logged, exit 130 (128 + SIGINT)."""
+    import multiprocessing
+
+    # run_ranks stops its ranks on the way out; one it could not reach is stopped here.
+    for p in multiprocessing.active_children():
+        p.kill()
+        p.join(timeout=5)
+    wall_s = time.time() - state.t0
+    tcfg = state.tcfg
+    if state.run_dir is None:
+        what = ("NeMo-RL's run: its logs are under logger.log_dir" if state.trainer == "nemo_rl"
+                else "before the run started (nothing was written)")
+        print(f"{LOG_PREFIX} interrupted after {wall_s:.0f}s, {what}", file=sys.stderr, flush=True)
+        return 130
     step = _last_step(tcfg)
     total = tcfg.grpo.max_num_steps
     if step:
         where = f"interrupted at step {step} of {total} after {wall_s:.0f}s"
     else:
         where = f"interrupted before the first GRPO step (of {total}) after {wall_s:.0f}s"
-    print(f"{LOG_PREFIX} {where}", file=sys.stderr, flush=True)
+    _write_summary(state, {"status": "interrupted", "steps": step})
+    print(f"{LOG_PREFIX} {where}; run directory: {state.run_dir}", file=sys.stderr, flush=True)
     _plot_partial(tcfg)
     return 130
 

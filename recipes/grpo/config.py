@@ -5,18 +5,111 @@ plus our own ``efa_ep`` section. :func:`trainer_config` turns the resolved dict 
 dataclasses. NeMo-RL's sections carry many keys the built-in trainer has no use for (vLLM,
 checkpointing, ...): those are ignored. Our ``efa_ep`` section is strict: an unknown key raises,
 naming it. Defaults are NeMo-RL's (``examples/configs/grpo_math_1B.yaml``) except in ``efa_ep``.
+
+Every key these dataclasses declare is type-checked against its annotation when the recipe is
+read (:func:`check_recipe_types`, also part of :func:`trainer_config`): Hydra turns
+``grpo.max_num_steps=ten`` into the string ``'ten'``, which nothing else would notice until a rank
+used it, minutes into the run. An int is accepted where a float is declared (and converted).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional
+import typing
+from typing import Any, Dict, Mapping, Optional, Union
 
 from efa_ep.tiny_moe import TinyMoEConfig
 
 
-def _build(cls, values: Optional[Mapping[str, Any]], strict: bool, where: str):
-    """``cls(**values)`` keeping known fields; nested dataclass fields are built recursively."""
-    values = dict(values or {})
+def _type_text(tp) -> str:
+    """``int``, ``float or null``, ``string or mapping``, ... for messages."""
+    if tp is type(None):
+        return "null"
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_text(a) for a in sorted(args, key=lambda a: a is type(None)))
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) in (dict, Mapping):
+        return "mapping"
+    return {int: "int", float: "float", bool: "bool (true or false)", str: "string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _value_text(v) -> str:
+    """What a value is, in the recipe's words: ``a string``, ``a float``, ``null``, ..."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a bool"
+    if isinstance(v, Mapping):
+        return "a mapping"
+    if isinstance(v, (list, tuple)):
+        return "a list"
+    return {int: "an int", float: "a float", str: "a string"}.get(type(v), f"a {type(v).__name__}")
+
+
+_NO_VALUE = object()
+
+
+def _coerce(v, tp):
+    """``v`` as type ``tp`` (an int where a float is declared becomes a float), or ``_NO_VALUE``
+    when it is not one. bool is not an int here: ``true`` for a step count is a mistake."""
+    if tp is Any:
+        return v
+    if tp is type(None):
+        return None if v is None else _NO_VALUE
+    if typing.get_origin(tp) is Union:
+        for a in typing.get_args(tp):
+            out = _coerce(v, a)
+            if out is not _NO_VALUE:
+                return out
+        return _NO_VALUE
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) in (dict, Mapping):
+        return v if isinstance(v, Mapping) else _NO_VALUE
+    if tp is float:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _NO_VALUE
+    if tp is int:
+        return v if isinstance(v, int) and not isinstance(v, bool) else _NO_VALUE
+    if tp in (bool, str):
+        return v if isinstance(v, tp) else _NO_VALUE
+    return v  # a type this checker does not know: left to the dataclass
+
+
+def _default_text(default) -> str:
+    """`` (default: x)`` for a hint, or ``""`` for a field without a plain default."""
+    if default is dataclasses.MISSING:
+        return ""
+    if default is None:
+        text = "null"
+    elif isinstance(default, bool):
+        text = str(default).lower()
+    else:
+        text = repr(default) if default == "" else str(default)
+    return f" (default: {text})"
+
+
+def _checked(cls, name: str, value, where: str):
+    """``value`` of field ``name`` of ``cls`` checked against the field's annotation (and
+    converted, see :func:`_coerce`). Raises ConfigError naming the key, the value and the type."""
+    tp = typing.get_type_hints(cls)[name]
+    out = _coerce(value, tp)
+    if out is _NO_VALUE:
+        from efa_ep.kernels.options import ConfigError
+
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        key = f"{where}.{name}"
+        raise ConfigError(f"{key}={value!r}: expected {_type_text(tp)}, got {_value_text(value)}",
+                          hint=f"{key} takes {_type_text(tp).split(' (')[0]}{_default_text(f.default)}; "
+                               f"the type of every key: efa_ep/recipes/grpo/config.py")
+    return out
+
+
+def _checked_values(cls, values, strict: bool, where: str) -> Dict[str, Any]:
+    """The keys of ``values`` that ``cls`` declares, each checked and converted; unknown keys
+    raise when ``strict`` (NeMo-RL's sections: ignored)."""
+    if not isinstance(values, Mapping):
+        from efa_ep.kernels.options import ConfigError
+
+        raise ConfigError(f"{where}={values!r}: expected a mapping (a section), got "
+                          f"{_value_text(values)}", hint=f"see --print-config for {where}'s keys")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if strict and unknown:
@@ -24,14 +117,26 @@ def _build(cls, values: Optional[Mapping[str, Any]], strict: bool, where: str):
 
         raise ConfigError(f"{where}: unknown key(s) {unknown}{did_you_mean(unknown[0], fields)}",
                           hint=f"keys of {where}: {', '.join(sorted(fields))}")
-    kw = {}
-    for name, f in fields.items():
-        if name not in values:
-            continue
-        v = values[name]
+    return {name: _checked(cls, name, values[name], where) for name in fields if name in values}
+
+
+def _build(cls, values: Optional[Mapping[str, Any]], strict: bool, where: str):
+    """``cls(**values)`` keeping known fields, each type-checked; nested dataclass fields are
+    built recursively."""
+    kw = _checked_values(cls, {} if values is None else values, strict, where)
+    for name, v in kw.items():
         sub = _NESTED.get((cls.__name__, name))
-        kw[name] = _build(sub, v, strict, f"{where}.{name}") if sub is not None and v is not None else v
+        if sub is not None and v is not None:
+            kw[name] = _build(sub, v, strict, f"{where}.{name}")
     return cls(**kw)
+
+
+def _check_types(cls, values, strict: bool, where: str) -> None:
+    """:func:`_build`'s checks without building (no cross-key checks)."""
+    for name, v in _checked_values(cls, values, strict, where).items():
+        sub = _NESTED.get((cls.__name__, name))
+        if sub is not None and v is not None:
+            _check_types(sub, v, strict, f"{where}.{name}")
 
 
 @dataclasses.dataclass
@@ -66,6 +171,9 @@ class GRPOConfig:
     """Size of the held-out validation set."""
 
     def __post_init__(self):
+        for name in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"grpo.{name}={getattr(self, name)} must be >= 1")
         if self.num_generations_per_prompt < 2 and self.use_leave_one_out_baseline:
             raise ValueError(f"num_generations_per_prompt={self.num_generations_per_prompt} "
                              f"requires use_leave_one_out_baseline=false (needs >= 2 samples)")
@@ -180,6 +288,12 @@ class PolicyConfig:
     megatron_cfg: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
 
     def __post_init__(self):
+        for name in ("train_global_batch_size", "train_micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"policy.{name}={getattr(self, name)} must be >= 1")
+        if self.logprob_batch_size is not None and self.logprob_batch_size < 1:
+            raise ValueError(f"policy.logprob_batch_size={self.logprob_batch_size} must be >= 1 "
+                             f"(or null: train_micro_batch_size)")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"policy.precision={self.precision!r}: expected one of "
                              f"{', '.join(_PRECISIONS)}")
@@ -227,8 +341,8 @@ class TransportConfig:
     """``auto`` | ``torch`` | ``gda`` | ``proxy`` -> ``EFA_EP_TRANSPORT``."""
     max_tokens_per_rank: Optional[int] = None
     """-> ``EFA_EP_MAX_TOKENS_PER_RANK``; None keeps the dispatcher's default."""
-    transport_options: str = ""
-    """``"k=v,..."`` -> ``EFA_EP_TRANSPORT_OPTIONS``."""
+    transport_options: Union[str, Dict[str, Any]] = ""
+    """``"k=v,..."`` or a mapping -> ``EFA_EP_TRANSPORT_OPTIONS``."""
 
     def __post_init__(self):
         # The transport's option schema checks every key here, naming the recipe key, so a
@@ -279,6 +393,11 @@ class EfaEpConfig:
             raise ValueError(f"efa_ep.model.dtype={self.model.dtype!r}: expected fp32, bf16 or fp16")
         if self.num_threads < 1:
             raise ValueError(f"efa_ep.num_threads={self.num_threads} must be >= 1")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "moe_ffn_hidden_size", "num_moe_experts", "moe_router_topk", "vocab_size",
+                     "seq_length"):
+            if getattr(self.model, name) < 1:
+                raise ValueError(f"efa_ep.model.{name}={getattr(self.model, name)} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -336,11 +455,83 @@ _NESTED = {
     ("EfaEpConfig", "warmup"): WarmupConfig, ("EfaEpConfig", "transport"): TransportConfig,
 }
 _STRICT = {"efa_ep"}
+_NESTED_SECTIONS = {name for (owner, name) in _NESTED if owner == "TrainerConfig"}
+
+
+def check_recipe_types(cfg: Mapping[str, Any]) -> None:
+    """Every key of a resolved recipe that these dataclasses declare has a value of its declared
+    type; ``efa_ep`` has no unknown key. Only types: the NeMo-RL trainer runs recipes whose sizes
+    the built-in trainer's cross-key checks (:class:`TrainerConfig`) do not apply to.
+
+    Raises:
+        ConfigError: one line naming the key, the value and the expected type.
+    """
+    for f in dataclasses.fields(TrainerConfig):
+        if f.name in cfg and cfg[f.name] is not None:
+            _check_types(_NESTED[("TrainerConfig", f.name)], cfg[f.name],
+                         strict=f.name in _STRICT, where=f.name)
+
+
+# Keys NeMo-RL's path reads from policy.megatron_cfg; the built-in trainer's are in efa_ep.transport.
+_NEMO_RL_ONLY = {"policy.megatron_cfg.efa_ep_transport": "efa_ep.transport.transport",
+                 "policy.megatron_cfg.efa_ep_max_tokens_per_rank": "efa_ep.transport.max_tokens_per_rank",
+                 "policy.megatron_cfg.efa_ep_transport_options": "efa_ep.transport.transport_options"}
+
+
+def _declared(dotted: str) -> bool:
+    """Whether ``dotted`` names a key (or a section) of :class:`TrainerConfig`."""
+    cls = TrainerConfig
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if cls is None or part not in {f.name for f in dataclasses.fields(cls)}:
+            return False
+        cls = _NESTED.get((cls.__name__, part))
+        if cls is None:
+            return i == len(parts) - 1
+    return True
+
+
+def check_added_keys(overrides) -> None:
+    """For the built-in trainer: a ``+key=value`` override (a key the recipe lacks) in a section
+    it reads must name a key it reads; otherwise nothing would read it, not even a type check.
+    NeMo-RL's path reads other keys, so it does not call this.
+
+    Raises:
+        ConfigError: naming the override, the closest key, or where the setting lives instead.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from efa_ep.kernels.options import ConfigError, did_you_mean
+
+    for o in OverridesParser.create().parse_overrides(overrides=list(overrides)):
+        key = o.key_or_group
+        section = key.split(".")[0]
+        if not o.is_add() or section not in _NESTED_SECTIONS or section in _STRICT or _declared(key):
+            continue
+        if key in _NEMO_RL_ONLY:
+            value = o.input_line.split("=", 1)[-1]
+            raise ConfigError(f"override {o.input_line}: the built-in trainer does not read {key} "
+                              f"(NeMo-RL's path does)",
+                              hint=f"for the built-in trainer write {_NEMO_RL_ONLY[key]}={value}")
+        parent = key.rpartition(".")[0]
+        cls = _section_class(parent) if _declared(parent) else None
+        near = did_you_mean(key, [f"{parent}.{f.name}" for f in dataclasses.fields(cls)] if cls else [])
+        raise ConfigError(f"override {o.input_line}: the built-in trainer reads no key {key!r}{near}",
+                          hint="its keys and their types: efa_ep/recipes/grpo/config.py; see "
+                               "--print-config for the recipe's")
+
+
+def _section_class(dotted: str):
+    """The dataclass of section ``dotted`` of :class:`TrainerConfig`, or None."""
+    cls = TrainerConfig
+    for part in dotted.split("."):
+        cls = _NESTED.get((cls.__name__, part)) if cls is not None else None
+    return cls
 
 
 def trainer_config(cfg: Mapping[str, Any]) -> TrainerConfig:
     """Builds :class:`TrainerConfig` from a resolved recipe dict (sections NeMo-RL's; extra keys
-    in them ignored; ``efa_ep`` strict)."""
+    in them ignored; ``efa_ep`` strict; every declared key type-checked)."""
     kw = {}
     for f in dataclasses.fields(TrainerConfig):
         if f.name in cfg and cfg[f.name] is not None:

@@ -1,10 +1,18 @@
-"""Per-step metrics of the built-in trainer: JSONL (always), TensorBoard (if importable), PNG.
+"""Per-step metrics of the built-in trainer: JSONL (always), TensorBoard (if importable), PNG;
+and the run directories they go to.
 
 Metric names follow NeMo-RL's (``train/reward``, ``train/token_mult_prob_error``,
 ``timing/train/total_step_time``, ...), so the check scripts read both kinds of run alike.
+
+Every run writes into its own directory ``<logger.log_dir>/<UTC start time>/`` and
+``<logger.log_dir>/latest`` links to the newest, so a run never overwrites (or, failing,
+damages) an earlier one's files; NeMo-RL likewise makes ``logger.log_dir`` a base directory
+(its ``exp_NNN`` folders).
 """
 from __future__ import annotations
 
+import datetime
+import itertools
 import json
 import math
 import os
@@ -12,6 +20,43 @@ from typing import Dict, List, Optional
 
 JSONL_NAME = "metrics.jsonl"
 PNG_NAME = "grpo_curves.png"
+SUMMARY_NAME = "summary.json"
+LATEST_NAME = "latest"
+
+
+def new_run_dir(base: str, now: Optional[datetime.datetime] = None) -> str:
+    """Creates and returns ``<base>/<UTC time>`` (``20261201T101530Z``), or that name with
+    ``-2``, ``-3``, ... when it is taken (a run started in the same second): ``os.mkdir`` either
+    creates the directory or fails, so two runs, even at once, never get the same one."""
+    os.makedirs(base, exist_ok=True)
+    stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    for i in itertools.count(1):
+        path = os.path.join(base, stamp if i == 1 else f"{stamp}-{i}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def point_latest(run_dir: str) -> Optional[str]:
+    """Points ``<run_dir>/../latest`` at ``run_dir`` (a relative symlink, replaced in one
+    rename, so a reader never finds it missing); returns the link, or None where it cannot be
+    made (no symlinks on that file system, or a real ``latest`` directory in the way)."""
+    base, name = os.path.split(os.path.normpath(run_dir))
+    link = os.path.join(base, LATEST_NAME)
+    tmp = os.path.join(base, f".{LATEST_NAME}.{os.getpid()}.tmp")
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.symlink(name, tmp)
+        os.replace(tmp, link)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        return None
+    return link
 
 
 class MetricsLogger:
@@ -47,8 +92,18 @@ class MetricsLogger:
 
 
 def read_jsonl(path: str) -> List[dict]:
+    """The rows of a metrics file; a last line cut short (a run stopped while rank 0 wrote it,
+    as on Ctrl-C) is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return rows
 
 
 def plot_curves(jsonl_path: str, png_path: Optional[str] = None) -> Optional[str]:

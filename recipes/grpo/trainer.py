@@ -19,6 +19,7 @@ Every MoE layer moves its tokens with the dispatcher named by
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -187,6 +188,8 @@ class _RankRun:
     dispatcher: str
     policy: torch.nn.Module
     log: "_RankZeroLog"
+    dispatch_counts: List[int] = dataclasses.field(default_factory=list)
+    """Calls of each policy MoE layer's ``token_dispatch`` (:func:`_count_dispatches`)."""
 
     @property
     def is_main(self) -> bool:
@@ -234,15 +237,15 @@ class _UpdateStats(NamedTuple):
     grad_norms: List[float]
 
 
-def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
+def _rank_main(rank: int, world: int, cfg_dict: dict) -> dict:
     """One rank of the built-in trainer, end to end: set up, the optional supervised
     warm-start, the frozen reference and the optimizer, validation before GRPO, the GRPO steps
-    (validation on its period), then rank 0's summary (None on the other ranks)."""
+    (validation on its period), then rank 0's summary (the other ranks: their dispatcher use)."""
     run = _setup_rank(rank, world, cfg_dict)
     g = run.cfg.grpo
     # Every sampling of this rank (warm-start batches, prompts, generations) draws from it.
     rank_gen = torch.Generator().manual_seed(g.seed * 1000 + rank)
-    _warm_start(run, rank_gen)
+    warmup_nonfinite_step = _warm_start(run, rank_gen)
     reference = _frozen_reference(run)
     params, optimizer = _grpo_optimizer(run)
     val_set = _validation_set(run)
@@ -266,7 +269,8 @@ def _rank_main(rank: int, world: int, cfg_dict: dict) -> Optional[dict]:
         _log_step(run, step, metrics, history, bar)
     if bar is not None:
         bar.close()
-    return _finish(run, history, wall=time.time() - run_t0)
+    return _finish(run, history, wall=time.time() - run_t0,
+                   warmup_nonfinite_step=warmup_nonfinite_step)
 
 
 def _setup_rank(rank: int, world: int, cfg_dict: dict) -> _RankRun:
@@ -279,7 +283,11 @@ def _setup_rank(rank: int, world: int, cfg_dict: dict) -> _RankRun:
 
     # Ctrl-C reaches every process of the terminal's group; the launcher alone handles it (it
     # stops the ranks, then writes the partial run's plot), so ranks do not die mid-collective
-    # with a traceback each.
+    # with a traceback each. run() starts the ranks with SIGINT already blocked (inherited at
+    # spawn, before this line could run); blocking it again covers another way of starting
+    # them. Ignoring it would not hold: loading libfabric (transport auto probes the proxy)
+    # installs a handler that ends the process with status 1.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     megatron_note = quiet_megatron()
     cfg = trainer_config(cfg_dict)
@@ -312,18 +320,55 @@ def _setup_rank(rank: int, world: int, cfg_dict: dict) -> _RankRun:
                 for m in policy.modules())
         if n != model_cfg.num_layers:
             raise RuntimeError(f"expected {model_cfg.num_layers} EfaTokenDispatcher layers, found {n}")
-    return _RankRun(rank, world, cfg, device, task, model_cfg, dispatcher, policy, log)
+    return _RankRun(rank, world, cfg, device, task, model_cfg, dispatcher, policy, log,
+                    dispatch_counts=_count_dispatches(policy))
 
 
-def _warm_start(run: _RankRun, rank_gen: torch.Generator) -> None:
+def _moe_dispatchers(model) -> list:
+    """The token dispatcher of each MoE layer of ``model``, in layer order."""
+    return [m.token_dispatcher for m in model.modules()
+            if getattr(m, "token_dispatcher", None) is not None]
+
+
+def _count_dispatches(model) -> List[int]:
+    """A list that counts, per MoE layer of ``model``, the calls of its dispatcher's
+    ``token_dispatch`` (wrapped on the instance; Megatron's ``MoELayer`` calls it there): the
+    verdict's evidence that every layer moved its tokens with the configured dispatcher."""
+    dispatchers = _moe_dispatchers(model)
+    counts = [0] * len(dispatchers)
+    for i, d in enumerate(dispatchers):
+        inner = d.token_dispatch
+
+        def counted(*args, _i=i, _inner=inner, **kwargs):
+            counts[_i] += 1
+            return _inner(*args, **kwargs)
+
+        d.token_dispatch = counted
+    return counts
+
+
+def _dispatch_report(run: _RankRun) -> dict:
+    """This rank's dispatcher use: the class the MoE layers built, their count, the dispatches
+    per layer, and (``efa``) the transports that moved the tokens (``auto`` resolved)."""
+    dispatchers = _moe_dispatchers(run.policy)
+    transports = sorted({d.transport.cfg.name for d in dispatchers
+                         if getattr(getattr(d, "transport", None), "cfg", None) is not None})
+    return {"class": type(dispatchers[0]).__name__ if dispatchers else None,
+            "layers": len(dispatchers), "dispatches": list(run.dispatch_counts),
+            "transports": transports}
+
+
+def _warm_start(run: _RankRun, rank_gen: torch.Generator) -> Optional[int]:
     """Optional supervised warm-start (``efa_ep.warmup``): ``sft_steps`` Adam steps of
-    cross-entropy on the task's worked examples, so the GRPO reward does not start at 0."""
+    cross-entropy on the task's worked examples, so the GRPO reward does not start at 0.
+    Returns the first warm-start step (1-based) whose loss was not finite, or None."""
     w = run.cfg.efa_ep.warmup
     if w.sft_steps <= 0:
-        return
+        return None
     from efa_ep.tiny_moe import sync_grads
 
     policy, log = run.policy, run.log
+    nonfinite_step = None
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=w.lr)
     t0 = time.time()
@@ -339,15 +384,19 @@ def _warm_start(run: _RankRun, rank_gen: torch.Generator) -> None:
         loss.backward()
         sync_grads(policy)
         opt.step()
+        loss_value = loss.item()
+        if nonfinite_step is None and not math.isfinite(loss_value):
+            nonfinite_step = step + 1
         if bar is not None:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{loss_value:.3f}")
             bar.update(1)
         if run.is_main and (step + 1) % max(1, w.sft_steps // 4) == 0:
-            log.metrics.log(-w.sft_steps + step + 1, {"warmup/sft_loss": loss.item()})
+            log.metrics.log(-w.sft_steps + step + 1, {"warmup/sft_loss": loss_value})
     if bar is not None:
         bar.close()
     log.info(f"warm-start: {w.sft_steps} SFT steps in {time.time() - t0:.1f}s, "
              f"final loss {loss.item():.3f}")
+    return nonfinite_step
 
 
 def _frozen_reference(run: _RankRun) -> Optional[torch.nn.Module]:
@@ -538,21 +587,27 @@ def _log_step(run: _RankRun, step: int, metrics: Dict[str, float], history: List
         bar.update(1)
 
 
-def _finish(run: _RankRun, history: List[dict], wall: float) -> Optional[dict]:
+def _finish(run: _RankRun, history: List[dict], wall: float,
+            warmup_nonfinite_step: Optional[int] = None) -> dict:
     """Rank 0 closes its metrics files, plots the curves (``logger.plot``) and returns the
-    run's summary; other ranks return None."""
+    run's summary; every rank's result carries its dispatcher use (``dispatch``)."""
+    dispatch = _dispatch_report(run)
     if not run.is_main:
-        return None
+        return {"rank": run.rank, "dispatch": dispatch}
     run.log.metrics.close()
     png = None
     if run.cfg.logger.plot:
         from .metrics import plot_curves
 
         png = plot_curves(run.log.metrics.jsonl_path)
-    return _summary(history, wall, run.log.metrics.jsonl_path, png)
+    summary = _summary(history, wall, run.log.metrics.jsonl_path, png)
+    summary.update(dispatch=dispatch, warmup_nonfinite_step=warmup_nonfinite_step)
+    return summary
 
 
 def _summary(history: List[dict], wall: float, jsonl: str, png: Optional[str]) -> dict:
+    from .verdict import first_nonfinite
+
     rewards = [h["train/reward"] for h in history if "train/reward" in h]
     vals = [h["validation/accuracy"] for h in history if "validation/accuracy" in h]
     k = max(1, min(10, len(rewards) // 5))
@@ -567,6 +622,7 @@ def _summary(history: List[dict], wall: float, jsonl: str, png: Optional[str]) -
         "val_accuracy_end": vals[-1] if vals else None,
         "token_mult_prob_error_max": max((h["train/token_mult_prob_error"] for h in history
                                           if "train/token_mult_prob_error" in h), default=None),
+        "nonfinite": first_nonfinite(history),
         "metrics_jsonl": jsonl,
         "png": png,
     }
@@ -684,15 +740,33 @@ def check_before_start(cfg: TrainerConfig, environ=None) -> None:
 
     environ = os.environ if environ is None else environ
     env, names = rank_env(cfg, environ)
-    check_environment({**environ, **env}, names)
+    with _sigint_held_back():
+        check_environment({**environ, **env}, names)
+
+
+@contextlib.contextmanager
+def _sigint_held_back():
+    """SIGINT blocked on this thread meanwhile, delivered (to Python's handler) afterwards.
+    For the transport probe: loading libfabric installs a SIGINT handler that ends the process
+    with status 1 and no message; the probe puts Python's handler back when it is done, and a
+    Ctrl-C that came in between then reaches it instead of libfabric's."""
+    import signal
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def run(cfg_dict: dict, log: Callable[[str], None] = print) -> dict:
-    """Runs the built-in trainer on a resolved recipe dict; returns rank 0's summary.
+    """Runs the built-in trainer on a resolved recipe dict; returns rank 0's summary, with
+    every rank's dispatcher use as ``dispatch`` (a list in rank order).
 
     Starts ``policy.megatron_cfg.expert_model_parallel_size`` ranks as local processes (gloo on
     CPU or when ranks share a GPU; NCCL with one GPU per rank), with the ``efa_ep.transport``
-    settings exported as ``EFA_EP_*`` environment variables.
+    settings exported as ``EFA_EP_*`` environment variables, and with SIGINT blocked: Ctrl-C is
+    the caller's (KeyboardInterrupt here; the ranks are killed).
 
     Raises:
         ConfigError / ValueError: a setting is wrong (checked before any rank starts).
@@ -710,8 +784,10 @@ def run(cfg_dict: dict, log: Callable[[str], None] = print) -> dict:
     os.makedirs(cfg.logger.log_dir, exist_ok=True)
     t0 = time.time()
     results = run_ranks(_rank_main, world, (cfg_dict,), backend=backend,
-                        timeout_s=cfg.efa_ep.timeout_s, pg_timeout_s=300.0, env=env)
+                        timeout_s=cfg.efa_ep.timeout_s, pg_timeout_s=300.0, env=env,
+                        ranks_block_sigint=True)
     summary = results[0]
+    summary["dispatch"] = [r["dispatch"] for r in results]
     summary["total_wall_s"] = time.time() - t0
     summary["world_size"] = world
     summary["backend"] = backend

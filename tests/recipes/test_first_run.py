@@ -1,10 +1,13 @@
-"""What a first run sees: the option schema, one-line errors with exit 2 before any rank starts,
-a rank failure reported once, and Ctrl-C (exit 130 with the partial run's plot)."""
+"""What a first run sees: the option schema, one-line errors with exit 2 before any rank starts
+(every recipe key's type included), a rank failure reported once, and Ctrl-C at any moment
+(exit 130, one ``interrupted`` line, the partial run's plot)."""
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -93,6 +96,8 @@ def _launch(args, env_extra=None, **kw):
      "EFA_EP_TRANSPORT_OPTIONS: unknown option 'num_chanels' for transport 'proxy'; did you mean"),
     (["efa_ep.transport.transport=torch", "efa_ep.transport.max_tokens_per_rank=-5"], {},
      "efa_ep.transport.max_tokens_per_rank=-5 must be in"),
+    # a rank would have failed on it after the warm-start, minutes in
+    (["grpo.max_num_steps=ten"], {}, "grpo.max_num_steps='ten': expected int, got a string"),
 ])
 def test_bad_setting_exits_2_with_one_line_before_ranks_start(args, env, expect, tmp_path):
     t0 = time.time()
@@ -140,45 +145,170 @@ def test_rank_failure_reported_once_with_log_file(tmp_path, capsys):
     assert "Traceback" in log and "--- rank 1 ---" in log and "--- rank 0 ---" in log
 
 
-def test_ctrl_c_writes_partial_plot_and_exits_130(tmp_path):
-    log_dir = tmp_path / "run"
+@pytest.mark.parametrize("override, expect", [
+    ("grpo.max_num_steps=ten", "grpo.max_num_steps='ten': expected int, got a string"),
+    ("policy.megatron_cfg.optimizer.lr=fast",
+     "policy.megatron_cfg.optimizer.lr='fast': expected float, got a string"),
+    ("loss_fn.ratio_clip_min=wide", "loss_fn.ratio_clip_min='wide': expected float, got a string"),
+    ("grpo.val_at_start=maybe", "grpo.val_at_start='maybe': expected bool (true or false), got a string"),
+    ("grpo.normalize_rewards=1", "grpo.normalize_rewards=1: expected bool (true or false), got an int"),
+    ("grpo.max_num_steps=2.5", "grpo.max_num_steps=2.5: expected int, got a float"),
+    ("efa_ep.transport.max_tokens_per_rank=lots",
+     "efa_ep.transport.max_tokens_per_rank='lots': expected int or null, got a string"),
+    ("+efa_ep.warmup.sft_stepz=3", "efa_ep.warmup: unknown key(s) ['sft_stepz']; did you mean 'sft_steps'?"),
+    ("efa_ep.warmup.sft_stepz=3", "did you mean 'efa_ep.warmup.sft_steps'?"),
+    # a key added to a NeMo-RL section that the built-in trainer would never read
+    ("+grpo.max_num_stepz=3", "override +grpo.max_num_stepz=3: the built-in trainer reads no key "
+                              "'grpo.max_num_stepz'; did you mean 'grpo.max_num_steps'?"),
+    ("+policy.megatron_cfg.efa_ep_transport=torch", "the built-in trainer does not read "
+                                                    "policy.megatron_cfg.efa_ep_transport"),
+])
+def test_every_key_type_checked_before_ranks_start(override, expect, tmp_path, capsys):
+    from efa_ep.recipes.launcher import main
+
+    rc = main(["--config", "grpo_tiny_moe_efa.yaml", f"logger.log_dir={tmp_path}", override])
+    out, err = capsys.readouterr()
+    errors = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, out + err
+    assert len(errors) == 2 and errors[0].startswith("efa-ep-grpo: error: ") and expect in errors[0], err
+    assert errors[1].startswith("  hint: "), err
+    assert "run directory" not in out and not os.listdir(tmp_path)  # no rank, no run directory
+
+
+def test_type_hint_names_type_and_default(capsys):
+    from efa_ep.recipes.launcher import main
+
+    assert main(["--config", "grpo_tiny_moe_efa.yaml", "efa_ep.warmup.sft_steps=many"]) == 2
+    assert "hint: efa_ep.warmup.sft_steps takes int (default: 0)" in capsys.readouterr().err
+    # an int where a float is declared is a float; the recipe's own values all pass
+    from efa_ep.recipes.config_loader import RECIPES_DIR, load_recipe
+    from efa_ep.recipes.grpo.config import check_recipe_types, trainer_config
+
+    cfg = trainer_config(load_recipe("grpo_tiny_moe_efa.yaml", ["policy.megatron_cfg.optimizer.lr=1"]))
+    assert cfg.policy.megatron_cfg.optimizer.lr == 1.0 and isinstance(cfg.efa_ep.timeout_s, float)
+    for path in sorted(RECIPES_DIR.rglob("*.yaml")):
+        if "nemo_rl_base" not in path.parts:
+            check_recipe_types(load_recipe(path))
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+# The recipe shrunk to seconds per step (1 layer, 16 samples per step, no validation).
+_TINY = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.val_period=0",
+         "grpo.val_at_start=false", "grpo.val_at_end=false", "policy.train_global_batch_size=8",
+         "policy.train_micro_batch_size=4", "efa_ep.model.num_layers=1",
+         "efa_ep.model.hidden_size=32", "logger.tensorboard_enabled=false"]
+_RUN_DIR = "[efa-ep grpo] run directory: "
+
+
+def _steps_logged(run_dir):
+    jsonl = os.path.join(run_dir, "metrics.jsonl") if run_dir else ""
+    if not os.path.exists(jsonl):
+        return 0
+    return sum('"train/reward"' in ln for ln in open(jsonl))
+
+
+# moment -> (overrides, is_now(line, run_dir)): the event after which SIGINT is sent.
+_MOMENTS = {
+    # the launcher has only just armed its handler: recipe not yet loaded, no rank
+    "armed": (["grpo.max_num_steps=500", "efa_ep.warmup.sft_steps=0"],
+              lambda line, run_dir: "Ctrl-C" in line),
+    # settings checked, run directory made: the ranks are being started
+    "ranks-starting": (["grpo.max_num_steps=500", "efa_ep.warmup.sft_steps=0"],
+                       lambda line, run_dir: line.startswith(_RUN_DIR)),
+    # rank 0's first status line: the model is built, the (endless) warm-start begins
+    "warm-start": (["grpo.max_num_steps=500", "efa_ep.warmup.sft_steps=100000"],
+                   lambda line, run_dir: "policy: tiny Megatron" in line),
+    # GRPO steps logged
+    "grpo": (["grpo.max_num_steps=500", "efa_ep.warmup.sft_steps=0"],
+             lambda line, run_dir: _steps_logged(run_dir) >= 2),
+    # the last step's status line: rank 0 plots, the launcher reports
+    "shutdown": (["grpo.max_num_steps=2", "efa_ep.warmup.sft_steps=0"],
+                 lambda line, run_dir: "GRPO 2/2" in line),
+}
+
+
+@pytest.mark.parametrize("moment, inherited_ignore", [
+    ("armed", False), ("ranks-starting", True), ("warm-start", True), ("grpo", True),
+    ("shutdown", False)])
+def test_ctrl_c_at_any_moment_exits_130_with_one_line(moment, inherited_ignore, tmp_path):
+    """SIGINT to the run's whole process group, as a terminal's Ctrl-C, sent when the moment's
+    event shows on stdout (never after a fixed sleep). ``inherited_ignore``: started with SIGINT
+    ignored, as a script's background job is: the launcher must take the signal over, not let
+    the run go on. Transport ``auto``, the recipe's: the ranks load libfabric, whose SIGINT
+    handler ends a process with status 1 (a "rank failed" report) unless the ranks block it."""
+    overrides, is_now = _MOMENTS[moment]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EFA_EP_")}
     env["PYTHONPATH"] = ROOT
-    cmd = LAUNCHER + ["--config", "grpo_tiny_moe_efa.yaml", "grpo.max_num_steps=500",
-                      "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-                      "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
-                      "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4",
-                      "efa_ep.warmup.sft_steps=0", "efa_ep.model.num_layers=1",
-                      "efa_ep.model.hidden_size=32", "efa_ep.transport.transport=torch",
-                      "logger.tensorboard_enabled=false", f"logger.log_dir={log_dir}"]
+    cmd = (LAUNCHER + ["--config", "grpo_tiny_moe_efa.yaml"] + _TINY + overrides
+           + [f"logger.log_dir={tmp_path}"])
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherited_ignore else None
     # Its own session, so the signal reaches the launcher and its ranks as a terminal's Ctrl-C does.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    jsonl = log_dir / "metrics.jsonl"
+                            start_new_session=True, preexec_fn=preexec)
+    lines, out, err = queue.Queue(), [], []
 
-    def steps_logged():
-        return sum("train/reward" in ln for ln in jsonl.read_text().splitlines()) if jsonl.exists() else 0
+    def read(stream, keep, q=None):
+        for ln in stream:
+            keep.append(ln)
+            if q is not None:
+                q.put(ln)
+        if q is not None:
+            q.put(None)
 
-    # Start-up is ~15 s on an idle 2-core machine and minutes on a shared one: wait for two GRPO
-    # steps, but interrupt anyway at the deadline (then the run stops before its first step).
-    deadline = time.time() + 420
+    threads = [threading.Thread(target=read, args=(proc.stdout, out, lines), daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, err), daemon=True)]
+    for t in threads:
+        t.start()
+    run_dir, sent, deadline = None, False, time.time() + 420
     try:
-        while time.time() < deadline and proc.poll() is None and steps_logged() < 2:
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        while time.time() < deadline:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break  # stdout closed: the run ended without the event
+            if line.startswith(_RUN_DIR):
+                run_dir = line[len(_RUN_DIR):].split()[0].rstrip(":")
+            if is_now(line, run_dir):
+                os.killpg(proc.pid, signal.SIGINT)
+                sent = True
+                break
+        assert sent, "".join(out + err)
+        proc.wait(timeout=120)
+        for t in threads:
+            t.join(timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    out, err = "".join(out), "".join(err)
     assert proc.returncode == 130, out + err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if "interrupted" in ln]
-    assert len(lines) == 1, err
-    if "interrupted at step " in lines[0]:
-        step = int(lines[0].split("interrupted at step ")[1].split()[0])
-        rows = [json.loads(ln) for ln in jsonl.read_text().splitlines()]
-        assert step == max(r["step"] for r in rows) >= 1
-        assert (log_dir / "grpo_curves.png").stat().st_size > 1000
+    assert "Traceback" not in err and "failed" not in err, err
+    interrupted = [ln for ln in err.splitlines() if "interrupted" in ln]
+    assert len(interrupted) == 1, err
+    line = interrupted[0]
+    # No rank outlives the launcher (multiprocessing's resource tracker may take a moment).
+    for _ in range(50):
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
     else:
-        assert "interrupted before the first GRPO step" in lines[0], err
+        pytest.fail(f"processes of the run's group still alive after it exited: {line}")
+    if moment == "armed":
+        assert "before the run started" in line, line
+        assert not os.listdir(tmp_path)
+        return
+    assert f"run directory: {run_dir}" in line, line
+    if moment in ("ranks-starting", "warm-start"):
+        assert "interrupted before the first GRPO step (of 500)" in line, line
+        return
+    from efa_ep.recipes.grpo.metrics import read_jsonl  # skips a line cut short by the stop
+
+    step = int(line.split("interrupted at step ")[1].split()[0])
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert step == max(r["step"] for r in rows if "train/reward" in r) >= (2 if moment == "grpo" else 1)
+    assert os.path.getsize(os.path.join(run_dir, "grpo_curves.png")) > 1000
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["status"] == "interrupted"

@@ -66,8 +66,9 @@ def test_launcher_runs_nemo_rl_grpo_with_worker_extension(fake_nemo_rl, capsys):
                         "grpo.max_num_steps=2", "+policy.megatron_cfg.efa_ep_transport=proxy",
                         "+policy.megatron_cfg.efa_ep_transport_options='num_channels=2'"])
     assert rc == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert "NeMo-RL GRPO" in first and "worker extension" in first
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[efa-ep grpo] Ctrl-C stops the run")  # armed before anything else
+    assert "NeMo-RL GRPO" in lines[1] and "worker extension" in lines[1]
 
     calls = {c[0]: c for c in fake_nemo_rl.CALLS}
     assert set(calls) >= {"init_ray", "setup", "Policy", "grpo_train", "shutdown_environments"}

@@ -1,4 +1,5 @@
-"""A few steps of the built-in trainer through the launcher: EP 2 over gloo, efa dispatcher."""
+"""A few steps of the built-in trainer through the launcher: EP 2 over gloo, efa dispatcher; the
+run's own directory and the verdict line."""
 import json
 import os
 import subprocess
@@ -23,9 +24,21 @@ def test_builtin_trainer_smoke_through_launcher(tmp_path):
            "efa_ep.transport.transport=torch", "logger.progress_bar=false", f"logger.log_dir={log_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=str(tmp_path), env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    first = out.stdout.splitlines()[0]
-    assert first.startswith("[efa-ep grpo] trainer: built-in GRPO trainer") and "not NeMo-RL" in first
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("[efa-ep grpo] Ctrl-C stops the run")
+    assert lines[1].startswith("[efa-ep grpo] trainer: built-in GRPO trainer") and "not NeMo-RL" in lines[1]
     assert "moe_token_dispatcher_type='efa', EP=2" in out.stdout and "transport=torch" in out.stdout
+    # the run's own directory, named at the start and in the last lines; latest links to it
+    run_dir = log_dir / os.readlink(log_dir / "latest")
+    assert sorted(p.name for p in log_dir.iterdir()) == sorted([run_dir.name, "latest"])
+    assert f"[efa-ep grpo] run directory: {run_dir} ({log_dir / 'latest'} points to it)" in lines
+    assert lines[-2].startswith(f"[efa-ep grpo] run directory: {run_dir}: metrics.jsonl, grpo_curves.png")
+    # the verdict: what was checked, the transport auto or the recipe chose, the reward as information
+    assert lines[-1].startswith("[efa-ep grpo] verdict: PASS - the efa dispatcher moved the tokens of "
+                                "every MoE layer (1 layer(s) x 2 ranks) over transport torch; all 3 "
+                                "GRPO steps ran; loss, KL, grad norm and reward finite"), lines[-1]
+    assert "not a pass criterion" in lines[-1]
+    log_dir = run_dir
 
     rows = [json.loads(l) for l in open(log_dir / "metrics.jsonl")]
     steps = [r for r in rows if "train/reward" in r]
@@ -42,6 +55,9 @@ def test_builtin_trainer_smoke_through_launcher(tmp_path):
     assert list((log_dir / "tensorboard").glob("events.out.tfevents.*"))
     s = json.load(open(summary))
     assert s["steps"] == 3 and s["world_size"] == 2 and s["backend"] == "gloo"
+    assert s["status"] == "pass" and s["verdict"] in lines[-1] and s["run_dir"] == str(run_dir)
+    assert [d["dispatches"][0] > 0 and d["transports"] == ["torch"] for d in s["dispatch"]] == [True, True]
+    assert json.load(open(run_dir / "summary.json")) == s
 
     # the NeMo-RL-style check reads these metrics, from JSONL and from TensorBoard events
     data = load_metrics(str(log_dir))
