@@ -13,6 +13,14 @@ the loopback self-test (bit-identical to ``torch``, fixed cost per op measured),
 line ``doctor: ok=N warn=N fail=N skip=N advice=<...> wall_s=<...>``. Changes nothing on the
 machine (a missing native library is built into a temporary folder and removed) and never
 leaves loopback. Exit codes: 0 no failed check, 1 a failed check, 2 bad settings.
+
+Under torchrun or Slurm (``WORLD_SIZE`` > 1 with torchrun's variables, or ``SLURM_NTASKS`` > 1
+with ``MASTER_ADDR``) it runs on every rank of the job instead (:mod:`.nodes`): the checks once
+per node, grouped by node on rank 0 with a ``nodes agree`` line, a cross-node self-test of
+``proxy`` and ``hier`` against ``torch`` over the whole group, and one verdict; only rank 0
+prints, and every rank exits with the same code::
+
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m efa_ep.tools.doctor nodes=2 gpus_per_node=8
 """
 from __future__ import annotations
 
@@ -153,7 +161,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from efa_ep.kernels.options import ConfigError
 
     from ..config import compose
+    from .nodes import launch_env, main_nodes
 
+    le = None if a.print_config else launch_env()
+    if le is not None:  # one rank of a torchrun / Slurm job: the multi-node mode (nodes.py)
+        return main_nodes(le, a.config_name, a.overrides, a.json)
     try:
         cfg = compose("doctor", a.config_name, a.overrides)
         if a.print_config:

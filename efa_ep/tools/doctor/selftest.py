@@ -189,11 +189,12 @@ def run_selftest(h: Host, cfg: Dict[str, Any], log=None) -> Dict[str, Any]:
 
 
 def arm_check(arm: Arm, res: Optional[Dict[str, Any]], error: Optional[str], shape: Dict[str, Any],
-              ranks: int) -> Check:
-    """The report line of one arm."""
-    name = f"selftest {arm.label}"
-    what = (f"{ranks} ranks on 127.0.0.1, {shape['tokens']} tokens x {shape['hidden']} {shape['dtype']}, "
-            f"top-{shape['topk']} of {shape['num_experts']}")
+              ranks: int, prefix: str = "selftest", where: Optional[str] = None) -> Check:
+    """The report line of one arm (``prefix``: the line's first word; ``where``: how the ranks
+    were placed, default ``N ranks on 127.0.0.1``)."""
+    name = f"{prefix} {arm.label}"
+    what = (f"{where or f'{ranks} ranks on 127.0.0.1'}, {shape['tokens']} tokens x {shape['hidden']} "
+            f"{shape['dtype']}, top-{shape['topk']} of {shape['num_experts']}")
     if arm.skip is not None:
         return Check(name, "skip", arm.skip, data={"arm": arm.label})
     if res is None:
