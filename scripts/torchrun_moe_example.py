@@ -16,6 +16,7 @@ depend on the model class).
 """
 import logging
 import os
+import sys
 import warnings
 
 # Before anything imports Megatron-Core: these warnings fire at import time.
@@ -67,6 +68,9 @@ if __name__ == "__main__":
     mask = torch.ones(1, 1, 32, 32, dtype=torch.bool, device=device).triu(1)  # True = masked
     loss = model(tokens, position_ids, mask, labels=tokens).float().mean()
     loss.backward()
-    print(f"rank {dist.get_rank()}: loss {loss.item():.4f}, dispatcher "
-          f"{type(model.decoder.layers[0].mlp.token_dispatcher).__name__}", flush=True)
+    # one write per line: the ranks share the terminal, and print() writes the text and its
+    # newline separately when Python runs unbuffered (PYTHONUNBUFFERED=1)
+    sys.stdout.write(f"rank {dist.get_rank()}: loss {loss.item():.4f}, dispatcher "
+                     f"{type(model.decoder.layers[0].mlp.token_dispatcher).__name__}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
