@@ -92,9 +92,11 @@ def _needs(world, name):
 
 
 @pytest.mark.parametrize("world,transport", [
-    (1, "torch"), (2, "torch"), (4, "torch"),
+    (1, "torch"), (2, "torch"),
+    pytest.param(4, "torch", marks=pytest.mark.slow),  # EP 4 below runs over hier and auto
     _needs(2, "proxy"),  # end to end over libfabric (tcp on loopback)
-    (4, "hier"),  # 2 emulated nodes x 2 ranks (network stage: torch, to keep CI short)
+    # 2 emulated nodes x 2 ranks (network stage: torch); auto below covers hier with the proxy
+    pytest.param(4, "hier", marks=pytest.mark.slow),
     # auto on an EP group across (emulated) hosts runs hier (network stage: proxy over tcp)
     pytest.param(4, "auto", id="4-auto", marks=_needs(4, "proxy").marks),
 ])

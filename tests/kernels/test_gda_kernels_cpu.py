@@ -22,7 +22,8 @@ CHECKS = ["layout", "layout_errors", "dispatch_combine", "dispatch_combine_float
           "fixed_capacity", "device_op_base"]
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("check", [pytest.param(c, marks=pytest.mark.slow) if c == "layout" else c
+                                   for c in CHECKS])
 def test_gda_kernels_interpreted(check):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep +
                os.environ.get("PYTHONPATH", ""))

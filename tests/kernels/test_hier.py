@@ -129,8 +129,9 @@ def _hier_worker(rank, world, node_size, network, experts, hidden, topks, dtype_
 @pytest.mark.parametrize("aggregate", [1, 0])
 @pytest.mark.parametrize("world,node_size,network,topks,dtype", [
     (4, 2, "proxy", (1, 2, 8), "float32"),
-    (8, 4, "torch", (2, 4), "bfloat16"),
-    (8, 2, "torch", (1, 8), "float32"),
+    # EP 8: the long randomized sets (`pytest -m slow`, CI's second step)
+    pytest.param(8, 4, "torch", (2, 4), "bfloat16", marks=pytest.mark.slow),
+    pytest.param(8, 2, "torch", (1, 8), "float32", marks=pytest.mark.slow),
     (4, 4, "torch", (2,), "float32"),
 ])
 def test_hier_matches_reference(world, node_size, network, topks, dtype, aggregate):
@@ -169,7 +170,8 @@ def _fewer_ops_worker(rank, world, node_size, network):
     return got
 
 
-@pytest.mark.parametrize("world,node_size,network", [(4, 2, "proxy"), (8, 4, "torch")])
+@pytest.mark.parametrize("world,node_size,network", [
+    (4, 2, "proxy"), pytest.param(8, 4, "torch", marks=pytest.mark.slow)])
 def test_aggregation_sends_fewer_network_ops(world, node_size, network):
     res = run_ranks(_fewer_ops_worker, world, (node_size, network), timeout_s=300, env=ENV)
     for rank, got in enumerate(res):

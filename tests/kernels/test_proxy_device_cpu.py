@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHECKS = ["pack", "gather", "reduce", "transport"]
 
 
+@pytest.mark.slow  # Triton's interpreter over randomized cases: 10-20 s each on 2 cores
 @pytest.mark.parametrize("check", CHECKS)
 def test_proxy_device_kernels_interpreted(check):
     if check == "transport":
