@@ -111,11 +111,6 @@ _MAX_WORLD = 62   # the error word is a 64-bit mask of missing sources; bit 62: 
 _BAD_INPUT_BIT = 1 << 62
 
 
-def n_rows_bound(num_recv, k: int) -> int:
-    """Most (row, local expert) pairs ``num_recv`` rows of top-``k`` can carry."""
-    return sum(num_recv) * k
-
-
 class PeerTimeoutError(PeerFailure):
     """A wait (device-side, or the host launch gate) passed its deadline: the named source
     rank(s) never signalled / never issued their stores."""
@@ -633,7 +628,8 @@ class GdaTransport(Transport):
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
         per_expert = vals[1 + world * hdr_len + world:]
-        if per_expert and (min(per_expert) < 0 or sum(per_expert) > n_rows_bound(num_recv, k)):
+        # (row, local expert) pairs: at most k per received row
+        if per_expert and (min(per_expert) < 0 or sum(per_expert) > sum(num_recv) * k):
             msg = (f"rank {self.rank}: gda dispatch (op {epoch}): the sources' rows per local "
                    f"expert {per_expert} are not counts of the {sum(num_recv)} rows received "
                    f"with top-{k}")

@@ -167,8 +167,3 @@ class FastKernel:
         else:
             kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None,
                        None, *call)
-
-    @property
-    def num_compiled(self) -> int:
-        """Specializations launched through the direct path so far (for tests and benches)."""
-        return len(self._entries)
