@@ -325,9 +325,11 @@ class GdaTransport(Transport):
             rank launches a waiting kernel only after every source has issued its stores for
             the op (host shared memory, see :class:`LaunchGate`); needed for ranks sharing one
             CUDA context (MPS), where a spinning wait can block a peer's module load.
-        fast_launch: 1 (default) = launch compiled kernels through their native launcher,
-            skipping Triton's per-call Python (:mod:`efa_ep.kernels.launch`); 0 = Triton's own
-            launch path (same kernels, same results; slower host).
+        fast_launch: 2 (default) = the kernels of each op phase in one native call
+            (:mod:`efa_ep.kernels.native_launch`; where the driver cannot, 1, with the reason in
+            ``native_launch_off``); 1 = each kernel through its compiled launcher, skipping
+            Triton's per-call Python (:mod:`efa_ep.kernels.launch`); 0 = Triton's own launch
+            path. Same kernels and results on every path; ``launch_path`` says which runs.
 
     Host time: ``blocked_s`` accumulates the seconds this transport's calls spent blocked on
     the device (the dispatch's count read) or on peers' hosts (the launch gate); a call's wall
@@ -353,6 +355,7 @@ class GdaTransport(Transport):
         if self.world_size > _MAX_WORLD:
             raise TransportError(f"gda supports up to {_MAX_WORLD} ranks, got {self.world_size}")
         from . import gda_kernels  # triton import stays lazy
+        from .gda_phases import GdaPhases
         symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
 
         self._kern = gda_kernels
@@ -363,7 +366,7 @@ class GdaTransport(Transport):
         # after_backward(): one host sync per layer backward that raises deferred deadline
         # errors before the optimizer can use the gradients (0 = defer to the next dispatch)
         self.check_backward = bool(int(opts.get("check_backward", 1)))
-        self.fast_launch = bool(int(opts.get("fast_launch", 1)))
+        self.fast_launch = int(opts.get("fast_launch", 2))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):
@@ -431,8 +434,19 @@ class GdaTransport(Transport):
         n_hdr = self.world_size * self.layout.hdr_len
         self._hdr = tuple(self._buf[o["hdr_off"]:o["hdr_off"] + 8 * n_hdr].view(torch.int64)
                           .view(self.world_size, -1) for o in self._offs)
+        self._phases = GdaPhases(self, self.fast_launch)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
+
+    @property
+    def launch_path(self) -> str:
+        """How kernels are launched: ``native`` (one call per op phase), ``fast`` or ``triton``."""
+        return self._phases.path
+
+    @property
+    def native_launch_off(self) -> Optional[str]:
+        """Why op phases are not launched natively (None when they are)."""
+        return self._phases.native_off
 
     # ------------------------------------------------------------------------------------
     def _wait_args(self):
@@ -441,7 +455,8 @@ class GdaTransport(Transport):
     def _op(self, epoch: int) -> dict:
         """Kernel arguments naming op ``epoch``: the device base and the delta from it (and the
         launch path)."""
-        return dict(epoch=epoch - self._dev_base, op_base=self._op_base, fast=self.fast_launch)
+        return dict(epoch=epoch - self._dev_base, op_base=self._op_base,
+                    fast=self.fast_launch >= 1)
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -568,14 +583,13 @@ class GdaTransport(Transport):
             recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64 (local ids, -1 elsewhere),
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
-        kern, cfg, world = self._kern, self.cfg, self.world_size
+        cfg, world = self.cfg, self.world_size
         if self._capturing:
             raise TransportError(
                 f"rank {self.rank}: gda dispatch reads the receive counts on the host and cannot "
                 f"be captured in a CUDA graph; use dispatch_fixed inside capture()")
         error = self._host_check(x, topk_idx, topk_weights)
         epoch = self._begin_op("dispatch")
-        offs = self._offs[epoch % 2]
         if error is not None:  # take part with no rows and a bad status: nobody waits forever
             x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
             topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
@@ -583,26 +597,15 @@ class GdaTransport(Transport):
         x = x.contiguous() if x.stride(-1) != 1 else x
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
-        slot, send_idx, num_per_rank, num_per_expert, status = kern.layout(
-            topk_idx, topk_weights, cfg.num_experts, world, fast=self.fast_launch)
-        if error is not None:
-            status.fill_(STATUS_BAD_INPUT)
-        kern.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
-                         self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
-                         t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
-                         **self._op(epoch), with_meta=True, num_programs=self.num_programs)
+        phases = self._phases
+        scratch, slot, send_idx, num_per_rank, _ = phases.front(
+            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         self._issued(epoch, "dispatch")
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
-        parity = epoch % 2
-        info, recv_offsets = kern.recv_header(
-            self._my_sig, self._hdr[parity], self._err, num_per_rank, self._hw[parity],
-            num_local=cfg.num_local_experts, t_max=cfg.max_tokens_per_rank, **self._op(epoch),
-            kind="dispatch", **self._wait_args())
-        t0 = time.perf_counter()
-        info = info.cpu()  # the one host sync per dispatch
-        self.blocked_s += time.perf_counter() - t0
-        vals = info.tolist()
+        # the one host sync per dispatch
+        vals, info, recv_offsets, blocked = phases.header(scratch, num_per_rank, epoch)
+        self.blocked_s += blocked
         if vals[0]:
             self.check_errors()
         hdr_len = self.layout.hdr_len
@@ -635,17 +638,13 @@ class GdaTransport(Transport):
                    f"with top-{k}")
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
-        tokens_per_expert = info[1 + world * hdr_len + world:]  # summed on the device
+        tokens_per_expert = torch.tensor(per_expert, dtype=torch.int64)  # summed on the device
         n = sum(num_recv)
         dev = self.device
         recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
         recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
         recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
-        if n:
-            kern.gather_rows(self._win_ptr, recv_offsets, recv_x, recv_idx, recv_w, self._my_sig,
-                          self._err, data_off=offs["data_off"], idx_off=offs["idx_off"],
-                          w_off=offs["w_off"], t_max=cfg.max_tokens_per_rank, **self._op(epoch),
-                          wait=False, num_programs=self.num_programs, **self._wait_args())
+        phases.gather(recv_offsets, recv_x, recv_idx, recv_w, epoch)
         s_total = sum(num_send)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
@@ -689,15 +688,9 @@ class GdaTransport(Transport):
         x = x.contiguous() if x.stride(-1) != 1 else x
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
-        slot, send_idx, num_per_rank, num_per_expert, status = kern.layout(
-            topk_idx, topk_weights, cfg.num_experts, world, fast=self.fast_launch)
-        if error is not None:
-            status.fill_(STATUS_BAD_INPUT)
+        _, slot, send_idx, _, _ = self._phases.front(
+            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         t_max = cfg.max_tokens_per_rank
-        kern.dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
-                         self._buf_ptrs, self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
-                         t_max=t_max, num_local=cfg.num_local_experts, **self._op(epoch),
-                         with_meta=True, num_programs=self.num_programs)
         self._issued(epoch, "dispatch")
         full = self._note_idx_width(parity, k)
         rows = world * t_max
@@ -739,10 +732,7 @@ class GdaTransport(Transport):
         epoch = self._begin_op("dispatch_cached")
         offs = self._offs[epoch % 2]
         x = x.contiguous() if (x.shape[1] > 1 and x.stride(1) != 1) else x
-        kern.dispatch_store(x, None, None, st.slot_TW, None, None, None, self._buf_ptrs,
-                         self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
-                         t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
-                         **self._op(epoch), with_meta=False, num_programs=self.num_programs)
+        self._phases.cached_store(x, st.slot_TW, epoch)
         self._issued(epoch, "cached dispatch")
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
             kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
@@ -751,11 +741,7 @@ class GdaTransport(Transport):
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
-        kern.gather_rows(self._win_ptr, st.recv_offsets, out, None, None, self._my_sig, self._err,
-                      data_off=offs["data_off"], idx_off=0, w_off=0,
-                      t_max=self.cfg.max_tokens_per_rank, **self._op(epoch), wait=True,
-                      kind="cached dispatch", num_programs=self.num_programs,
-                      **self._wait_args())
+        self._phases.cached_gather(st.recv_offsets, out, epoch)
         if self.check_every_call and not self._capturing:
             self.check_errors("dispatch_cached")
         return out
@@ -800,20 +786,13 @@ class GdaTransport(Transport):
             self._check_row_fits(y.shape[1], y.dtype, kind)
         except DispatchInputError as e:
             self._refuse(str(e), kind)
-        kern = self._kern
         epoch = self._begin_op(kind)
-        offs = self._offs[epoch % 2]
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
-        kern.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, self._buf_ptrs,
-                        self._sig_ptrs, self._done[1:2], data_off=offs["data_off"], me=self.rank,
-                        t_max=self.cfg.max_tokens_per_rank, **self._op(epoch),
-                        num_programs=self.num_programs, fixed=st.fixed)
+        self._phases.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, st.fixed,
+                                   epoch)
         self._issued(epoch, kind)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        kern.combine_reduce(self._win_ptr, st.slot_TW, out, self._my_sig, self._err,
-                         data_off=offs["data_off"], t_max=self.cfg.max_tokens_per_rank,
-                         **self._op(epoch), wait=True, kind=kind, num_programs=self.num_programs,
-                         **self._wait_args())
+        self._phases.combine_reduce(st.slot_TW, out, epoch, kind)
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)
         return out

@@ -54,7 +54,10 @@ import triton
 import triton.language as tl
 
 from .base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, ceil_div
+from typing import Optional
+
 from .launch import FastKernel
+from .native_launch import KernelStep, MemsetStep
 
 __all__ = [
     "layout", "dispatch_store", "recv_header", "recv_header_fixed", "wait_for_sources", "gather_rows", "combine_store",
@@ -678,6 +681,14 @@ _K_GATHER = FastKernel(_gather_rows_kernel)
 _K_COMBINE_STORE = FastKernel(_combine_store_kernel)
 _K_REDUCE = FastKernel(_combine_reduce_kernel)
 _ONE = (1,)
+
+
+def _go(kernel: FastKernel, grid, args, num_warps: int, fast: bool, plan) -> None:
+    """Launches ``kernel`` now, or with ``plan`` (a list) appends the launch to it instead."""
+    if plan is None:
+        kernel.launch(grid, args, num_warps, fast)
+    else:
+        plan.append(KernelStep(kernel, grid, args, num_warps))
 _UNUSED_F32 = {}  # device -> [1] float32: a pointer argument the kernel variant never reads
 
 
@@ -694,8 +705,28 @@ LAYOUT_BLOCK_T = 64
 LAYOUT_SMALL_ELEMS = 1 << 14
 
 
+def layout_words(t: int, num_experts: int, world: int, k: int) -> int:
+    """int64 elements of the scratch :func:`layout` uses for ``t`` tokens of top-``k``."""
+    return _layout_offsets(t, num_experts, world, k)[-1]
+
+
+def _layout_offsets(t: int, num_experts: int, world: int, k: int):
+    """(small, nb, o_exp, o_rank, o_slot, o_send, o_blk, total words) of layout's scratch."""
+    small = _pad(t) * _pad(k) * _pad(world) <= LAYOUT_SMALL_ELEMS
+    nb = max(1, ceil_div(t, LAYOUT_BLOCK_T))
+    tw = t * world
+    # [status, pad | per expert E | per rank W | slot T x W | send idx | block counts NB x W]
+    o_exp = 2
+    o_rank = o_exp + _even(num_experts)
+    o_slot = o_rank + _even(world)
+    o_send = o_slot + _even(tw)
+    o_blk = o_send + _even(max(1, tw))
+    return small, nb, o_exp, o_rank, o_slot, o_send, o_blk, \
+        o_blk + (0 if small else _even(nb * world))
+
+
 def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world: int,
-           *, fast: bool = True):
+           *, fast: bool = True, scratch: Optional[torch.Tensor] = None, plan=None):
     """Routing layout on the device (no host sync): one launch for a small batch (decode:
     T_PAD x K_PAD x W_PAD <= ``LAYOUT_SMALL_ELEMS``), else a memset and two block kernels.
 
@@ -706,6 +737,10 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
         topk_weights: ``[T, K]`` float32; NaN/Inf flagged in ``status``
             (``STATUS_NON_FINITE_WEIGHT``).
         fast: launch through the compiled kernel's own launcher (see :class:`FastKernel`).
+        scratch: int64 device buffer of at least :func:`layout_words` elements to use (None:
+            allocated here).
+        plan: a list: append the launches (:mod:`efa_ep.kernels.native_launch` steps) instead
+            of making them (the same for every wrapper below).
     Returns:
         (slot_TW [T, W] int64 (-1 = not sent), send_token_idx [T*W] int64 (first S valid),
         num_per_rank_W [W] int64, num_per_expert_E [E] int64, status [1] int64), on the device:
@@ -718,40 +753,38 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     t, k = topk_idx.shape
     num_local = num_experts // world
     w_pad, k_pad, t_pad = _pad(world), _pad(k), _pad(t)
-    small = t_pad * k_pad * w_pad <= LAYOUT_SMALL_ELEMS
-    nb = max(1, ceil_div(t, LAYOUT_BLOCK_T))
     tw = t * world
-    # [status, pad | per expert E | per rank W | slot T x W | send idx | block counts NB x W]
-    o_exp = 2
-    o_rank = o_exp + _even(num_experts)
-    o_slot = o_rank + _even(world)
-    o_send = o_slot + _even(tw)
-    o_blk = o_send + _even(max(1, tw))
-    scratch = torch.empty(o_blk + (0 if small else nb * world), dtype=torch.int64,
-                          device=topk_idx.device)
+    small, nb, o_exp, o_rank, o_slot, o_send, o_blk, words = _layout_offsets(
+        t, num_experts, world, k)
+    if scratch is None:
+        scratch = torch.empty(words, dtype=torch.int64, device=topk_idx.device)
     status = scratch[0:1]
     num_per_expert = scratch[o_exp:o_exp + num_experts]
     num_per_rank = scratch[o_rank:o_rank + world]
     slot = scratch[o_slot:o_slot + tw].view(t, world)
     send_token_idx = scratch[o_send:o_send + max(1, tw)]
     if small:  # the kernel zeroes the counts itself
-        _K_LAYOUT_SMALL.launch(_ONE, (
+        _go(_K_LAYOUT_SMALL, _ONE, (
             topk_idx, topk_weights, slot, send_token_idx, num_per_rank, num_per_expert, status,
             t, k, num_experts, num_local,
             world, w_pad, k_pad, t_pad, _pad(num_experts), STATUS_BAD_EXPERT_ID,
-            STATUS_NON_FINITE_WEIGHT), 4, fast)
+            STATUS_NON_FINITE_WEIGHT), 4, fast, plan)
         return slot, send_token_idx, num_per_rank, num_per_expert, status
-    scratch[:o_rank].zero_()  # status and per-expert counts: the count kernel adds atomically
+    # status and per-expert counts: the count kernel adds atomically
+    if plan is None:
+        scratch[:o_rank].zero_()
+    else:
+        plan.append(MemsetStep(scratch, o_rank * 8))
     block_counts = scratch[o_blk:o_blk + nb * world].view(nb, world)
-    _K_LAYOUT_COUNT.launch((nb,), (
+    _go(_K_LAYOUT_COUNT, (nb,), (
         topk_idx, topk_weights, block_counts, num_per_expert, status,
         t, k, num_experts, num_local,
         world, w_pad, k_pad, LAYOUT_BLOCK_T, STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT),
-        4, fast)
-    _K_LAYOUT_SLOT.launch((nb,), (
+        4, fast, plan)
+    _go(_K_LAYOUT_SLOT, (nb,), (
         topk_idx, block_counts, slot, send_token_idx, num_per_rank,
         t, k, num_experts, num_local, nb,
-        world, w_pad, k_pad, LAYOUT_BLOCK_T, _pad(nb)), 4, fast)
+        world, w_pad, k_pad, LAYOUT_BLOCK_T, _pad(nb)), 4, fast, plan)
     return slot, send_token_idx, num_per_rank, num_per_expert, status
 
 
@@ -773,7 +806,8 @@ def _base(op_base, device) -> torch.Tensor:
 
 def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                    buf_ptrs, sig_ptrs, done, *, data_off, idx_off, w_off, hdr_off, me, t_max,
-                   num_local, epoch, with_meta, num_programs, op_base=None, fast=True):
+                   num_local, epoch, with_meta, num_programs, op_base=None, fast=True,
+                   plan=None):
     """Stores rows (and, ``with_meta``, ids, weights and headers) into every destination's
     window, then raises ``signal[me] = op_base[0] + epoch`` at every rank. ``x``: ``[T, D]``
     (row stride ``x.stride(0)``, unit column stride); ``slot``: ``[T, W]`` int64; tables:
@@ -798,12 +832,12 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
     elem = x.element_size()
     bd = _block_d(d, elem)
     stride = max(1, x.stride(0))
-    _K_STORE.launch((max(1, min(t, num_programs)),), (
+    _go(_K_STORE, (max(1, min(t, num_programs)),), (
         x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs,
         done, _base(op_base, x.device), data_off, idx_off, w_off, hdr_off, me, t, stride, d, k,
         t_max, num_local, epoch,
         world, _pad(world), _pad(k), _pad(num_local), bd, bool(with_meta),
-        _aligned16(d, elem, stride, data_off)), _warps(bd, elem), fast)
+        _aligned16(d, elem, stride, data_off)), _warps(bd, elem), fast, plan)
 
 
 # Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).
@@ -825,7 +859,8 @@ def check_err(err: torch.Tensor) -> None:
 
 
 def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
-                max_spins, use_globaltimer, kind="dispatch", op_base=None, fast=True, out=None):
+                max_spins, use_globaltimer, kind="dispatch", op_base=None, fast=True, out=None,
+                plan=None):
     """Waits for every source and returns (info [1 + W*(2+L) + W + L] int64, offsets [W+1]
     int64) on the device. info = [error bits, headers (status, rows, rows per local expert) per
     source, rows this rank sent per destination, rows received per local expert]. ``my_sig``: ``[W]`` int32; ``hdr``:
@@ -839,42 +874,42 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
         out = torch.empty(o_off + world + 1, dtype=torch.int64, device=hdr.device)
     info = out[:n_info]
     offsets = out[o_off:o_off + world + 1]
-    _K_RECV_HEADER.launch(_ONE, (
+    _go(_K_RECV_HEADER, _ONE, (
         my_sig, hdr, err, num_per_rank, info, offsets, hw, _base(op_base, hdr.device),
         num_local, t_max, epoch, KIND_OF[kind], timeout_ns, max_spins,
-        world, _pad(world), _pad(2 + num_local), bool(use_globaltimer)), 4, fast)
+        world, _pad(world), _pad(2 + num_local), bool(use_globaltimer)), 4, fast, plan)
     return info, offsets
 
 
 def recv_header_fixed(my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
                       *, num_topk, t_max, epoch, full, timeout_ns, max_spins, use_globaltimer,
-                      kind="dispatch", op_base=None, fast=True):
+                      kind="dispatch", op_base=None, fast=True, plan=None):
     """Fixed-capacity receive (one program, no host copy, see :func:`_recv_header_fixed_kernel`):
     fills ``num_recv`` ``[W]`` and ``tokens_per_expert`` ``[L]`` (int64, device) and marks the
     window rows this op did not fill as unused in ``idx_region`` / ``w_region`` (flat int64 /
     float32 views of this parity's id and weight regions, ``W * T_MAX * K`` used)."""
     world = my_sig.numel()
     num_local = tokens_per_expert.numel()
-    _K_RECV_HEADER_FIXED.launch(_ONE, (
+    _go(_K_RECV_HEADER_FIXED, _ONE, (
         my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
         _base(op_base, hdr.device), num_local, num_topk, t_max, epoch, KIND_OF[kind],
         timeout_ns, max_spins, int(full),
-        world, _pad(world), _pad(num_local), _pad(num_topk), 64, bool(use_globaltimer)), 4, fast)
+        world, _pad(world), _pad(num_local), _pad(num_topk), 64, bool(use_globaltimer)), 4, fast, plan)
 
 
 def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_globaltimer,
-                     op_base=None, fast=True):
+                     op_base=None, fast=True, plan=None):
     """One-program kernel: waits until every source signalled ``epoch`` (or the deadline, which
     sets the error word ``err`` ``[3]`` int64). Stream-ordered before the op's copy/reduce."""
     world = my_sig.numel()
-    _K_WAIT.launch(_ONE, (
+    _go(_K_WAIT, _ONE, (
         my_sig, err, _base(op_base, err.device), epoch, KIND_OF[kind], timeout_ns, max_spins,
-        world, _pad(world), bool(use_globaltimer)), 1, fast)
+        world, _pad(world), bool(use_globaltimer)), 1, fast, plan)
 
 
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
                 w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs,
-                kind="cached dispatch", op_base=None, fast=True):
+                kind="cached dispatch", op_base=None, fast=True, plan=None):
     """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
     ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order. With
     ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`). Float rows are
@@ -884,7 +919,7 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
     if wait:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
                          max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
-                         fast=fast)
+                         fast=fast, plan=plan)
     world = offsets.numel() - 1
     n, d = out_x.shape
     if n == 0:
@@ -899,15 +934,15 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
         out_idx, out_w, k = offsets, _unused_f32(out_x.device), 1
     elem = out_x.element_size()
     bd = _block_d(d, elem)
-    _K_GATHER.launch((max(1, min(n, num_programs)),), (
+    _go(_K_GATHER, (max(1, min(n, num_programs)),), (
         win_ptr, offsets, out_x, out_idx, out_w, err, data_off, idx_off, w_off,
         n, d, k, t_max,
         world, _pad(world), _pad(k), bd, with_meta, _aligned16(d, elem, d, data_off)),
-        _warps(bd, elem), fast)
+        _warps(bd, elem), fast, plan)
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
-                  num_programs, fixed=False, op_base=None, fast=True):
+                  num_programs, fixed=False, op_base=None, fast=True, plan=None):
     """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank.
     ``fixed``: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets`` is the device count
     ``num_recv [W]``; only rows j < num_recv[s] of each source block are returned."""
@@ -918,16 +953,16 @@ def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, 
     elem = y.element_size()
     bd = _block_d(d, elem)
     stride = max(1, y.stride(0))
-    _K_COMBINE_STORE.launch((max(1, min(n if not fixed else t_max, num_programs)),), (
+    _go(_K_COMBINE_STORE, (max(1, min(n if not fixed else t_max, num_programs)),), (
         y, offsets, buf_ptrs, sig_ptrs, done, _base(op_base, y.device), data_off, me, n,
         stride, d, t_max, epoch,
         world, _pad(world), bd, _aligned16(d, elem, stride, data_off), bool(fixed)),
-        _warps(bd, elem), fast)
+        _warps(bd, elem), fast, plan)
 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
                    max_spins, use_globaltimer, num_programs, kind="combine", op_base=None,
-                   fast=True):
+                   fast=True, plan=None):
     """``out`` ``[T, D]`` = float32 sum of this rank's returned partials in ascending rank order
     (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype. ``slot``: ``[T, W]``
     int64 of the matching dispatch. With ``wait``, a one-program wait kernel runs first; rows
@@ -939,13 +974,13 @@ def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, w
     if wait:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
                          max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
-                         fast=fast)
+                         fast=fast, plan=plan)
     t, d = out.shape
     if t == 0:
         return
     world = slot.shape[1]
     elem = out.element_size()
     bd = _block_d(d, elem)
-    _K_REDUCE.launch((max(1, min(t, num_programs)),), (
+    _go(_K_REDUCE, (max(1, min(t, num_programs)),), (
         win_ptr, slot, out, err, data_off, t, d, t_max,
-        world, _pad(world), bd, _aligned16(d, elem, d, data_off)), _warps(bd, elem), fast)
+        world, _pad(world), bd, _aligned16(d, elem, d, data_off)), _warps(bd, elem), fast, plan)

@@ -128,13 +128,8 @@ class FastKernel:
         self._dns = tuple(bool(p.do_not_specialize) for p in params[:self._num_runtime])
         self._entries: Dict[tuple, Any] = {}
 
-    def launch(self, grid: Sequence[int], args: Sequence[Any], num_warps: int,
-               fast: bool = True) -> None:
-        """Launches ``fn[grid](*args, num_warps=num_warps)``; ``fast=False`` forces Triton's own
-        launch path for this call (an A/B switch for benchmarks and an escape hatch)."""
-        if not (fast and self.enabled):
-            self.fn[grid](*args, num_warps=num_warps)
-            return
+    def _key(self, args: Sequence[Any], num_warps: int):
+        """(cache key, the arguments with tensors replaced by their addresses)."""
         n = self._num_runtime
         call = list(args)
         key = [num_warps]
@@ -148,7 +143,33 @@ class FastKernel:
                 call[i] = p
                 key.append((a.dtype, not (p & 15)))
         key.extend(args[n:])
-        key = tuple(key)
+        return tuple(key), call
+
+    def compiled(self, grid: Sequence[int], args: Sequence[Any], num_warps: int):
+        """The ``CompiledKernel`` that ``launch(grid, args, num_warps)`` would run, compiled (or
+        loaded from Triton's cache) without launching it. For launching it by other means
+        (:mod:`efa_ep.kernels.native_launch`)."""
+        key, _ = self._key(args, num_warps)
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry[0]
+        kernel = self.fn.warmup(*args, grid=grid, num_warps=num_warps)
+        if len(self._entries) < _MAX_ENTRIES:
+            self._entries[key] = (kernel, _direct_launcher(kernel))
+        return kernel
+
+    def runtime_names(self) -> Tuple[str, ...]:
+        """Names of the parameters before the constexprs, in signature order."""
+        return tuple(p.name for p in self.fn.params[:self._num_runtime])
+
+    def launch(self, grid: Sequence[int], args: Sequence[Any], num_warps: int,
+               fast: bool = True) -> None:
+        """Launches ``fn[grid](*args, num_warps=num_warps)``; ``fast=False`` forces Triton's own
+        launch path for this call (an A/B switch for benchmarks and an escape hatch)."""
+        if not (fast and self.enabled):
+            self.fn[grid](*args, num_warps=num_warps)
+            return
+        key, call = self._key(args, num_warps)
         entry = self._entries.get(key)
         if entry is None or _hooks_set():
             kernel = self.fn[grid](*args, num_warps=num_warps)

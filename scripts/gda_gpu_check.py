@@ -227,7 +227,9 @@ def _bench_mode(rank, world, routes, mode, options):
                 host_dispatch_us=statistics.median(host_d), host_combine_us=statistics.median(host_c),
                 host_cached_us=statistics.median(host_cd) if host_cd else 0.0,
                 host_wcombine_us=statistics.median(host_wc) if host_wc else 0.0,
-                host_us=statistics.median([a + b for a, b in zip(host_d, host_c)]))
+                host_us=statistics.median([a + b for a, b in zip(host_d, host_c)]),
+                launch=getattr(tr, "launch_path", None),
+                native_off=getattr(tr, "native_launch_off", None))
     tr.check_errors()
     dist.barrier()
     return out
@@ -307,6 +309,7 @@ def main():
                 host_us=max(p.get("host_us", 0.0) for p in per),
                 **{h: max(p.get(h, 0.0) for p in per) for h in (
                     "host_dispatch_us", "host_combine_us", "host_cached_us", "host_wcombine_us")},
+                launch=per[0].get("launch"), native_off=per[0].get("native_off"),
                 per_rank=per, seconds=round(time.time() - t0, 1)))
     report["cells"] = cells
     with open(os.path.join(out_dir, f"gda_gpu_check{args.tag}.json"), "w") as f:
@@ -318,6 +321,9 @@ def main():
     print(f"{'W':>2} {'cell':<22} {'ok':<3} {'MB':>7} {'disp us':>8} {'comb us':>8} {'D+C us':>8} "
           f"{'p10-p90':>13} {'floor':>6} {'D frac':>6} {'C frac':>6} {'DC frac':>7} "
           f"{'steady':>7} {'st frac':>7} {'host':>6} {'hD':>5} {'hC':>5} {'hCD':>5} {'hWC':>5}")
+    paths = sorted({(c.get("launch"), c.get("native_off")) for c in cells if "error" not in c},
+                   key=str)
+    print("launch path: " + "; ".join(f"{p} ({why})" if why else str(p) for p, why in paths))
     for c in cells:
         if "error" in c:
             print(f"{c['world']:>2} ERROR {c['error'][-200:]}")

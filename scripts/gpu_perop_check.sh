@@ -3,6 +3,7 @@
 # (started here, stopped at the end).
 #   PEROP_STEPS  which steps, default "tests bench"; also: before (the same bench from the
 #                checkout in .before/, a before/after comparison), nofast (fast_launch=0),
+#                fast1 (fast_launch=1: one launch per kernel, no native programs),
 #                layer (Megatron layer at a training shape; layer_before, layer_nofast likewise),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds)
 #   PEROP_STARTS starts per bench (default 3)
@@ -18,6 +19,8 @@ BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph"
 want tests && TAILN=6 step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
   tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "not stress"
 want bench && TAILN=30 step bench 300 python3 scripts/gda_gpu_check.py $BENCH --starts "$N" --tag _after
+want fast1 && TAILN=12 step fast1 200 python3 scripts/gda_gpu_check.py $BENCH --starts 1 \
+  --options fast_launch=1 --tag _fast1
 want nofast && TAILN=12 step nofast 200 python3 scripts/gda_gpu_check.py $BENCH --starts 1 \
   --options fast_launch=0 --tag _nofast
 if want before; then

@@ -1,0 +1,293 @@
+"""The kernel launches of one :class:`~efa_ep.kernels.gda.GdaTransport`, one method per op phase.
+
+An op is a few phases separated by host steps (the launch gate, the count read): a dispatch is
+*front* (layout, store), *header* (wait for the sources' headers, read the counts) and
+*gather*; a combine is *store* and *reduce*; a cached dispatch *store* and *gather*. Each phase
+method launches its kernels on the current stream either
+
+* natively (``fast_launch=2``, the default where the driver allows): a
+  :class:`~efa_ep.kernels.native_launch.Program` per phase and shape, bound on first use, then
+  one native call per phase with only the call's addresses, op number and row counts; or
+* through the Python wrappers of :mod:`efa_ep.kernels.gda_kernels` (``fast_launch`` 0 or 1, a
+  shape seen during CUDA graph capture, a bad-input op, a misaligned user tensor).
+
+Both paths launch the same compiled kernels with the same arguments, so results are the same
+bit for bit. A program that cannot be bound (another Triton calling convention) turns native
+launching off for the transport, with the reason in :attr:`GdaPhases.native_off`; a launch
+the driver refuses raises.
+
+Program keys hold everything that changes a kernel's specialization or constant arguments:
+window parity, shapes, dtypes, row strides, op kind. Variable tensors are the call's own
+(inputs, outputs, the per-call scratch); the transport's windows and tables are constants.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Optional, Tuple
+
+import torch
+
+from . import gda_kernels as kern
+from .native_launch import NativeLaunchError, Program, availability
+
+_EPOCH = ("epoch_delta",)
+
+
+def _aligned(*tensors) -> bool:
+    p = 0
+    for t in tensors:
+        p |= t.data_ptr()
+    return not p & 15
+
+
+def _stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+class GdaPhases:
+    """Launches the phases of ``transport``'s ops (see the module). ``fast_launch``: 2 native
+    programs (falls back to 1 with the reason in :attr:`native_off`), 1 compiled launchers,
+    0 Triton's own path."""
+
+    def __init__(self, transport, fast_launch: int):
+        self.tr = transport
+        self.fast = fast_launch >= 1
+        self.native_off: Optional[str] = None if fast_launch >= 2 else "fast_launch < 2"
+        if self.native_off is None:
+            self.native_off = availability()
+        self._progs = {}
+        self._dev = transport.device.index
+        self._host = None  # page-locked count buffer and its int64 view
+
+    @property
+    def native(self) -> bool:
+        return self.native_off is None
+
+    @property
+    def path(self) -> str:
+        """How kernels are launched: ``native``, ``fast`` or ``triton``."""
+        return "native" if self.native else ("fast" if self.fast else "triton")
+
+    def _program(self, key, launch, tensors, ints=_EPOCH, grid_steps=()) -> Optional[Program]:
+        prog = self._progs.get(key)
+        if prog is None and self.native:
+            if self.tr._capturing:
+                return None  # programs are bound from eager calls only
+            steps = []
+            launch(steps)
+            try:
+                prog = Program(steps, tensors, ints, grid_steps)
+            except NativeLaunchError as e:
+                self.native_off = f"a kernel could not be bound for native launch: {e}"
+                return None
+            self._progs[key] = prog
+        return prog
+
+    def _op(self, epoch: int) -> dict:
+        return self.tr._op(epoch)
+
+    # ---- dispatch ---------------------------------------------------------------------------
+    def header_words(self) -> int:
+        """int64 elements recv_header writes: info, then the per-source offsets."""
+        tr = self.tr
+        w, num_local = tr.world_size, tr.cfg.num_local_experts
+        n_info = 1 + w * (2 + num_local) + w + num_local
+        return kern._even(n_info) + w + 1
+
+    def front(self, x, topk_idx, topk_weights, epoch: int, bad_status: Optional[int] = None):
+        """Layout and store of a dispatch: returns (scratch, slot [T, W], send_idx [T*W],
+        num_per_rank [W], num_per_expert [E]) on the device; the header's output region follows
+        the layout's in ``scratch``. ``bad_status``: the status word to announce (bad input)."""
+        tr, cfg, w = self.tr, self.tr.cfg, self.tr.world_size
+        t, k = topk_idx.shape
+        small, nb, o_exp, o_rank, o_slot, o_send, o_blk, words = kern._layout_offsets(
+            t, cfg.num_experts, w, k)
+        scratch = torch.empty(words + self.header_words(), dtype=torch.int64, device=tr.device)
+        parity = epoch % 2
+        op = self._op(epoch)
+
+        def launch(plan):
+            slot, send_idx, npr, npe, status = kern.layout(
+                topk_idx, topk_weights, cfg.num_experts, w, fast=self.fast, scratch=scratch,
+                plan=plan)
+            if bad_status is not None:
+                status.fill_(bad_status)
+            kern.dispatch_store(x, topk_idx, topk_weights, slot, npr, npe, status, tr._buf_ptrs,
+                                tr._sig_ptrs, tr._done[0:1], **tr._offs[parity], me=tr.rank,
+                                t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
+                                **op, with_meta=True, num_programs=tr.num_programs, plan=plan)
+            return slot, send_idx, npr, npe
+
+        prog = None
+        if self.native and bad_status is None and t and _aligned(x, topk_idx, topk_weights):
+            key = ("front", parity, t, k, x.dtype, x.stride(0), x.shape[1])
+            prog = self._program(key, launch, (x, topk_idx, topk_weights, scratch))
+        if prog is None:
+            return (scratch,) + launch(None)
+        prog.run((x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
+                  scratch.data_ptr(), op["epoch"]), _stream(self._dev))
+        return (scratch, scratch[o_slot:o_slot + t * w].view(t, w),
+                scratch[o_send:o_send + max(1, t * w)], scratch[o_rank:o_rank + w],
+                scratch[o_exp:o_exp + cfg.num_experts])
+
+    def header(self, scratch, num_per_rank, epoch: int) -> Tuple[list, torch.Tensor,
+                                                                  torch.Tensor, float]:
+        """Waits for every source's header and reads the counts: returns (info as a list of
+        ints, info [n] int64 device view, offsets [W + 1] int64 device view, seconds blocked).
+        The one host sync of a dispatch."""
+        tr = self.tr
+        hw = self.header_words()
+        out = scratch[scratch.numel() - hw:]
+        parity = epoch % 2
+        op = self._op(epoch)
+
+        def launch(plan):
+            return kern.recv_header(tr._my_sig, tr._hdr[parity], tr._err, num_per_rank,
+                                    tr._hw[parity], num_local=tr.cfg.num_local_experts,
+                                    t_max=tr.cfg.max_tokens_per_rank, **op, kind="dispatch",
+                                    **tr._wait_kw, out=out, plan=plan)
+
+        w, num_local = tr.world_size, tr.cfg.num_local_experts
+        n_info = 1 + w * (2 + num_local) + w + num_local
+        info, offsets = out[:n_info], out[kern._even(n_info):kern._even(n_info) + w + 1]
+        prog = None
+        if self.native:
+            prog = self._program(("header", parity), launch, (num_per_rank, out))
+        if prog is None:
+            launch(None)
+            t0 = time.perf_counter()
+            vals = info.cpu().tolist()
+            return vals, info, offsets, time.perf_counter() - t0
+        if self._host is None or self._host[0].numel() < n_info:
+            buf = torch.empty(n_info, dtype=torch.int64, pin_memory=True)
+            self._host = (buf, memoryview((ctypes.c_int64 * n_info).from_address(buf.data_ptr()))
+                          .cast("B").cast("q"))
+        buf, view = self._host
+        blocked = prog.run_read((num_per_rank.data_ptr(), out.data_ptr(), op["epoch"]), _stream(self._dev),
+                                buf.data_ptr(), info.data_ptr(), n_info * 8)
+        return view[:n_info].tolist(), info, offsets, blocked
+
+    def gather(self, offsets, recv_x, recv_idx, recv_w, epoch: int) -> None:
+        """Copies the received rows (``offsets`` ``[W + 1]`` from :meth:`header`) out of the
+        window into ``recv_x`` ``[N, H]``, ``recv_idx`` / ``recv_w`` ``[N, K]``."""
+        tr = self.tr
+        n = recv_x.shape[0]
+        if n == 0:
+            return
+        parity = epoch % 2
+        op = self._op(epoch)
+        offs = tr._offs[parity]
+
+        def launch(plan):
+            kern.gather_rows(tr._win_ptr, offsets, recv_x, recv_idx, recv_w, tr._my_sig, tr._err,
+                             data_off=offs["data_off"], idx_off=offs["idx_off"],
+                             w_off=offs["w_off"], t_max=tr.cfg.max_tokens_per_rank, **op,
+                             wait=False, num_programs=tr.num_programs, plan=plan, **tr._wait_kw)
+
+        prog = None
+        if self.native:
+            key = ("gather", parity, recv_idx.shape[1], recv_x.shape[1], recv_x.dtype)
+            prog = self._program(key, launch, (offsets, recv_x, recv_idx, recv_w),
+                                 ("num_rows",), (0,))
+        if prog is None:
+            launch(None)
+            return
+        prog.run((offsets.data_ptr(), recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(),
+                  n, max(1, min(n, tr.num_programs))), _stream(self._dev))
+
+    # ---- combine ----------------------------------------------------------------------------
+    def combine_store(self, y, offsets, fixed: bool, epoch: int) -> None:
+        """Returns the rows of ``y`` to their sources' windows and signals (``offsets``: the
+        dispatch's ``[W + 1]`` offsets, or with ``fixed`` its device ``num_recv [W]``)."""
+        tr = self.tr
+        parity = epoch % 2
+        op = self._op(epoch)
+        t_max = tr.cfg.max_tokens_per_rank
+
+        def launch(plan):
+            kern.combine_store(y, offsets, tr._buf_ptrs, tr._sig_ptrs, tr._done[1:2],
+                               data_off=tr._offs[parity]["data_off"], me=tr.rank, t_max=t_max,
+                               **op, num_programs=tr.num_programs, fixed=fixed, plan=plan)
+
+        prog = None
+        n = y.shape[0]
+        if self.native and _aligned(y):
+            key = ("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed)
+            prog = self._program(key, launch, (y, offsets), ("num_rows", "epoch_delta"), (0,))
+        if prog is None:
+            launch(None)
+            return
+        prog.run((y.data_ptr(), offsets.data_ptr(), n, op["epoch"],
+                  max(1, min(n if not fixed else t_max, tr.num_programs))), _stream(self._dev))
+
+    def combine_reduce(self, slot, out, epoch: int, kind: str) -> None:
+        """Waits for every destination's partials and reduces them into ``out`` ``[T, D]``."""
+        tr = self.tr
+        parity = epoch % 2
+        op = self._op(epoch)
+        t = out.shape[0]
+
+        def launch(plan):
+            kern.combine_reduce(tr._win_ptr, slot, out, tr._my_sig, tr._err,
+                                data_off=tr._offs[parity]["data_off"],
+                                t_max=tr.cfg.max_tokens_per_rank, **op, wait=True, kind=kind,
+                                num_programs=tr.num_programs, plan=plan, **tr._wait_kw)
+
+        prog = self._progs.get(("creduce", parity, out.shape[1], out.dtype, kind))
+        if prog is None and t and self.native:
+            prog = self._program(("creduce", parity, out.shape[1], out.dtype, kind), launch,
+                                 (slot, out), ("epoch_delta", "num_tokens"), (1,))
+        if prog is None:
+            launch(None)
+            return
+        prog.run((slot.data_ptr(), out.data_ptr(), op["epoch"], t,
+                  min(t, tr.num_programs)), _stream(self._dev))
+
+    # ---- cached dispatch --------------------------------------------------------------------
+    def cached_store(self, x, slot, epoch: int) -> None:
+        """Stores ``x``'s rows along a dispatch's layout ``slot`` (no ids, no header)."""
+        tr = self.tr
+        parity = epoch % 2
+        op = self._op(epoch)
+
+        def launch(plan):
+            kern.dispatch_store(x, None, None, slot, None, None, None, tr._buf_ptrs,
+                                tr._sig_ptrs, tr._done[0:1], **tr._offs[parity], me=tr.rank,
+                                t_max=tr.cfg.max_tokens_per_rank,
+                                num_local=tr.cfg.num_local_experts, **op, with_meta=False,
+                                num_programs=tr.num_programs, plan=plan)
+
+        prog = None
+        t = x.shape[0]
+        if self.native and t and _aligned(x):
+            key = ("cstore_x", parity, t, x.shape[1], x.dtype, x.stride(0))
+            prog = self._program(key, launch, (x, slot))
+        if prog is None:
+            launch(None)
+            return
+        prog.run((x.data_ptr(), slot.data_ptr(), op["epoch"]), _stream(self._dev))
+
+    def cached_gather(self, offsets, out, epoch: int) -> None:
+        """Waits for every source, then copies the received rows into ``out`` ``[N, D]``."""
+        tr = self.tr
+        parity = epoch % 2
+        op = self._op(epoch)
+        n = out.shape[0]
+
+        def launch(plan):
+            kern.gather_rows(tr._win_ptr, offsets, out, None, None, tr._my_sig, tr._err,
+                             data_off=tr._offs[parity]["data_off"], idx_off=0, w_off=0,
+                             t_max=tr.cfg.max_tokens_per_rank, **op, wait=True,
+                             kind="cached dispatch", num_programs=tr.num_programs, plan=plan,
+                             **tr._wait_kw)
+
+        key = ("cgather", parity, out.shape[1], out.dtype)
+        prog = self._progs.get(key)
+        if prog is None and n and self.native:
+            prog = self._program(key, launch, (offsets, out), ("epoch_delta", "num_rows"), (1,))
+        if prog is None:
+            launch(None)
+            return
+        prog.run((offsets.data_ptr(), out.data_ptr(), op["epoch"], n,
+                  min(n, tr.num_programs)), _stream(self._dev))

@@ -1,0 +1,188 @@
+/* efa_launch.c: launches a short program of compiled GPU kernels in one call.
+ *
+ * A program is an array of efa_launch_t records prepared once per shape by Python
+ * (kernels/native_launch.py): the CUfunction of a compiled Triton kernel, its grid and block,
+ * and its parameter values; a record with function 0 is an asynchronous memset. Per call Python
+ * rewrites only the values that change (tensor addresses, op numbers, row counts) and calls
+ * efa_launch_run once, instead of one Python launch wrapper per kernel.
+ *
+ * The driver API comes from libcuda.so.1 at run time (dlopen): the library builds without a CUDA
+ * toolkit, and loads on a machine without a GPU (efa_launch_init then says why it cannot run).
+ * Every record is int64 fields only, so Python views a program as one flat int64 array.
+ *
+ * Build: cc -O2 -std=c11 -shared -fPIC efa_launch.c -ldl -o libefa_launch.so
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#define EFA_LAUNCH_ABI 1
+#define EFA_LAUNCH_MAX_PARAMS 40
+
+/* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
+ * values[1] = bytes, set to zero). params[i] points at values[i]; a 4-byte parameter reads the
+ * low half of its slot (little-endian). */
+typedef struct {
+    int64_t function;
+    int64_t grid_x, grid_y, grid_z;
+    int64_t block_x;
+    int64_t shared_bytes;
+    int64_t num_params;
+    int64_t reserved;
+    void *params[EFA_LAUNCH_MAX_PARAMS];
+    int64_t values[EFA_LAUNCH_MAX_PARAMS];
+} efa_launch_t;
+
+typedef int CUresult;
+typedef int (*cu_init_t)(unsigned);
+typedef int (*cu_launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, void *, void **, void **);
+typedef int (*cu_param_info_t)(void *, size_t, size_t *, size_t *);
+typedef int (*cu_memset_t)(uint64_t, unsigned char, size_t, void *);
+typedef int (*cu_copy_t)(void *, uint64_t, size_t, void *);
+typedef int (*cu_sync_t)(void *);
+typedef int (*cu_errstr_t)(int, const char **);
+
+static struct {
+    int state; /* 0 not tried, 1 ready, -1 failed */
+    char why[256];
+    cu_launch_t launch;
+    cu_param_info_t param_info;
+    cu_memset_t memset;
+    cu_copy_t copy;
+    cu_sync_t sync;
+    cu_errstr_t errstr;
+} cu;
+
+static void set_err(char *err, size_t len, const char *fmt, ...) {
+    if (!err || !len) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+}
+
+static const char *cu_name(int rc) {
+    const char *s = NULL;
+    if (cu.errstr && cu.errstr(rc, &s) == 0 && s) return s;
+    return "unknown CUDA error";
+}
+
+int efa_launch_abi_version(void) { return EFA_LAUNCH_ABI; }
+
+int efa_launch_record_bytes(void) { return (int)sizeof(efa_launch_t); }
+
+int efa_launch_max_params(void) { return EFA_LAUNCH_MAX_PARAMS; }
+
+/* Loads the driver entry points once. 0 = ready; -ENOSYS with the reason in err otherwise. */
+int efa_launch_init(char *err, size_t errlen) {
+    if (cu.state == 1) return 0;
+    if (cu.state == -1) {
+        set_err(err, errlen, "%s", cu.why);
+        return -ENOSYS;
+    }
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(cu.why, sizeof cu.why, "libcuda.so.1 cannot be loaded (%s): no NVIDIA driver here",
+                 dlerror());
+        cu.state = -1;
+        set_err(err, errlen, "%s", cu.why);
+        return -ENOSYS;
+    }
+    cu.launch = (cu_launch_t)dlsym(h, "cuLaunchKernel");
+    cu.param_info = (cu_param_info_t)dlsym(h, "cuFuncGetParamInfo");
+    cu.memset = (cu_memset_t)dlsym(h, "cuMemsetD8Async");
+    cu.copy = (cu_copy_t)dlsym(h, "cuMemcpyDtoHAsync_v2");
+    cu.sync = (cu_sync_t)dlsym(h, "cuStreamSynchronize");
+    cu.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
+    if (!cu.launch || !cu.param_info || !cu.memset || !cu.copy || !cu.sync) {
+        snprintf(cu.why, sizeof cu.why,
+                 "the NVIDIA driver lacks %s (CUDA 12.4 or newer driver needed)",
+                 !cu.param_info ? "cuFuncGetParamInfo" : "a launch entry point");
+        cu.state = -1;
+        set_err(err, errlen, "%s", cu.why);
+        return -ENOSYS;
+    }
+    cu.state = 1;
+    return 0;
+}
+
+/* Sizes in bytes of the parameters of a compiled kernel, as the driver sees them. Returns the
+ * parameter count (at most max), or a negative errno. */
+int efa_launch_param_sizes(int64_t function, int64_t *sizes, int max, char *err, size_t errlen) {
+    if (efa_launch_init(err, errlen)) return -ENOSYS;
+    for (int i = 0;; i++) {
+        size_t off = 0, size = 0;
+        int rc = cu.param_info((void *)(uintptr_t)function, (size_t)i, &off, &size);
+        if (rc != 0) return i; /* past the last parameter */
+        if (i >= max) {
+            set_err(err, errlen, "kernel has more than %d parameters", max);
+            return -E2BIG;
+        }
+        sizes[i] = (int64_t)size;
+    }
+}
+
+static int run(efa_launch_t *prog, int n, void *stream, char *err, size_t errlen) {
+    for (int i = 0; i < n; i++) {
+        efa_launch_t *r = &prog[i];
+        int rc;
+        if (r->function == 0) {
+            rc = cu.memset((uint64_t)r->values[0], 0, (size_t)r->values[1], stream);
+            if (rc) {
+                set_err(err, errlen, "cuMemsetD8Async (step %d of %d, %lld bytes) failed: %s", i,
+                        n, (long long)r->values[1], cu_name(rc));
+                return -EIO;
+            }
+            continue;
+        }
+        if (r->grid_x <= 0) continue; /* nothing to do for this step this call */
+        rc = cu.launch((void *)(uintptr_t)r->function, (unsigned)r->grid_x, (unsigned)r->grid_y,
+                       (unsigned)r->grid_z, (unsigned)r->block_x, 1, 1, (unsigned)r->shared_bytes,
+                       stream, r->params, NULL);
+        if (rc) {
+            set_err(err, errlen, "cuLaunchKernel (step %d of %d, grid %lld) failed: %s", i, n,
+                    (long long)r->grid_x, cu_name(rc));
+            return -EIO;
+        }
+    }
+    return 0;
+}
+
+/* Launches the n records of prog on stream, in order. 0 or -EIO with the failing step in err. */
+int efa_launch_run(efa_launch_t *prog, int n, int64_t stream, char *err, size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    return run(prog, n, (void *)(uintptr_t)stream, err, errlen);
+}
+
+/* As efa_launch_run, then copies bytes from device address src to host dst (page-locked for an
+ * asynchronous copy) and waits for the stream: the host reads dst when this returns.
+ * *sync_ns = nanoseconds spent waiting for the device. */
+int efa_launch_run_read(efa_launch_t *prog, int n, int64_t stream, void *dst, int64_t src,
+                        int64_t bytes, int64_t *sync_ns, char *err, size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    void *s = (void *)(uintptr_t)stream;
+    int rc = run(prog, n, s, err, errlen);
+    if (rc) return rc;
+    rc = cu.copy(dst, (uint64_t)src, (size_t)bytes, s);
+    if (rc) {
+        set_err(err, errlen, "cuMemcpyDtoHAsync (%lld bytes) failed: %s", (long long)bytes,
+                cu_name(rc));
+        return -EIO;
+    }
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    rc = cu.sync(s);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    if (sync_ns) *sync_ns = (b.tv_sec - a.tv_sec) * 1000000000LL + (b.tv_nsec - a.tv_nsec);
+    if (rc) {
+        set_err(err, errlen, "cuStreamSynchronize after the launches failed: %s", cu_name(rc));
+        return -EIO;
+    }
+    return 0;
+}

@@ -1,0 +1,313 @@
+"""Kernel programs launched in one native call (``kernels/native/efa_launch.c``).
+
+A transport op launches a few compiled Triton kernels in a fixed order (layout, store, wait,
+reduce, ...). Launching each through Python costs 6-40 us of host time per kernel on a GPU
+host; the GPU work of a decode-size op is a few microseconds. A :class:`Program` binds the
+kernels of one op phase once per shape: the compiled kernels' function handles, grids, block
+sizes and every parameter value, in a C array. Per call Python rewrites only the *variables*
+(the addresses of the call's tensors, the op number, a row count, a grid size) and makes one
+native call, which launches every kernel with ``cuLaunchKernel`` (and, for a phase that ends
+with a count read, copies the counts to page-locked host memory and waits for the stream).
+
+Binding a step checks the compiled kernel's parameter list against the driver's own
+(``cuFuncGetParamInfo``): count and size of every parameter. A kernel whose parameters do not
+match what is expected (another Triton calling convention) raises :class:`NativeLaunchError`
+when the program is built, never a wrong launch.
+
+Variables: a tensor argument whose address lies inside one of the program's *variable tensors*
+is rewritten per call as that tensor's new address plus the same byte offset (so views of one
+allocation made per call follow it); an integer argument whose parameter name is one of the
+program's *variable integers* takes the call's value; a step listed in ``grid_steps`` takes the
+call's grid size. Everything else is constant: it must stay valid for the program's lifetime
+(the transport's own tables and windows). The caller keys programs by everything that changes
+a kernel's specialization (shapes, dtypes, strides, which tensors are 16-byte aligned).
+
+Synchronization: kernels go on the stream passed to :meth:`Program.run` (the current stream),
+in order, as the Python launches would; :meth:`Program.run_read` also waits for that stream.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availability", "load"]
+
+_NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
+ABI_VERSION = 1
+MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
+_HEAD = 8           # int64 fields before params[] in efa_launch_t
+_F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
+_ERRLEN = 512
+
+# Triton signature type -> bytes of the kernel parameter
+_TYPE_BYTES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf16": 2,
+               "i32": 4, "u32": 4, "fp32": 4, "i64": 8, "u64": 8, "fp64": 8}
+
+
+class NativeLaunchError(RuntimeError):
+    """The native launch library cannot run here, cannot bind a kernel, or a launch failed."""
+
+
+class _Record(ctypes.Structure):
+    _fields_ = [("head", ctypes.c_int64 * _HEAD), ("params", ctypes.c_void_p * MAX_PARAMS),
+                ("values", ctypes.c_int64 * MAX_PARAMS)]
+
+
+_RECORD_WORDS = ctypes.sizeof(_Record) // 8
+_VALUES = _HEAD + MAX_PARAMS  # index of values[0] inside a record, in int64 words
+
+_lock = threading.Lock()
+_lib = None
+_lib_error: Optional[str] = None
+
+
+def _build() -> str:
+    from .proxy.native import cache_dir, compiler  # the project's one compiler lookup
+    cc = compiler()
+    if cc is None:
+        raise NativeLaunchError("no C compiler found (cc/gcc/clang; apt-get install gcc)")
+    cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", SOURCE, "-ldl"]
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    h.update(" ".join(cmd).encode())
+    d = cache_dir()
+    os.makedirs(d, exist_ok=True)
+    out = os.path.join(d, f"libefa_launch-{h.hexdigest()[:16]}.so")
+    if os.path.isfile(out):
+        return out
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)  # then rename: ranks never load half a file
+    os.close(fd)
+    proc = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise NativeLaunchError(f"compiling {SOURCE} failed ({' '.join(cmd)}):\n"
+                                f"{proc.stdout}{proc.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
+_i64, _i32, _vp, _cp, _sz = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, \
+    ctypes.c_size_t
+_SIGS = {
+    "efa_launch_abi_version": ([], _i32),
+    "efa_launch_record_bytes": ([], _i32),
+    "efa_launch_max_params": ([], _i32),
+    "efa_launch_init": ([_cp, _sz], _i32),
+    "efa_launch_param_sizes": ([_i64, _vp, _i32, _cp, _sz], _i32),
+    "efa_launch_run": ([_vp, _i32, _i64, _cp, _sz], _i32),
+    "efa_launch_run_read": ([_vp, _i32, _i64, _vp, _i64, _i64, _vp, _cp, _sz], _i32),
+}
+
+
+def load():
+    """Builds (once per source) and loads the library; checks its record layout. Raises
+    :class:`NativeLaunchError`. Loading needs no GPU; launching does (see :func:`availability`)."""
+    global _lib, _lib_error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise NativeLaunchError(_lib_error)
+        try:
+            lib = ctypes.CDLL(_build())
+            for name, (args, res) in _SIGS.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, res
+            if lib.efa_launch_abi_version() != ABI_VERSION or \
+                    lib.efa_launch_record_bytes() != ctypes.sizeof(_Record) or \
+                    lib.efa_launch_max_params() != MAX_PARAMS:
+                raise NativeLaunchError("libefa_launch: ABI or record layout differs from "
+                                        "kernels/native_launch.py (stale build?)")
+        except (OSError, AttributeError, NativeLaunchError) as e:
+            _lib_error = f"native launch library: {e}"
+            raise NativeLaunchError(_lib_error) from e
+        _lib = lib
+        return lib
+
+
+def availability() -> Optional[str]:
+    """None when programs can be launched here (library built, NVIDIA driver with
+    ``cuFuncGetParamInfo``), else why not."""
+    try:
+        lib = load()
+    except NativeLaunchError as e:
+        return str(e)
+    err = ctypes.create_string_buffer(_ERRLEN)
+    if lib.efa_launch_init(err, _ERRLEN):
+        return err.value.decode(errors="replace")
+    return None
+
+
+class KernelStep:
+    """One kernel of a program: a FastKernel and the launch it would make,
+    ``fk.launch(grid, args, num_warps)`` (every parameter positionally, constexprs included)."""
+    __slots__ = ("fk", "grid", "args", "num_warps")
+
+    def __init__(self, fk, grid: Sequence[int], args: Sequence, num_warps: int):
+        self.fk, self.grid, self.args, self.num_warps = fk, tuple(grid), tuple(args), num_warps
+
+
+class MemsetStep:
+    """Zero ``nbytes`` bytes at ``tensor``'s address (stream-ordered, like ``tensor.zero_()``)."""
+    __slots__ = ("tensor", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int):
+        self.tensor, self.nbytes = tensor, int(nbytes)
+
+
+def _param_layout(kernel, fk, args) -> Tuple[list, list]:
+    """(names, values) of the compiled kernel's parameters in launch order, from its signature:
+    the non-constexpr entries (Triton turns some arguments into constants when it specializes)."""
+    sig = getattr(getattr(kernel, "src", None), "signature", None)
+    if not isinstance(sig, dict):
+        raise NativeLaunchError(f"{fk.fn.__name__}: compiled kernel exposes no signature")
+    names = fk.runtime_names()
+    by_name = dict(zip(names, args))
+    out_names, out_types = [], []
+    for name, ty in sig.items():
+        if ty == "constexpr":
+            continue
+        if name not in by_name:
+            raise NativeLaunchError(f"{fk.fn.__name__}: parameter {name!r} ({ty}) is not a "
+                                    f"runtime argument")
+        out_names.append(name)
+        out_types.append(ty)
+    return out_names, out_types
+
+
+class Program:
+    """The kernels of one op phase, bound for one native call per run.
+
+    Args:
+        steps: :class:`KernelStep` / :class:`MemsetStep` in launch order, built with the tensors
+            of one real call (the kernels are compiled for them if needed).
+        tensors: the variable tensors of that call, in the order :meth:`run` takes addresses.
+        ints: names of integer parameters whose value :meth:`run` supplies (after the tensors).
+        grid_steps: indices of steps whose grid size :meth:`run` supplies (after the ints).
+    """
+
+    def __init__(self, steps: Sequence, tensors: Sequence[torch.Tensor] = (),
+                 ints: Sequence[str] = (), grid_steps: Sequence[int] = ()):
+        lib = load()
+        err = ctypes.create_string_buffer(_ERRLEN)
+        if lib.efa_launch_init(err, _ERRLEN):
+            raise NativeLaunchError(err.value.decode(errors="replace"))
+        self._lib = lib
+        self.num_steps = n = len(steps)
+        self._recs = (_Record * max(1, n))()
+        self._words = memoryview(self._recs).cast("B").cast("q")
+        bases = [(t.data_ptr(), max(1, t.numel() * t.element_size())) for t in tensors]
+        int_index = {name: len(bases) + j for j, name in enumerate(ints)}
+        uses = []  # (word index, variable index, byte offset)
+
+        def var_of(ptr: int) -> Optional[Tuple[int, int]]:
+            for j, (b, size) in enumerate(bases):
+                if b <= ptr < b + size:
+                    return j, ptr - b
+            return None
+
+        sizes = (ctypes.c_int64 * MAX_PARAMS)()
+        for i, step in enumerate(steps):
+            rec = self._recs[i]
+            w0 = i * _RECORD_WORDS
+            if isinstance(step, MemsetStep):
+                rec.head[_F_FUNCTION] = 0
+                ptr = step.tensor.data_ptr()
+                v = var_of(ptr)
+                if v is None:
+                    rec.values[0] = ptr
+                else:
+                    uses.append((w0 + _VALUES, v[0], v[1]))
+                rec.values[1] = step.nbytes
+                continue
+            fk = step.fk
+            kernel = fk.compiled(step.grid, step.args, step.num_warps)
+            run = kernel.run  # (initializes the function handle)
+            if getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0) \
+                    or getattr(run, "launch_cooperative_grid", False) or \
+                    getattr(run, "launch_pdl", False):
+                raise NativeLaunchError(f"{fk.fn.__name__}: needs scratch memory or launch "
+                                        f"attributes the native launcher does not set")
+            md = kernel.metadata
+            if getattr(md, "num_ctas", 1) != 1:
+                raise NativeLaunchError(f"{fk.fn.__name__}: clusters are not supported")
+            names, types = _param_layout(kernel, fk, step.args)
+            count = lib.efa_launch_param_sizes(int(kernel.function), sizes, MAX_PARAMS, err,
+                                               _ERRLEN)
+            if count < 0:
+                raise NativeLaunchError(f"{fk.fn.__name__}: {err.value.decode(errors='replace')}")
+            extra = count - len(names)  # Triton's trailing scratch pointers
+            expect = [8 if ty.startswith("*") else _TYPE_BYTES.get(ty, -1) for ty in types]
+            if extra < 0 or extra > 2 or list(sizes[:len(names)]) != expect or \
+                    any(sizes[len(names) + j] != 8 for j in range(extra)):
+                raise NativeLaunchError(
+                    f"{fk.fn.__name__}: the compiled kernel's parameters ({count}, sizes "
+                    f"{list(sizes[:count])}) do not match its signature ({names}, {types})")
+            arg_of = dict(zip(fk.runtime_names(), step.args))
+            for p, (name, ty) in enumerate(zip(names, types)):
+                a = arg_of[name]
+                word = w0 + _VALUES + p
+                if name in int_index:
+                    uses.append((word, int_index[name], 0))
+                    rec.values[p] = int(a)
+                elif isinstance(a, torch.Tensor):
+                    ptr = a.data_ptr()
+                    v = var_of(ptr)
+                    if v is None:
+                        rec.values[p] = ptr
+                    else:
+                        uses.append((word, v[0], v[1]))
+                elif isinstance(a, (bool, int)):
+                    rec.values[p] = int(a)
+                else:
+                    raise NativeLaunchError(f"{fk.fn.__name__}: argument {name} of type "
+                                            f"{type(a).__name__} ({ty}) cannot be bound")
+            for p in range(count):
+                rec.params[p] = ctypes.addressof(rec.values) + 8 * p
+            for p in range(len(names), count):
+                rec.values[p] = 0  # no scratch memory (checked above)
+            grid = tuple(step.grid) + (1, 1)
+            rec.head[_F_FUNCTION] = int(kernel.function)
+            rec.head[_F_GRID_X], rec.head[_F_GRID_Y], rec.head[_F_GRID_Z] = grid[:3]
+            rec.head[_F_BLOCK] = 32 * int(md.num_warps)
+            rec.head[_F_SHARED] = int(md.shared)
+            rec.head[_F_NPARAMS] = count
+        for j, i in enumerate(grid_steps):
+            uses.append((i * _RECORD_WORDS + _F_GRID_X, len(bases) + len(ints) + j, 0))
+        self._uses = tuple(uses)
+        self._err = err
+        self._sync_ns = ctypes.c_int64(0)
+        self.num_vars = len(bases) + len(ints) + len(grid_steps)
+
+    def _set(self, values: Sequence[int]) -> None:
+        words = self._words
+        for w, j, off in self._uses:
+            words[w] = values[j] + off
+
+    def run(self, values: Sequence[int], stream: int) -> None:
+        """Launches the program on ``stream`` with ``values``: the variable tensors' addresses,
+        then the integers, then the grid sizes (a grid of 0 skips that kernel)."""
+        self._set(values)
+        rc = self._lib.efa_launch_run(self._recs, self.num_steps, stream, self._err, _ERRLEN)
+        if rc:
+            raise NativeLaunchError(self._err.value.decode(errors="replace"))
+
+    def run_read(self, values: Sequence[int], stream: int, dst: int, src: int,
+                 nbytes: int) -> float:
+        """:meth:`run`, then copies ``nbytes`` from device address ``src`` to page-locked host
+        address ``dst`` and waits for the stream. Returns the seconds spent waiting."""
+        self._set(values)
+        rc = self._lib.efa_launch_run_read(self._recs, self.num_steps, stream, dst, src, nbytes,
+                                           ctypes.byref(self._sync_ns), self._err, _ERRLEN)
+        if rc:
+            raise NativeLaunchError(self._err.value.decode(errors="replace"))
+        return self._sync_ns.value * 1e-9
