@@ -598,20 +598,20 @@ class GdaTransport(Transport):
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
         phases = self._phases
-        scratch, slot, send_idx, num_per_rank, _ = phases.front(
+        scratch, slot, send_idx = phases.front(
             x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         self._issued(epoch, "dispatch")
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
         # the one host sync per dispatch
-        vals, info, recv_offsets, blocked = phases.header(scratch, num_per_rank, epoch)
+        vals, tokens_per_expert, recv_offsets, blocked = phases.header(scratch, epoch)
         self.blocked_s += blocked
         if vals[0]:
             self.check_errors()
         hdr_len = self.layout.hdr_len
-        hdr_rows = [vals[1 + s * hdr_len:1 + (s + 1) * hdr_len] for s in range(world)]
-        num_send = vals[1 + world * hdr_len:1 + world * hdr_len + world]
-        bad = {s: row[0] for s, row in enumerate(hdr_rows) if row[0] != STATUS_OK}
+        end = 1 + world * hdr_len
+        num_send = vals[end:end + world]
+        bad = {s: v for s, v in enumerate(vals[1:end:hdr_len]) if v != STATUS_OK}
         if error is not None or bad:
             # Every rank refuses; only the offending rank knows its own words (no text travels
             # in the window header), the others name it.
@@ -622,7 +622,7 @@ class GdaTransport(Transport):
             elif mine is not None:
                 words[self.rank] = f"rank {self.rank}: {describe_status(mine, cfg.num_experts)}"
             raise group_input_error(f"gda dispatch (op {epoch})", words)
-        num_recv = [row[1] for row in hdr_rows]
+        num_recv = vals[2:end:hdr_len]
         t_max = cfg.max_tokens_per_rank
         if not all(0 <= r <= t_max for r in num_recv):  # peers' counts are untrusted
             msg = (f"rank {self.rank}: gda dispatch (op {epoch}): source rank(s) "
@@ -630,7 +630,7 @@ class GdaTransport(Transport):
                    f"counts {num_recv} outside [0, max_tokens_per_rank={t_max}]")
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
-        per_expert = vals[1 + world * hdr_len + world:]
+        per_expert = vals[end + world:]
         # (row, local expert) pairs: at most k per received row
         if per_expert and (min(per_expert) < 0 or sum(per_expert) > sum(num_recv) * k):
             msg = (f"rank {self.rank}: gda dispatch (op {epoch}): the sources' rows per local "
@@ -638,7 +638,6 @@ class GdaTransport(Transport):
                    f"with top-{k}")
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
-        tokens_per_expert = torch.tensor(per_expert, dtype=torch.int64)  # summed on the device
         n = sum(num_recv)
         dev = self.device
         recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
@@ -688,7 +687,7 @@ class GdaTransport(Transport):
         x = x.contiguous() if x.stride(-1) != 1 else x
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
-        _, slot, send_idx, _, _ = self._phases.front(
+        _, slot, send_idx = self._phases.front(
             x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         t_max = cfg.max_tokens_per_rank
         self._issued(epoch, "dispatch")

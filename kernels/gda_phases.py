@@ -96,9 +96,9 @@ class GdaPhases:
         return kern._even(n_info) + w + 1
 
     def front(self, x, topk_idx, topk_weights, epoch: int, bad_status: Optional[int] = None):
-        """Layout and store of a dispatch: returns (scratch, slot [T, W], send_idx [T*W],
-        num_per_rank [W], num_per_expert [E]) on the device; the header's output region follows
-        the layout's in ``scratch``. ``bad_status``: the status word to announce (bad input)."""
+        """Layout and store of a dispatch: returns (scratch, slot [T, W], send_idx [T*W]) on the
+        device; the header's output region follows the layout's in ``scratch`` (pass it to
+        :meth:`header`). ``bad_status``: the status word to announce (bad input)."""
         tr, cfg, w = self.tr, self.tr.cfg, self.tr.world_size
         t, k = topk_idx.shape
         small, nb, o_exp, o_rank, o_slot, o_send, o_blk, words = kern._layout_offsets(
@@ -117,7 +117,7 @@ class GdaPhases:
                                 tr._sig_ptrs, tr._done[0:1], **tr._offs[parity], me=tr.rank,
                                 t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
                                 **op, with_meta=True, num_programs=tr.num_programs, plan=plan)
-            return slot, send_idx, npr, npe
+            return slot, send_idx
 
         prog = None
         if self.native and bad_status is None and t and _aligned(x, topk_idx, topk_weights):
@@ -127,46 +127,54 @@ class GdaPhases:
             return (scratch,) + launch(None)
         prog.run((x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
                   scratch.data_ptr(), op["epoch"]), _stream(self._dev))
-        return (scratch, scratch[o_slot:o_slot + t * w].view(t, w),
-                scratch[o_send:o_send + max(1, t * w)], scratch[o_rank:o_rank + w],
-                scratch[o_exp:o_exp + cfg.num_experts])
+        t_w = t * w  # (views cost host time: only the two the handle keeps)
+        return scratch, scratch[o_slot:o_slot + t_w].view(t, w), scratch[o_send:o_send + t_w]
 
-    def header(self, scratch, num_per_rank, epoch: int) -> Tuple[list, torch.Tensor,
-                                                                  torch.Tensor, float]:
-        """Waits for every source's header and reads the counts: returns (info as a list of
-        ints, info [n] int64 device view, offsets [W + 1] int64 device view, seconds blocked).
-        The one host sync of a dispatch."""
+    def header(self, scratch, epoch: int) -> Tuple[list, torch.Tensor, torch.Tensor, float]:
+        """Waits for every source's header and reads the counts (the one host sync of a
+        dispatch). ``scratch``: from :meth:`front`. Returns (info as a list of ints: error bits,
+        headers ``[W, 2 + L]``, rows sent per destination ``[W]``, rows per local expert
+        ``[L]``; tokens_per_expert ``[L]`` int64 CPU tensor; offsets ``[W + 1]`` int64 device
+        view of ``scratch``; seconds blocked)."""
         tr = self.tr
-        hw = self.header_words()
-        out = scratch[scratch.numel() - hw:]
+        w, num_local = tr.world_size, tr.cfg.num_local_experts
+        n_info = 1 + w * (2 + num_local) + w + num_local
+        o_out = scratch.numel() - self.header_words()
+        o_offsets = o_out + kern._even(n_info)
+        o_rank = kern._layout_offsets(0, tr.cfg.num_experts, w, 1)[3]
+        offsets = scratch[o_offsets:o_offsets + w + 1]
         parity = epoch % 2
         op = self._op(epoch)
 
         def launch(plan):
-            return kern.recv_header(tr._my_sig, tr._hdr[parity], tr._err, num_per_rank,
-                                    tr._hw[parity], num_local=tr.cfg.num_local_experts,
-                                    t_max=tr.cfg.max_tokens_per_rank, **op, kind="dispatch",
-                                    **tr._wait_kw, out=out, plan=plan)
+            return kern.recv_header(tr._my_sig, tr._hdr[parity], tr._err,
+                                    scratch[o_rank:o_rank + w], tr._hw[parity],
+                                    num_local=num_local, t_max=tr.cfg.max_tokens_per_rank, **op,
+                                    kind="dispatch", **tr._wait_kw, out=scratch[o_out:],
+                                    plan=plan)
 
-        w, num_local = tr.world_size, tr.cfg.num_local_experts
-        n_info = 1 + w * (2 + num_local) + w + num_local
-        info, offsets = out[:n_info], out[kern._even(n_info):kern._even(n_info) + w + 1]
-        prog = None
-        if self.native:
-            prog = self._program(("header", parity), launch, (num_per_rank, out))
+        prog = self._progs.get(("header", parity))
+        if prog is None and self.native:
+            prog = self._program(("header", parity), launch,
+                                 (scratch[o_rank:o_rank + w], scratch[o_out:]))
         if prog is None:
-            launch(None)
+            info, _ = launch(None)
             t0 = time.perf_counter()
-            vals = info.cpu().tolist()
-            return vals, info, offsets, time.perf_counter() - t0
-        if self._host is None or self._host[0].numel() < n_info:
+            info = info.cpu()
+            blocked = time.perf_counter() - t0
+            return info.tolist(), info[n_info - num_local:], offsets, blocked
+        if self._host is None:
             buf = torch.empty(n_info, dtype=torch.int64, pin_memory=True)
             self._host = (buf, memoryview((ctypes.c_int64 * n_info).from_address(buf.data_ptr()))
                           .cast("B").cast("q"))
         buf, view = self._host
-        blocked = prog.run_read((num_per_rank.data_ptr(), out.data_ptr(), op["epoch"]), _stream(self._dev),
-                                buf.data_ptr(), info.data_ptr(), n_info * 8)
-        return view[:n_info].tolist(), info, offsets, blocked
+        base = scratch.data_ptr()
+        blocked = prog.run_read((base + 8 * o_rank, base + 8 * o_out, op["epoch"]),
+                                _stream(self._dev), buf.data_ptr(), base + 8 * o_out, n_info * 8)
+        tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
+        ctypes.memmove(tokens_per_expert.data_ptr(), buf.data_ptr() + 8 * (n_info - num_local),
+                       8 * num_local)
+        return view.tolist(), tokens_per_expert, offsets, blocked
 
     def gather(self, offsets, recv_x, recv_idx, recv_w, epoch: int) -> None:
         """Copies the received rows (``offsets`` ``[W + 1]`` from :meth:`header`) out of the

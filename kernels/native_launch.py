@@ -103,8 +103,8 @@ _SIGS = {
     "efa_launch_max_params": ([], _i32),
     "efa_launch_init": ([_cp, _sz], _i32),
     "efa_launch_param_sizes": ([_i64, _vp, _i32, _cp, _sz], _i32),
-    "efa_launch_run": ([_vp, _i32, _i64, _cp, _sz], _i32),
-    "efa_launch_run_read": ([_vp, _i32, _i64, _vp, _i64, _i64, _vp, _cp, _sz], _i32),
+    "efa_launch_run": ([_vp, _i32, _i64, _vp, _sz], _i32),
+    "efa_launch_run_read": ([_vp, _i32, _i64, _vp, _i64, _i64, _vp, _vp, _sz], _i32),
 }
 
 
@@ -285,7 +285,11 @@ class Program:
             uses.append((i * _RECORD_WORDS + _F_GRID_X, len(bases) + len(ints) + j, 0))
         self._uses = tuple(uses)
         self._err = err
+        # plain integers for the hot path: ctypes converts them without a from_param call
+        self._recs_addr = ctypes.addressof(self._recs)
+        self._err_addr = ctypes.addressof(err)
         self._sync_ns = ctypes.c_int64(0)
+        self._sync_ns_addr = ctypes.addressof(self._sync_ns)
         self.num_vars = len(bases) + len(ints) + len(grid_steps)
 
     def _set(self, values: Sequence[int]) -> None:
@@ -297,7 +301,8 @@ class Program:
         """Launches the program on ``stream`` with ``values``: the variable tensors' addresses,
         then the integers, then the grid sizes (a grid of 0 skips that kernel)."""
         self._set(values)
-        rc = self._lib.efa_launch_run(self._recs, self.num_steps, stream, self._err, _ERRLEN)
+        rc = self._lib.efa_launch_run(self._recs_addr, self.num_steps, stream, self._err_addr,
+                                      _ERRLEN)
         if rc:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
 
@@ -306,8 +311,8 @@ class Program:
         """:meth:`run`, then copies ``nbytes`` from device address ``src`` to page-locked host
         address ``dst`` and waits for the stream. Returns the seconds spent waiting."""
         self._set(values)
-        rc = self._lib.efa_launch_run_read(self._recs, self.num_steps, stream, dst, src, nbytes,
-                                           ctypes.byref(self._sync_ns), self._err, _ERRLEN)
+        rc = self._lib.efa_launch_run_read(self._recs_addr, self.num_steps, stream, dst, src,
+                                           nbytes, self._sync_ns_addr, self._err_addr, _ERRLEN)
         if rc:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
         return self._sync_ns.value * 1e-9

@@ -41,7 +41,8 @@ class _FakeLib:
         return len(got)
 
     def efa_launch_run(self, recs, n, stream, err, errlen):
-        words = memoryview(recs).cast("B").cast("q").tolist()
+        import ctypes
+        words = list((ctypes.c_int64 * (n * nl._RECORD_WORDS)).from_address(recs))
         self.runs.append((stream, n, words))
         return 0
 
