@@ -68,12 +68,14 @@ dispatch, plus, with ``aggregate=1``, the count exchange inside the node).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import socket
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .options import SCHEMAS
 from .base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
     ProtocolError,
@@ -138,7 +140,7 @@ class HierDispatchState(HandleState):
 
 def _hier_option(key: str, value, where: str):
     """``value`` checked against the hier schema (kernels/options.py); one-line TransportError."""
-    from .options import SCHEMAS, ConfigError
+    from .options import ConfigError
 
     try:
         return SCHEMAS["hier"][key].convert(value, where)
@@ -178,9 +180,13 @@ class HierTransport(Transport):
             local_name = "gda" if gda.availability() is None else "torch"
         ranks = [dist.get_global_rank(group, i) for i in range(self.world_size)]
         backend = dist.get_backend(group)
+        # The stage groups carry the transport's deadline: a torch local stage waits no longer
+        # than the network stage does (a group's default would be 30 minutes).
+        deadline = datetime.timedelta(seconds=float(
+            opts.get("timeout_s", SCHEMAS["hier"]["timeout_s"].default)))
         node_ranks = ranks[self.node * g:(self.node + 1) * g]
         # Only the members create each subgroup (the EP group may be one of many in WORLD).
-        self.node_group = dist.new_group(node_ranks, backend=backend,
+        self.node_group = dist.new_group(node_ranks, backend=backend, timeout=deadline,
                                          use_local_synchronization=True)
         net_opts = {k: v for k, v in opts.items() if k not in _OWN_OPTIONS}
         local_opts = {k: v for k, v in opts.items() if k in _SHARED_OPTIONS}
@@ -197,7 +203,7 @@ class HierTransport(Transport):
                                           **local_opts)
         else:
             rail_ranks = ranks[self.local_rank::g]
-            self.rail_group = dist.new_group(rail_ranks, backend=backend,
+            self.rail_group = dist.new_group(rail_ranks, backend=backend, timeout=deadline,
                                              use_local_synchronization=True)
             if n == 1:
                 net_name, net_opts = "torch", {}  # one node: the rail is this rank alone
