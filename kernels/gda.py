@@ -517,7 +517,9 @@ class GdaTransport(Transport):
         """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired, naming
         the first op whose wait expired (its number and kind) and the missing source ranks; or
         :class:`DispatchInputError` if a fixed-capacity dispatch received bad-input status."""
-        bits, record, bad = self._err.tolist()
+        t0 = time.perf_counter()
+        bits, record, bad = self._err.tolist()  # waits for the stream: blocked, not host work
+        self.blocked_s += time.perf_counter() - t0
         self._raise_missing(bits & ~_BAD_INPUT_BIT, record)
         if bits & _BAD_INPUT_BIT:
             ranks = [s for s in range(self.world_size) if (bad >> s) & 1]
