@@ -5,6 +5,8 @@ Megatron-Core sees. Knows nothing of libfabric.
 - :func:`configure` / :class:`DispatcherSettings`: which transport and knobs it uses (defaults
   from ``EFA_EP_*`` environment variables; ``settings`` is the one module that reads them).
 - ``transport_cache``: the transports shared by every layer (one per EP group and setup).
+- ``layout`` (index math), ``autograd_functions`` (transport calls with their backward) and
+  ``capacity`` (window-grow and overflow-policy helpers): pieces of the dispatcher.
 - :func:`register_with_megatron`: done automatically by ``import efa_ep``.
 
 Megatron is imported lazily: ``import efa_ep.dispatcher`` alone does not import it.

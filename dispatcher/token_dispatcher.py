@@ -6,10 +6,12 @@ Workflow (T local tokens, E experts, L = E / EP local experts, K = moe_router_to
    int64 (ascending expert ids, -1 padding) and ``topk_weights [T, K]`` float32. Local only.
 2. token_dispatch: the transport sends each token once per destination rank (DeepEP-style);
    returns ``recv_x [N, H]`` and ``recv_topk_weights [N, K]``. The only host sync: receive counts.
-3. dispatch_postprocess: local permutation into expert-major order with Megatron's ``permute``
-   -> ``(dispatched_input [sum(tokens_per_expert), H], tokens_per_expert [L] int64 CPU,
-   permuted_probs [sum])``. Row order inside an expert is (source rank, source token), the same
-   as Megatron's ``alltoall`` dispatcher, so experts see identical inputs.
+3. dispatch_postprocess: local permutation into expert-major order, the rows and weights that
+   Megatron's ``permute`` would gather from an ``[N, L]`` map, found with one sort of ``[N, K]``
+   keys (:func:`~efa_ep.dispatcher.layout.expert_major_order`) -> ``(dispatched_input
+   [sum(tokens_per_expert), H], tokens_per_expert [L] int64 CPU, permuted_probs [sum])``. Row
+   order inside an expert is (source rank, source token), the same as Megatron's ``alltoall``
+   dispatcher, so experts see identical inputs.
 4. combine_preprocess: Megatron's ``unpermute`` (unweighted scatter-add; the experts applied the
    probs) -> ``[N, H]``: each received row summed over its local experts.
 5. token_combine: the transport returns rows to their sources and sums them over ranks in
@@ -72,13 +74,22 @@ those of ``alltoall`` with it (tests/dispatcher/test_overlap_1f1b*.py).
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+# The autograd functions and layout math live in their own modules; their names stay
+# importable from here.
+from .autograd_functions import _Combine, _CombinePadded, _Dispatch, _DispatchPadded  # noqa: F401
+from .capacity import (
+    free_bytes, next_power_of_two, only_too_many_tokens, raise_if_policies_differ, size_text,
+    window_bytes_at,
+)
+from .layout import (  # noqa: F401
+    PaddedLayout, expert_major_order, padded_layout, routing_map_to_slots, routing_map_to_topk,
+)
 from .settings import (
     CAPACITY_OVERFLOW_POLICIES, capacity_overflow_policy, current_settings,
     grow_max_tokens_per_rank,
@@ -90,8 +101,8 @@ from .transport_cache import (  # noqa: F401
 from efa_ep.kernels import Transport
 from efa_ep.kernels.base import (
     DispatchInputError, TooManyTokensError, TransportError, collective_device,
-    parse_too_many_tokens,
 )
+
 
 # Unsupported Megatron options: (attribute, value that is fine, message). Checked at construction.
 _UNSUPPORTED = (
@@ -115,284 +126,6 @@ def check_supported(config) -> None:
             f"moe_token_dispatcher_type='efa' requires expert_tensor_parallel_size=1, got {etp}")
     if not getattr(config, "num_moe_experts", None):
         raise ValueError("moe_token_dispatcher_type='efa' needs num_moe_experts to be set")
-
-
-def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
-    """``routing_map [T, E]`` bool, ``probs [T, E]`` -> ``topk_idx [T, K]`` int64 (selected
-    experts ascending, -1 padding where a token kept fewer than K, e.g. capacity drops) and
-    ``topk_weights [T, K]`` float32 (differentiable w.r.t. probs; 0 at -1)."""
-    num_tokens, num_experts = routing_map.shape
-    if num_tokens == 0:
-        return (torch.empty(0, topk, dtype=torch.int64, device=routing_map.device),
-                probs.new_zeros((0, topk), dtype=torch.float32) + probs.sum() * 0)
-    arange = torch.arange(num_experts, device=routing_map.device)
-    keyed = torch.where(routing_map.bool(), arange, num_experts)  # unselected sort last
-    sorted_ids = keyed.sort(dim=1).values[:, :topk]
-    if not routing_map.is_cuda and int(routing_map.sum(1).max()) > topk:  # no GPU sync
-        raise ValueError(f"routing_map selects more than moe_router_topk={topk} experts for a token")
-    valid = sorted_ids < num_experts
-    topk_idx = torch.where(valid, sorted_ids, -1).to(torch.int64)
-    gathered = probs.gather(1, torch.where(valid, sorted_ids, 0))
-    topk_weights = torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype,
-                                                             device=gathered.device)).float()
-    return topk_idx, topk_weights
-
-
-def routing_map_to_slots(routing_map: torch.Tensor, probs: torch.Tensor):
-    """Drop-and-pad routing: ``routing_map [T, E]`` bool, ``probs [T, E]`` -> ``topk_idx [T, E]``
-    int64 (slot e holds expert e where routed, else -1) and ``topk_weights [T, E]`` float32
-    (differentiable w.r.t. probs; 0 where not routed). One slot per expert because Megatron's
-    capacity padding routes a token to any number of experts. Device-side, no host sync."""
-    num_experts = routing_map.shape[1]
-    routed = routing_map.bool()
-    ids = torch.arange(num_experts, dtype=torch.int64, device=routing_map.device).expand_as(routed)
-    topk_idx = torch.where(routed, ids, torch.full_like(ids, -1))
-    topk_weights = torch.where(routed, probs, torch.zeros((), dtype=probs.dtype,
-                                                          device=probs.device)).float()
-    return topk_idx, topk_weights
-
-
-class PaddedLayout(NamedTuple):
-    """Where each row of the padded expert input comes from in a fixed-layout window.
-
-    P = L * W * C rows (per local expert l a block of W * C rows; inside it, source s's rows at
-    ``s * C + c`` in its token order). All tensors on the window's device.
-
-    Attributes:
-        src_row_P: ``[P]`` int64, window row (``s * T_MAX + j``) of each padded row; 0 where
-            ``valid_P`` is False (a pad row).
-        slot_P: ``[P]`` int64, top-k slot of the window row that holds this row's local expert.
-        valid_P: ``[P]`` bool, a real row (False: a pad row, all zeros).
-        scatter_row_P: ``[P]`` int64, ``src_row_P`` where valid, else ``W * T_MAX`` (a dummy row
-            one past the window, for index_add).
-    """
-
-    src_row_P: torch.Tensor
-    slot_P: torch.Tensor
-    valid_P: torch.Tensor
-    scatter_row_P: torch.Tensor
-
-
-def padded_layout(recv_topk_idx: torch.Tensor, num_local: int, world: int, t_max: int,
-                  capacity: int) -> PaddedLayout:
-    """Drop-and-pad layout from a fixed-layout dispatch's ``recv_topk_idx [W * T_MAX, K]`` int64
-    (local expert ids, -1 unused; unused window rows all -1). Rows of source s for local expert
-    l beyond ``capacity`` are dropped (Megatron's drop-and-pad keeps the first C in token
-    order). Static shapes, device-side only: no host sync on any device."""
-    dev = recv_topk_idx.device
-    rows, k = recv_topk_idx.shape
-    used = recv_topk_idx >= 0
-    cols = torch.where(used, recv_topk_idx, num_local)  # column L collects the unused slots
-    member = torch.zeros(rows, num_local + 1, dtype=torch.bool, device=dev).scatter_(1, cols, True)
-    slots = torch.arange(k, dtype=torch.int64, device=dev).expand(rows, k).contiguous()
-    slot_of = torch.zeros(rows, num_local + 1, dtype=torch.int64, device=dev).scatter_(1, cols, slots)
-    # count[s, l, j]: rows of source s up to window row j (inclusive) that hold local expert l
-    count = member[:, :num_local].reshape(world, t_max, num_local).permute(0, 2, 1).to(
-        torch.int64).cumsum(2).contiguous()
-    want = torch.arange(1, capacity + 1, dtype=torch.int64, device=dev).expand(
-        world, num_local, capacity).contiguous()
-    j = torch.searchsorted(count, want)  # [W, L, C]: first row whose count reaches c + 1
-    valid = j < t_max
-    src = torch.arange(world, dtype=torch.int64, device=dev).view(world, 1, 1) * t_max \
-        + j.clamp(max=max(t_max - 1, 0))
-    src = torch.where(valid, src, torch.zeros((), dtype=torch.int64, device=dev))
-    local = torch.arange(num_local, dtype=torch.int64, device=dev).view(1, num_local, 1)
-    # [W, L, C] -> [L, W, C]: Megatron's expert-major order
-    src_p = src.permute(1, 0, 2).reshape(-1)
-    valid_p = valid.permute(1, 0, 2).reshape(-1)
-    local_p = local.expand(world, num_local, capacity).permute(1, 0, 2).reshape(-1)
-    slot_p = slot_of[src_p, local_p]
-    scatter_p = torch.where(valid_p, src_p, torch.full_like(src_p, rows))
-    return PaddedLayout(src_p, slot_p, valid_p, scatter_p)
-
-
-def _rows_where(valid_P: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` where valid, exact zeros elsewhere (stale window rows may hold anything)."""
-    mask = valid_P.view(-1, *([1] * (rows.dim() - 1)))
-    return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
-
-def _scatter_rows(layout: PaddedLayout, rows_PD: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Padded rows ``[P, D]`` -> window rows ``[num_rows, D]``: each window row the sum, from
-    +0.0 in local-expert order (index order on CPU), of its rows; pad rows go nowhere."""
-    out = rows_PD.new_zeros((num_rows + 1, rows_PD.shape[1]))
-    out.index_add_(0, layout.scatter_row_P, rows_PD)
-    return out[:num_rows]
-
-
-class _DispatchPadded(torch.autograd.Function):
-    """x ``[T, H]`` (the transport's dtype), topk_weights ``[T, E]`` float32, one device ->
-    padded expert input ``[L * W * C, H]`` in x's dtype and its weights ``[L * W * C]`` float32,
-    on x's device, through ``transport.dispatch_fixed`` and device-side gathers only; plus,
-    not differentiable, the fixed-layout ``DispatchHandle`` (its ``num_recv_tokens`` is the
-    window's ``W * T_MAX`` rows) and the :class:`PaddedLayout` (for ``_CombinePadded``).
-
-    Synchronization: only what ``dispatch_fixed`` does (``gda``: none; the generic default: one
-    host wait for its counts). Backward: two ``combine`` calls (rows, then weights), no host
-    sync of its own. On CUDA, ``index_add_`` sums a window row's three or more local experts in
-    an unspecified order, as Megatron's ``unpermute`` does."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, transport, capacity, num_local):
-        recv_x, recv_idx, recv_w, _num_recv, _tpe, handle = transport.dispatch_fixed(
-            x.contiguous(), topk_idx, topk_weights.detach().contiguous())
-        world, t_max = transport.world_size, transport.cfg.max_tokens_per_rank
-        layout = padded_layout(recv_idx, num_local, world, t_max, capacity)
-        # Copies out of the window at once (gda's window is reused two ops later).
-        padded_x = _rows_where(layout.valid_P, recv_x.index_select(0, layout.src_row_P))
-        padded_w = _rows_where(layout.valid_P, recv_w[layout.src_row_P, layout.slot_P])
-        ctx.transport, ctx.handle, ctx.layout = transport, handle, layout
-        ctx.k = recv_idx.shape[1]
-        return padded_x, padded_w, handle, layout
-
-    @staticmethod
-    def backward(ctx, grad_padded_x, grad_padded_w, _handle, _layout):
-        layout, rows, k = ctx.layout, ctx.handle.num_recv_tokens, ctx.k
-        grad_window = _scatter_rows(layout, grad_padded_x.contiguous(), rows)
-        grad_x = ctx.transport.combine(grad_window, ctx.handle)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            # One value per (row, slot) of a real row, 0 elsewhere: the masked input that
-            # combine_topk_weights would build, without reading the window's ids again (gda's
-            # window has been reused by now).
-            flat = torch.where(layout.valid_P, layout.src_row_P * k + layout.slot_P,
-                               torch.full_like(layout.src_row_P, rows * k))
-            g = torch.zeros(rows * k + 1, dtype=torch.float32, device=grad_padded_w.device)
-            g.index_add_(0, flat, grad_padded_w.float().contiguous())
-            grad_w = ctx.transport.combine(g[: rows * k].view(rows, k), ctx.handle)
-        ctx.transport.after_backward()
-        return grad_x, grad_w, None, None, None, None
-
-
-class _CombinePadded(torch.autograd.Function):
-    """Padded expert output ``[L * W * C, H]`` -> ``[T, H]`` (same dtype and device): rows summed
-    per window row (local experts ascending, from +0.0) into the handle's ``W * T_MAX`` window
-    rows, then ``transport.combine``; backward replays the dispatch (``dispatch_cached``) and
-    gathers the padded layout again, copying out of the transport's window at once. No host
-    sync of its own in either direction."""
-
-    @staticmethod
-    def forward(ctx, y, transport, handle, layout):
-        ctx.transport, ctx.handle, ctx.layout = transport, handle, layout
-        return transport.combine(_scatter_rows(layout, y.contiguous(), handle.num_recv_tokens),
-                                 handle)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        window = ctx.transport.dispatch_cached(grad_out.contiguous(), ctx.handle)
-        grad_y = _rows_where(ctx.layout.valid_P, window.index_select(0, ctx.layout.src_row_P))
-        return grad_y, None, None, None
-
-
-class _Dispatch(torch.autograd.Function):
-    """x ``[T, H]`` (the transport's dtype), topk_weights ``[T, K]`` float32, one device ->
-    recv_x ``[N, H]`` (x's dtype and device), recv_topk_weights ``[N, K]`` float32, and, not
-    differentiable, tokens_per_expert ``[L]`` int64 CPU and the ``DispatchHandle`` (which holds
-    ``recv_topk_idx [N, K]`` and N for the dispatcher's later steps).
-
-    Synchronization: what ``transport.dispatch`` does (the host waits once, for the counts).
-    Backward: ``combine`` (and ``combine_topk_weights`` when the weights need a gradient), then
-    ``after_backward``; collective on every rank in the same order."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, transport):
-        recv_x, _recv_idx, recv_w, tokens_per_expert, handle = transport.dispatch(
-            x.contiguous(), topk_idx, topk_weights.detach().contiguous())
-        ctx.transport, ctx.handle = transport, handle
-        ctx.mark_non_differentiable(tokens_per_expert)
-        return recv_x, recv_w, tokens_per_expert, handle
-
-    @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_w, _tokens_per_expert, _handle):
-        # Collective on every rank in the same order: grads are materialized (zeros, never None).
-        grad_x = ctx.transport.combine(grad_recv_x.contiguous(), ctx.handle)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = ctx.transport.combine_topk_weights(grad_recv_w.contiguous(), ctx.handle)
-        ctx.transport.after_backward()  # deferred device-side errors surface before any step
-        return (grad_x,      # x
-                grad_w,      # topk_weights
-                None,        # topk_idx (integer)
-                None)        # transport
-
-
-class _Combine(torch.autograd.Function):
-    """y ``[N, H]`` -> out ``[T, H]`` (y's dtype and device) through ``transport.combine``;
-    backward replays the dispatch layout (``dispatch_cached``). Synchronization: the
-    transport's (no host wait of its own)."""
-
-    @staticmethod
-    def forward(ctx, y, transport, handle):
-        ctx.transport, ctx.handle = transport, handle
-        return transport.combine(y.contiguous(), handle)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return ctx.transport.dispatch_cached(grad_out.contiguous(), ctx.handle), None, None
-
-
-def _only_too_many_tokens(error: DispatchInputError) -> bool:
-    """Whether every offending rank's words known here say "more tokens than T_MAX". Words this
-    rank cannot know (gda's peers learn only that a rank's input was bad) count as yes: the
-    rank that knows them says otherwise in the agreement that follows."""
-    if isinstance(error, TooManyTokensError):
-        return True
-    messages = getattr(error, "messages", None)
-    if messages is None:  # not an offending-ranks error (e.g. ranks disagree on K)
-        return False
-    return all(m is None or parse_too_many_tokens(m) is not None for m in messages.values())
-
-
-def _raise_if_policies_differ(policies, mode: str, error=None) -> None:
-    """Raises one line, the same on every rank, when the EP ranks' ``EFA_EP_CAPACITY_OVERFLOW``
-    values (rank r's at index r) differ."""
-    if len(set(policies)) > 1:
-        by = {p: [r for r, q in enumerate(policies) if q == p] for p in sorted(set(policies))}
-        raise ValueError(f"EP ranks disagree on EFA_EP_CAPACITY_OVERFLOW ({mode}): "
-                         + "; ".join(f"{p!r} on rank(s) {r}" for p, r in by.items())
-                         + "; set the same value on every rank") from error
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Free memory where windows for rows on ``device`` would live (bytes; -1 unknown): the
-    CUDA device's, else the host's ``MemAvailable`` (which counts reclaimable page cache)."""
-    try:
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0])
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, RuntimeError):
-        pass
-    return -1
-
-
-def _window_bytes_at(transport: Transport, max_tokens_per_rank: int) -> int:
-    """Estimated window bytes per rank of ``transport``'s kind and options with windows for
-    ``max_tokens_per_rank`` (:func:`efa_ep.kernels.memory.window_bytes`; ``hier``: its stages',
-    each scaled from its own T_MAX). 0 for ``torch`` (no window)."""
-    from efa_ep.kernels.memory import window_bytes
-
-    cfg = transport.cfg
-    if cfg.name == "hier":
-        stages = [getattr(transport, a, None) for a in ("network", "local")]
-        return sum(_window_bytes_at(t, t.cfg.max_tokens_per_rank * max_tokens_per_rank
-                                    // cfg.max_tokens_per_rank)
-                   for t in stages if isinstance(t, Transport))
-    if cfg.name not in ("gda", "proxy"):
-        return 0
-    return window_bytes(cfg.name, world=cfg.world_size, hidden=cfg.hidden, dtype=cfg.dtype,
-                        max_tokens_per_rank=max_tokens_per_rank, num_experts=cfg.num_experts,
-                        max_topk=dict(cfg.options).get("max_topk"))
-
-
-def _size(n: int) -> str:
-    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 class EfaTokenDispatcher(MoETokenDispatcher):
@@ -465,8 +198,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         self.transport = None            # transport of the last dispatch (it combines the handle)
         self.handle = None               # DispatchHandle of the last dispatch
         self.tokens_per_expert = None    # [L] int64 CPU
-        self.local_routing_map = None    # [N, L] bool
-        self.sorted_indices = None       # [sum(tokens_per_expert)] int64
+        self.sorted_indices = None       # [sum(tokens_per_expert)] int64 (fused: TE's row map)
         self.capacity = None             # C of the last drop-and-pad dispatch
         self.padded_layout = None        # PaddedLayout of the last drop-and-pad dispatch
 
@@ -520,7 +252,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         Raises the same one line on every rank otherwise."""
         policies = [None] * self.ep_size
         dist.all_gather_object(policies, self.capacity_overflow, group=self.ep_group)
-        _raise_if_policies_differ(policies, "drop-and-pad")
+        raise_if_policies_differ(policies, "drop-and-pad")
         self._overflow_agreed = True
 
     def _check_capacity(self, routing_map) -> None:
@@ -579,8 +311,8 @@ class EfaTokenDispatcher(MoETokenDispatcher):
                 return transport, _Dispatch.apply(x, probs, self.topk_idx, transport)
             except DispatchInputError as error:
                 table = self._gather_window_needs(transport, x.shape[0], x.device,
-                                                  other=not _only_too_many_tokens(error))
-                _raise_if_policies_differ([CAPACITY_OVERFLOW_POLICIES[int(p)]
+                                                  other=not only_too_many_tokens(error))
+                raise_if_policies_differ([CAPACITY_OVERFLOW_POLICIES[int(p)]
                                            for p in table[:, 2]], "dropless", error)
                 tokens, t_max = table[:, 0], transport.cfg.max_tokens_per_rank
                 if (self.capacity_overflow != "grow" or bool(table[:, 1].any())
@@ -606,7 +338,7 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         One all-gather over the EP group (on its backend's device) and one host read."""
         row = torch.tensor([tokens, int(other),
                             CAPACITY_OVERFLOW_POLICIES.index(self.capacity_overflow),
-                            self.grow_limit, _free_bytes(device)],
+                            self.grow_limit, free_bytes(device)],
                            dtype=torch.int64, device=collective_device(self.ep_group))
         parts = [torch.empty_like(row) for _ in range(self.ep_size)]
         dist.all_gather(parts, row, group=self.ep_group)
@@ -641,17 +373,17 @@ class EfaTokenDispatcher(MoETokenDispatcher):
             raise refuse(f"EFA_EP_GROW_MAX_TOKENS_PER_RANK={limit} (the smallest of the EP "
                          f"group) is the most it grows to; raise it, or pass fewer tokens per "
                          f"rank") from error
-        new = min(_next_power_of_two(needed), limit)
+        new = min(next_power_of_two(needed), limit)
         try:
-            want = _window_bytes_at(transport, new)
+            want = window_bytes_at(transport, new)
         except (TransportError, ValueError) as e:
             raise refuse(f"windows for {new} tokens per rank: {e}") from error
         free = [(int(f), r) for r, f in enumerate(table[:, 4]) if int(f) >= 0]
         if want and free and want > min(free)[0]:
             have, poorest = min(free)
-            raise refuse(f"windows for {new} tokens per rank take about {_size(want)} per rank "
-                         f"and rank {poorest} has {_size(have)} free; pass fewer tokens per rank "
-                         f"or lower EFA_EP_GROW_MAX_TOKENS_PER_RANK") from error
+            raise refuse(f"windows for {new} tokens per rank take about {size_text(want)} per "
+                         f"rank and rank {poorest} has {size_text(have)} free; pass fewer tokens "
+                         f"per rank or lower EFA_EP_GROW_MAX_TOKENS_PER_RANK") from error
         grown = grow_shared_transport(transport, self.ep_group, new, self.transport_options)
         if dist.get_rank(self.ep_group) == 0:
             logging.getLogger("efa_ep").warning(
@@ -671,8 +403,22 @@ class EfaTokenDispatcher(MoETokenDispatcher):
             if self.overlap_1f1b:
                 hidden_states = hidden_states.clone()  # the 1F1B schedule frees its input
             return hidden_states, self.tokens_per_expert, probs.to(self.probs_dtype)
-        n, num_local = hidden_states.shape[0], self.num_local_experts
+        num_rows = int(self.tokens_per_expert.sum())  # a CPU tensor: no device sync
         recv_topk_idx = self.handle.recv_topk_idx  # [N, K] int64 local expert ids, -1 elsewhere
+        if self.fused:
+            return self._permute_fused(hidden_states, probs, recv_topk_idx, num_rows)
+        slot, self.sorted_indices = expert_major_order(recv_topk_idx, self.num_local_experts,
+                                                       num_rows)
+        # Megatron's permute gathers the same rows and weights from an [N, L] map and [N, L]
+        # probs; gathering from [N, K] directly skips building both (and their backward).
+        permuted = hidden_states.index_select(0, self.sorted_indices)
+        permuted_probs = probs.reshape(-1).index_select(0, slot).to(self.probs_dtype)
+        return permuted, self.tokens_per_expert, permuted_probs
+
+    def _permute_fused(self, hidden_states, probs, recv_topk_idx, num_rows):
+        """``moe_permute_fusion``: Megatron's fused permute (Transformer Engine), which takes
+        the ``[N, L]`` routing map and probs; its ``row_id_map`` goes to the fused unpermute."""
+        n, num_local = hidden_states.shape[0], self.num_local_experts
         valid = recv_topk_idx >= 0
         # Column L collects unused slots so they never overwrite a real expert's entry.
         cols = torch.where(valid, recv_topk_idx, num_local)
@@ -681,22 +427,22 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         local_probs = local_probs[:, :num_local].to(self.probs_dtype)
         local_map = torch.zeros(n, num_local + 1, dtype=torch.bool, device=hidden_states.device)
         local_map.scatter_(1, cols, True)
-        self.local_routing_map = local_map[:, :num_local].contiguous()
-        num_rows = int(self.tokens_per_expert.sum())
+        local_routing_map = local_map[:, :num_local].contiguous()
         permuted, permuted_probs, self.sorted_indices, _, _ = permute(
-            hidden_states, self.local_routing_map, probs=local_probs, num_out_tokens=num_rows,
-            fused=self.fused)
+            hidden_states, local_routing_map, probs=local_probs, num_out_tokens=num_rows,
+            fused=True)
         return permuted, self.tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states):
-        """Expert outputs [rows, H] -> [N, H], each received row summed over its local experts.
-        Drop-and-pad: unchanged (token_combine scatters the padded rows)."""
+        """Expert outputs [rows, H] -> [N, H], each received row summed over its local experts
+        (Megatron's ``unpermute``: from +0.0, in expert order on CPU). Drop-and-pad: unchanged
+        (token_combine scatters the padded rows)."""
         if self.drop_and_pad:
             return hidden_states
         return unpermute(hidden_states, self.sorted_indices,
                          restore_shape=torch.Size([self.handle.num_recv_tokens,
                                                    hidden_states.shape[-1]]),
-                         routing_map=self.local_routing_map, fused=self.fused)
+                         fused=self.fused)
 
     def token_combine(self, hidden_states):
         """[N, H] (drop-and-pad: [L * W * C, H]) -> [T, H]: rows back to their sources, float32
