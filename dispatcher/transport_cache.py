@@ -100,6 +100,20 @@ def close_retired_transports() -> int:
 _AUTO: Dict[int, Tuple[str, tuple]] = {}
 
 
+def channels_from_calibration(path: str):
+    """``pick(world, ranks_per_node) -> (num_channels, why)``: the planner's proxy channel
+    count for the layout, from the calibration file at ``path`` (``efa-ep-plan calibrate``)."""
+    from efa_ep.tools.plan.calibrate import read
+    from efa_ep.tools.plan.model import choose_transport
+
+    cal = read(path)
+
+    def pick(world: int, ranks_per_node: int):
+        _, nc, why = choose_transport(world, ranks_per_node, ["proxy"], cal)
+        return nc, f"from the calibration: {why}"
+    return pick
+
+
 def auto_transport_for_group(group, one_host: str, hier_options: dict,
                              calibration: Optional[str] = None) -> Tuple[str, tuple]:
     """What ``auto`` runs for the EP group ``group``, as ``(name, options)``: ``hier`` with
@@ -119,7 +133,7 @@ def auto_transport_for_group(group, one_host: str, hier_options: dict,
         world = dist.get_world_size(group)
         name, options, reason = auto_choice(
             world, ranks_per_node(group, hier_options.get("node_size")), hier_options,
-            calibration)
+            channels_from_calibration(calibration) if calibration else None)
         _AUTO[key] = (("hier", tuple(sorted(options.items()))) if name == "hier"
                       else (one_host, None))
         if dist.get_rank(group) == 0:
@@ -141,4 +155,4 @@ def clear_transport_cache() -> None:
 
 
 __all__ = ["get_shared_transport", "grow_shared_transport", "close_retired_transports",
-           "clear_transport_cache", "auto_transport_for_group"]
+           "clear_transport_cache", "auto_transport_for_group", "channels_from_calibration"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,23 +101,21 @@ def ranks_per_node(group, node_size=None) -> int:
 
 
 def auto_choice(world: int, ranks_per_node: int, options: dict,
-                calibration: Optional[str] = None) -> tuple:
+                pick_channels: Optional[Callable[[int, int], tuple]] = None) -> tuple:
     """What ``auto`` runs for an EP group of ``world`` ranks, ``ranks_per_node`` per host:
-    ``(name, options, reason)``. Across hosts ``hier``; with a calibration file (written by
-    ``efa-ep-plan calibrate``; env ``EFA_EP_CALIBRATION``) and no ``num_channels`` given, its
-    channel count is the planner's pick. On one host ``gda`` where usable, else ``torch``."""
+    ``(name, options, reason)``. Across hosts ``hier``; with ``pick_channels`` and no
+    ``num_channels`` given, its channel count is ``pick_channels(world, ranks_per_node)``'s
+    ``(num_channels, why)`` (the Megatron dispatcher passes the planner's pick from a
+    calibration file). On one host ``gda`` where usable, else ``torch``."""
     if world <= ranks_per_node:
         name = resolve_transport_name("auto")
         return name, options, f"EP group of {world} ranks on one host: {name}"
     options = dict(options)
     reason = f"EP group spans {world // ranks_per_node} hosts: hier"
-    if calibration and "num_channels" not in options:
-        from efa_ep.tools.plan.calibrate import read
-        from efa_ep.tools.plan.model import choose_transport
-
-        _, nc, why = choose_transport(world, ranks_per_node, ["proxy"], read(calibration))
+    if pick_channels is not None and "num_channels" not in options:
+        nc, why = pick_channels(world, ranks_per_node)
         options["num_channels"] = nc
-        reason += f" with num_channels={nc} from the calibration ({why})"
+        reason += f" with num_channels={nc} ({why})"
     return "hier", options, reason
 
 
@@ -142,11 +140,9 @@ def create_transport(name: str, group, num_experts: int, hidden: int, max_tokens
     resolved = resolve_transport_name(name)
     if name == "auto":
         import logging
-        import os
 
         resolved, options, reason = auto_choice(
-            dist.get_world_size(group), ranks_per_node(group, options.get("node_size")), options,
-            os.environ.get("EFA_EP_CALIBRATION") or None)
+            dist.get_world_size(group), ranks_per_node(group, options.get("node_size")), options)
         if dist.get_rank(group) == 0:
             logging.getLogger("efa_ep").info("efa-ep: transport auto -> %s: %s", resolved, reason)
     module = _load(resolved)

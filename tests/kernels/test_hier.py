@@ -321,9 +321,11 @@ def test_hier_gpu_gda_local(network, aggregate):
 def test_auto_choice_uses_hier_across_hosts_and_the_calibration_for_k():
     import os
 
+    from efa_ep.dispatcher.transport_cache import channels_from_calibration
     from efa_ep.kernels import auto_choice, resolve_transport_name
 
-    cal = os.path.join(os.path.dirname(__file__), "..", "..", "results", "plan", "calibration.json")
+    cal = channels_from_calibration(os.path.join(
+        os.path.dirname(__file__), "..", "..", "results", "plan", "calibration.json"))
     name, opts, why = auto_choice(16, 8, {}, cal)
     assert name == "hier" and 1 <= opts["num_channels"] <= 8, (opts, why)
     assert "from the calibration" in why and "calibration.json" in why
