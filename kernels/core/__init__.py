@@ -1,0 +1,9 @@
+"""The transport core: what every transport shares, one definition each.
+
+``errors`` (the error kinds), ``handles`` (settings agreed by the ranks, dispatch handles,
+network counters), ``routing`` (where tokens go, combine's ordered reduction, sizes), ``checks``
+(the status word, input checks raised on every rank), ``wire`` (the status exchange and the
+checks of what peers send), ``contract`` (the :class:`~efa_ep.kernels.base.Transport` base
+class). :mod:`efa_ep.kernels.base` re-exports all of it with the contract's documentation;
+import from there.
+"""
