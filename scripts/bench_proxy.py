@@ -17,6 +17,9 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    outside the engine's blocking waits, i.e. layout, packing, copies, checks, reduction and
    Python; the larger rank), and the calling thread's CPU time (``*_cpu_ms``, less sensitive to
    co-tenant load on small shared hosts; it includes the native waits' bounded spinning).
+   The cell also times its own wire floor (``wire_ms``: part 4's two rounds with this D+C's
+   rows, on the proxy's own wire) interleaved with the arms, so ``proxy_over_wire`` is a ratio
+   of two figures taken side by side under the same load.
    ``--starts S`` repeats the cell in S fresh pairs of rank processes (new transports each):
    the record pools every iteration of every start (``proxy_ms``) and gives each start's median
    (``*_start_medians``) and their spread; ``torch`` (gloo) runs interleaved in the same ranks.
@@ -42,6 +45,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -199,8 +203,41 @@ def bench_gpu_roundtrip(provider: str, iters: int):
     return out
 
 
+class _WireFloor:
+    """The two wire rounds of one rank's dispatch+combine alone (headers, the rows' bytes,
+    footers; no layout, packing, copies or checks of the rows), on a proxy transport's own wire:
+    the floor under that D+C, timed interleaved with it in the same ranks (a ratio that holds on
+    a shared machine). Collective: every rank calls :meth:`run` together."""
+
+    def __init__(self, px, idx, world: int, rank: int, topk: int, hidden: int, elem: int):
+        import numpy as np
+        import torch.distributed as dist
+
+        per_rank = px.cfg.num_experts // world
+        self.rows_to = [int(((idx.cpu() // per_rank) == d).any(dim=1).sum()) for d in range(world)]
+        got = [None] * world
+        dist.all_gather_object(got, self.rows_to)
+        self.n_recv = [got[r][rank] for r in range(world)]
+        self.counts = np.zeros((world, per_rank), dtype=np.int64)
+        for d in range(world):
+            self.counts[d, 0] = self.rows_to[d] * topk  # any count the header check accepts
+        self.px, self.topk, self.row_x = px, topk, hidden * elem
+
+    def run(self) -> None:
+        from efa_ep.kernels.proxy.window import OP_COMBINE, OP_DISPATCH
+
+        wire = self.px.wire
+        wire.begin(OP_DISPATCH, [self.row_x, 16 * self.topk], self.rows_to, extras=self.counts,
+                   fmt=self.topk)
+        wire.exchange()
+        wire.finish()
+        wire.begin(OP_COMBINE, [self.row_x], self.n_recv, n_recv=self.rows_to, fmt=0)
+        wire.exchange()
+        wire.finish()
+
+
 def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off",
-              torch_staging=False, chunk_bytes=None, spin_us=None):
+              torch_staging=False, chunk_bytes=None, spin_us=None, time_torch=True):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route as make_route
@@ -227,6 +264,7 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
             arms.append(("proxy_device_layout", px_l))
         idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        floor = _WireFloor(px, idx, world, rank, topk, hidden, 2)
         if device != "cpu":
             x, idx, w = x.to(device), idx.to(device), w.to(device)
         # correctness before timing (a failed check voids the cell)
@@ -238,12 +276,19 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
                                         b.cpu().view(torch.uint8) if b.dtype == torch.bfloat16 else b.cpu())
                             for a, b in zip(r[:4], p[:4]))
             ok = ok and torch.equal(want, t.combine(p[0], p[4]).cpu().view(torch.uint8))
+        if not time_torch:  # torch checked the results above; proxy and its floor back to back
+            arms = [(a, t) for a, t in arms if t is not ref]
+        arms.append(("wire", floor))  # not a transport: the floor, timed like the arms
         times = {a: [] for a, _ in arms}
         cpu = {a: [] for a, _ in arms}  # this rank's main-thread CPU time (load-robust)
+        proc = {a: [] for a, _ in arms}  # the rank process's CPU time, every thread (channels too)
         host = []  # proxy: wall time outside the engine's blocking waits
         waited = _wait_clock(px)
         for _ in range(3):  # warm-up: first-touch of outputs, allocator, connections
             for _, t in arms:
+                if t is floor:
+                    floor.run()
+                    continue
                 o = t.dispatch(x, idx, w)
                 t.combine(o[0], o[4])
         for it in range(iters):
@@ -251,20 +296,26 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
             for arm, t in arms[it % len(arms):] + arms[:it % len(arms)]:
                 dist.barrier()
                 w0 = waited()
+                p0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0, c0 = time.perf_counter(), time.thread_time()
-                o = t.dispatch(x, idx, w)
-                t.combine(o[0], o[4])
+                if t is floor:
+                    floor.run()
+                else:
+                    o = t.dispatch(x, idx, w)
+                    t.combine(o[0], o[4])
                 if device != "cpu":
                     torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
                 cpu[arm].append(time.thread_time() - c0)
+                p1 = resource.getrusage(resource.RUSAGE_SELF)
+                proc[arm].append(p1.ru_utime + p1.ru_stime - p0.ru_utime - p0.ru_stime)
                 if arm == "proxy":
                     host.append(times[arm][-1] - (waited() - w0))
         stats = px.stats()
         for _, t in arms:
-            if t is not ref:
+            if t is not ref and t is not floor:
                 t.close()
-        res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "cpu": cpu,
+        res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "cpu": cpu, "proc": proc,
                     "host": host, "stats": stats})
     return res
 
@@ -349,15 +400,16 @@ def bench_wire(provider: str, tokens: int, iters: int, channel_counts, starts: i
 
 def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
               hmem: str = "off", starts: int = 1, torch_staging: bool = False,
-              chunk_bytes: int = 0, spin_us=None):
+              chunk_bytes: int = 0, spin_us=None, time_torch: bool = True):
     """Each start is a fresh pair of rank processes (new transports); every figure is the
     slowest (or larger) rank per iteration, pooled over all iterations of all starts, plus
-    each start's median."""
+    each start's median. ``time_torch=False``: torch only checks the results (the proxy and
+    its wire floor alternate with no gloo operation between them)."""
     from efa_ep.distributed import run_ranks
 
     env = _rank_env(provider)
     runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem,
-                                     torch_staging, chunk_bytes, spin_us),
+                                     torch_staging, chunk_bytes, spin_us, time_torch),
                       timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
@@ -365,7 +417,7 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
                "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "dtype": "bfloat16", "ranks": 2,
                "num_channels": num_channels, "chunk_bytes": chunk_bytes or "default",
                "spin_us": "default" if spin_us is None else spin_us, "route": "random", "device": device, "hmem": hmem,
-               "starts": starts, "iters_per_start": iters,
+               "starts": starts, "iters_per_start": iters, "torch_timed": time_torch,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}
         for arm in runs[0][0][i]["times"]:
@@ -373,6 +425,10 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
             # main-thread CPU time per D+C (includes the native waits' spinning), the larger rank
             series[arm + "_cpu"] = [[max(r[i]["cpu"][arm][j] for r in pr) * 1e3 for j in range(iters)]
                                     for pr in runs]
+            # CPU time of the whole rank process (main and channel threads) per D+C, summed over
+            # the ranks: what the op costs a shared host, spinning included
+            series[arm + "_proc_cpu"] = [[sum(r[i]["proc"][arm][j] for r in pr) * 1e3 for j in range(iters)]
+                                         for pr in runs]
         series["proxy_host"] = [[max(r[i]["host"][j] for r in pr) * 1e3 for j in range(iters)] for pr in runs]
         for key, per_start in series.items():
             rec[key + "_ms"] = _summary([v for s in per_start for v in s])
@@ -380,7 +436,12 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
             rec[key + "_start_medians_ms"] = meds
             rec[key + "_spread_ms"] = {"median_of_starts": statistics.median(meds),
                                        "min_of_starts": min(meds), "max_of_starts": max(meds)}
-        rec["proxy_over_torch"] = rec["proxy_ms"]["median"] / rec["torch_ms"]["median"]
+        if time_torch:
+            rec["proxy_over_torch"] = rec["proxy_ms"]["median"] / rec["torch_ms"]["median"]
+        # the D+C against its wire floor timed interleaved in the same ranks: pooled, per start
+        rec["proxy_over_wire"] = rec["proxy_ms"]["median"] / rec["wire_ms"]["median"]
+        rec["proxy_over_wire_starts"] = [p / f for p, f in zip(rec["proxy_start_medians_ms"],
+                                                                rec["wire_start_medians_ms"])]
         for arm in ("proxy_torch_staging", "proxy_device_layout"):
             if arm + "_ms" in rec:
                 rec[f"proxy_over_{arm}"] = rec["proxy_ms"]["median"] / rec[arm + "_ms"]["median"]
@@ -412,7 +473,8 @@ def _plot(records, path):
     if all("proxy_host_ms" in r for r in a2a):
         axes[1].bar([x - 0.2 for x in xs], [r["proxy_host_ms"]["median"] for r in a2a], 0.4, fill=False,
                     hatch="//", label="proxy host part")
-    axes[1].bar([x + 0.2 for x in xs], [r["torch_ms"]["median"] for r in a2a], 0.4, label="torch (gloo)")
+    axes[1].bar([x + 0.2 for x in xs], [r["torch_ms"]["median"] if "torch_ms" in r else 0 for r in a2a], 0.4,
+                label="torch (gloo)")
     axes[1].set_xticks(list(xs)); axes[1].set_xticklabels(labels, fontsize=7)
     axes[1].set_ylabel("dispatch+combine ms (slowest rank, median)"); axes[1].legend(fontsize=7)
     axes[1].set_yscale("log")
@@ -450,6 +512,10 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a,wire")
     ap.add_argument("--wire-channels", default="1,2,4,8",
                     help="channel counts of the wire part (comma list)")
+    ap.add_argument("--untimed-torch", action="store_true",
+                    help="a2a: torch (gloo) only checks the results and is not timed, so the proxy "
+                         "and its wire floor run back to back (no idle gap of a gloo operation "
+                         "between them)")
     ap.add_argument("--profiles", default="decode,prefill",
                     help="dispatch+combine profiles to run (comma list of decode, prefill)")
     args = ap.parse_args(argv)
@@ -486,13 +552,20 @@ def main(argv=None):
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
             records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
-                                 args.starts, args.torch_staging, args.chunk_bytes, args.spin_us)
+                                 args.starts, args.torch_staging, args.chunk_bytes, args.spin_us,
+                                 not args.untimed_torch)
             for r in records[-len(profiles):]:
                 print(f"[bench_proxy] {prov} {r['profile']}: proxy D+C {r['proxy_ms']['median']:.3f} ms "
                       f"[p10 {r['proxy_ms']['p10']:.3f}, p90 {r['proxy_ms']['p90']:.3f}] (host part "
-                      f"{r['proxy_host_ms']['median']:.3f} ms), torch/gloo {r['torch_ms']['median']:.3f} ms, "
-                      f"proxy/torch {r['proxy_over_torch']:.2f}, starts {r['starts']} x {r['iters_per_start']}, "
-                      f"bit-identical {r['bit_identical_to_torch']}"
+                      f"{r['proxy_host_ms']['median']:.3f} ms), "
+                      + (f"torch/gloo {r['torch_ms']['median']:.3f} ms, proxy/torch "
+                         f"{r['proxy_over_torch']:.2f}, " if "torch_ms" in r else "torch untimed, ")
+                      + f"starts {r['starts']} x {r['iters_per_start']}, "
+                      f"bit-identical {r['bit_identical_to_torch']}, CPU of both rank processes "
+                      f"{r['proxy_proc_cpu_ms']['median']:.3f} ms per D+C "
+                      f"({r['wire_proc_cpu_ms']['median']:.3f} per floor), wire floor (interleaved) "
+                      f"{r['wire_ms']['median']:.3f} ms, proxy/wire {r['proxy_over_wire']:.2f} (per start "
+                      + ", ".join(f"{v:.2f}" for v in r["proxy_over_wire_starts"]) + ")"
                       + "".join(f", {arm} {r[arm + '_ms']['median']:.3f} ms"
                                 for arm in ("proxy_torch_staging", "proxy_device_layout")
                                 if arm + "_ms" in r), flush=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where does the time of a decode dispatch + combine over ``proxy`` (CUDA inputs) go?
 
-Two ranks as processes on the GPU (MPS on), the proxy over ``--provider`` with a host window,
+Two ranks as processes on the GPU (MPS on; ``--device cpu``: CPU rows, no GPU), the proxy over
+``--provider`` with a host window,
 DeepSeek-V3 decode shape (H 7168 bf16, top-8 of 256, ``--tokens`` per rank). Each step of an
 operation is wrapped with a wall-clock timer (no extra synchronization, so a step's time is what
 the calling thread spends in it: launches, copies, waits); rank 0 prints per D+C the mean time
@@ -37,13 +38,13 @@ def _wrap(owner, name, acc):
     setattr(owner, name, staticmethod(timed) if static else timed)
 
 
-def _rank(rank, world, provider, tokens, iters, staging, channels):
+def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"):
     from efa_ep.kernels import create_transport, gda_kernels
     from efa_ep.kernels.proxy import device, native, wire, transport
     from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     px = create_transport("proxy", None, 256, 7168, tokens, torch.bfloat16, provider=provider,
                           num_channels=channels, timeout_s=60)
     px.device_kernels = staging != "torch"
@@ -55,11 +56,22 @@ def _rank(rank, world, provider, tokens, iters, staging, channels):
     def dc():
         o = px.dispatch(x, idx, w)
         px.combine(o[0], o[4])
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     for _ in range(20):
         dc()
     acc = collections.defaultdict(float)
+    # CPU rows on a host window: each op is two native calls (post, complete), timed per kind
+    op_call = native.NativeOp.call
+
+    def timed_call(self, kind, step):
+        t0 = time.perf_counter()
+        try:
+            return op_call(self, kind, step)
+        finally:
+            acc[f"NativeOp.{kind}.{step}"] += time.perf_counter() - t0
+    native.NativeOp.call = timed_call
     for owner, names in ((gda_kernels, ["layout"]),
                          (device, ["pack_dispatch", "gather_dispatch", "reduce_combine"]),
                          (native, ["unpack_meta", "route_layout"]),
@@ -72,10 +84,14 @@ def _rank(rank, world, provider, tokens, iters, staging, channels):
     import torch.distributed as dist
 
     dist.barrier()
+    w0 = px.wire.wait_seconds()
     t0 = time.perf_counter()
     for _ in range(iters):
         dc()
     wall = (time.perf_counter() - t0) / iters
+    steps_wait = (px.wire.wait_seconds() - w0) / iters * 1e6
+    steps = {k: v / iters * 1e6 for k, v in acc.items()}  # the timed loop's, not cProfile's
+    steps["(blocked in the engine's waits, all steps)"] = steps_wait
     prof = cProfile.Profile()
     dist.barrier()
     prof.enable()
@@ -85,7 +101,6 @@ def _rank(rank, world, provider, tokens, iters, staging, channels):
     px.close()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-    steps = {k: v / iters * 1e6 for k, v in acc.items()}
     return wall * 1e6, steps, s.getvalue()
 
 
@@ -95,6 +110,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--channels", type=int, default=2)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="device of the inputs (cpu: the host-memory path, no GPU needed)")
     ap.add_argument("--staging", default="kernels", choices=["kernels", "layout", "torch"],
                     help="kernels: combine's reduction kernel (the default transport); layout: the "
                          "dispatch's device layout and packing too; torch: torch ops only")
@@ -102,7 +119,8 @@ def main():
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
-    res = run_ranks(_rank, 2, (args.provider, args.tokens, args.iters, args.staging, args.channels),
+    res = run_ranks(_rank, 2, (args.provider, args.tokens, args.iters, args.staging, args.channels,
+                                      args.device),
                     timeout_s=600, env=env)
     for rank, (wall, steps, prof) in enumerate(res):
         print(f"== rank {rank}: {args.staging} staging, {args.provider}, D+C {wall:.1f} us per iteration")

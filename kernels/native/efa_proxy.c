@@ -25,6 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -145,6 +148,16 @@ typedef struct engine {
     _Atomic int tamper_done;
     _Atomic int stop;
     _Atomic int failed;
+    /* Idle policy (efa_engine_set_idle): linger_ns > 0 = host-driven. A channel thread then
+     * stays busy only while it has work (queued, in flight, held) or a host thread is inside
+     * one of the engine's waits (waiters > 0), lingers linger_ns after that, and then blocks on
+     * the futex wake_seq (bounded) until a waiter or a producer bumps it. 0 = spin spin_us
+     * after the last progress, then short sleeps (producers that never enter the engine: the
+     * GPU, the benchmark loops). */
+    uint64_t linger_ns;
+    _Atomic int waiters;
+    _Atomic uint32_t wake_seq;
+    _Atomic int sleepers;
     pthread_mutex_t fail_mu;
     char fail_msg[1024];
     channel *ch;
@@ -221,6 +234,46 @@ static void idle_wait(engine *e, uint64_t idle_since, _Atomic uint64_t *sleeps) 
         if (sleeps) atomic_fetch_add_explicit(sleeps, 1, memory_order_relaxed);
         sleep_us(20);
     }
+}
+
+/* The calling thread's waits (headers, data, our writes leaving): while spinning it yields the
+ * CPU on every turn, not every 64th. The thread it waits on is usually a channel thread of this
+ * or the peer's engine; where threads outnumber cores (ranks x (1 + channels) on a small host)
+ * every turn it holds the CPU delays exactly the work it waits for. With a core to itself the
+ * yield returns at once. */
+static void waiter_idle(engine *e, uint64_t idle_since) {
+    if (now_ns() - idle_since < (uint64_t)e->spin_us * 1000ull) sched_yield();
+    else sleep_us(20);
+}
+
+/* Wakes channel threads blocked in channel_block (host-driven idle policy). Sequentially
+ * consistent with channel_block's (sleepers, waiters) pair, so a wake is never lost between a
+ * sleeper's check and its futex wait (the futex rechecks wake_seq; the 1 ms bound covers the rest). */
+static void kick(engine *e) {
+    if (!e->linger_ns) return;
+    atomic_fetch_add(&e->wake_seq, 1);
+    if (atomic_load(&e->sleepers))
+        syscall(SYS_futex, &e->wake_seq, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+static void host_enter(engine *e) {
+    atomic_fetch_add(&e->waiters, 1);
+    kick(e);
+}
+
+static void host_leave(engine *e) { atomic_fetch_sub(&e->waiters, 1); }
+
+/* A channel with nothing to do and nobody waiting: block until kicked, at most 1 ms (arrivals
+ * nobody waits for yet are still progressed, late). */
+static void channel_block(engine *e, channel *c) {
+    uint32_t seen = atomic_load(&e->wake_seq);
+    atomic_fetch_add(&e->sleepers, 1);
+    if (!atomic_load(&e->waiters) && !atomic_load(&e->stop)) {
+        struct timespec ts = {0, 1000000L};
+        syscall(SYS_futex, &e->wake_seq, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+        atomic_fetch_add_explicit(&c->stats[ST_SLEEPS], 1, memory_order_relaxed);
+    }
+    atomic_fetch_sub(&e->sleepers, 1);
 }
 
 static uint64_t xorshift(uint64_t *s) {
@@ -863,6 +916,26 @@ static void *channel_main(void *arg) {
             }
             break;
         }
+        if (e->linger_ns) {
+            /* host-driven: busy while there is work or a host thread waits on the engine */
+            uint64_t t = now_ns();
+            if (r > 0 || c->num_held || c->q_count ||
+                atomic_load_explicit(&c->inflight, memory_order_relaxed) ||
+                atomic_load_explicit(&e->waiters, memory_order_acquire)) {
+                idle_since = t;
+            } else if (t - idle_since > e->linger_ns) {
+                channel_block(e, c);
+                idle_since = now_ns();
+                continue;
+            }
+            if (r == 0) {
+                /* only our own writes in flight, nobody waiting: the host is doing its own work
+                 * (packing, copying out, reducing), so hand it the CPU on every idle turn */
+                if (!atomic_load_explicit(&e->waiters, memory_order_relaxed)) sched_yield();
+                else idle_wait(e, t, NULL);
+            }
+            continue;
+        }
         if (r > 0 || c->num_held || atomic_load_explicit(&c->inflight, memory_order_relaxed))
             idle_since = r > 0 ? now_ns() : idle_since;
         if (r == 0) idle_wait(e, idle_since, &c->stats[ST_SLEEPS]);
@@ -1040,6 +1113,14 @@ int efa_engine_expect(uint64_t handle, uint32_t seq) {
     return 0;
 }
 
+int efa_engine_set_idle(uint64_t handle, int linger_us) {
+    engine *e = from_handle(handle);
+    e->linger_ns = linger_us > 0 ? (uint64_t)linger_us * 1000ull : 0;
+    atomic_fetch_add_explicit(&e->wake_seq, 1, memory_order_release);
+    syscall(SYS_futex, &e->wake_seq, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    return 0;
+}
+
 int efa_engine_tamper(uint64_t handle, int kind) {
     engine *e = from_handle(handle);
     atomic_store_explicit(&e->tamper_done, 0, memory_order_relaxed);
@@ -1092,7 +1173,7 @@ int efa_ring_wait_space(uint64_t handle, int ch, uint32_t n, int timeout_ms, cha
                     e->ring_slots);
             return -ETIMEDOUT;
         }
-        idle_wait(e, start, NULL);
+        waiter_idle(e, start);
     }
 }
 
@@ -1100,6 +1181,7 @@ int efa_ring_publish(uint64_t handle, int ch, uint64_t new_tail) {
     engine *e = from_handle(handle);
     /* release: every descriptor word written before this call is visible to the thread's acquire */
     atomic_store_explicit(e->ch[ch].tail, new_tail, memory_order_release);
+    kick(e);
     return 0;
 }
 
@@ -1119,6 +1201,7 @@ int efa_ring_push(uint64_t handle, int ch, const uint64_t *descs, uint32_t n, in
             slot->w1 = descs[2 * (done + i) + 1];
         }
         atomic_store_explicit(c->tail, tail + chunk, memory_order_release);
+        kick(e);
         done += chunk;
     }
     return 0;
@@ -1177,12 +1260,26 @@ int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests
     /* release: the descriptor words above are visible before the channel threads see the tails */
     for (int k = 0; k < K; k++) atomic_store_explicit(e->ch[k].tail, tail[k], memory_order_release);
     *next_channel = j;
+    kick(e);
     return rc;
 }
+
+static int wait_counters(engine *e, uint32_t msg, int n, const int32_t *srcs,
+                         const uint64_t *expected, int reset, int timeout_ms, char *err,
+                         size_t errlen);
 
 int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
                       const uint64_t *expected, int reset, int timeout_ms, char *err, size_t errlen) {
     engine *e = from_handle(handle);
+    host_enter(e);
+    int rc = wait_counters(e, msg, n, srcs, expected, reset, timeout_ms, err, errlen);
+    host_leave(e);
+    return rc;
+}
+
+static int wait_counters(engine *e, uint32_t msg, int n, const int32_t *srcs,
+                         const uint64_t *expected, int reset, int timeout_ms, char *err,
+                         size_t errlen) {
     uint64_t start = now_ns(), deadline = start + (uint64_t)timeout_ms * 1000000ull;
     uint64_t next_probe = start + 100000000ull; /* first probe after 100 ms of silence */
     int i = 0;
@@ -1223,7 +1320,7 @@ int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
                     (unsigned long long)expected[i], srcs[i]);
             return -ETIMEDOUT;
         }
-        idle_wait(e, start, NULL);
+        waiter_idle(e, start);
     }
     if (reset) {
         /* every chunk of this message has arrived, so no thread adds to these counters again
@@ -1236,8 +1333,17 @@ int efa_wait_counters(uint64_t handle, uint32_t msg, int n, const int32_t *srcs,
     return 0;
 }
 
+static int wait_idle(engine *e, int timeout_ms, char *err, size_t errlen);
+
 int efa_wait_idle(uint64_t handle, int timeout_ms, char *err, size_t errlen) {
     engine *e = from_handle(handle);
+    host_enter(e);
+    int rc = wait_idle(e, timeout_ms, err, errlen);
+    host_leave(e);
+    return rc;
+}
+
+static int wait_idle(engine *e, int timeout_ms, char *err, size_t errlen) {
     uint64_t start = now_ns(), deadline = start + (uint64_t)timeout_ms * 1000000ull;
     for (int ch = 0; ch < e->num_channels; ch++) {
         channel *c = &e->ch[ch];
@@ -1267,7 +1373,7 @@ int efa_wait_idle(uint64_t handle, int timeout_ms, char *err, size_t errlen) {
                         dest, msg);
                 return -ETIMEDOUT;
             }
-            idle_wait(e, start, NULL);
+            waiter_idle(e, start);
         }
     }
     return engine_broken(e, err, errlen);
@@ -1299,6 +1405,8 @@ int efa_engine_stop(uint64_t handle) {
     engine *e = from_handle(handle);
     if (!e) return 0;
     atomic_store_explicit(&e->stop, 1, memory_order_release);
+    atomic_fetch_add_explicit(&e->wake_seq, 1, memory_order_release);
+    syscall(SYS_futex, &e->wake_seq, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
     for (int i = 0; i < e->num_channels; i++) {
         channel *c = &e->ch[i];
         if (c->thread_started) {

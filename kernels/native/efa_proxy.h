@@ -51,7 +51,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 5
+#define EFA_PROXY_ABI_VERSION 6
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -113,6 +113,15 @@ int efa_engine_region_info(uint64_t handle, int ch, int src, uint64_t *key, uint
 /* The consumer is in round seq (message ids 2*seq, 2*seq+1): from now on an arrival whose
  * message id is not 2*seq, 2*seq+1 or 2*seq+2 (mod 2^16) fails the engine (stray/replayed). */
 int efa_engine_expect(uint64_t handle, uint32_t seq);
+
+/* Idle policy of the channel threads. linger_us > 0 (host-driven, for producers and waiters that
+ * go through this API): a channel thread stays busy while it has work (queued, in flight) or a
+ * thread is inside efa_wait_counters / efa_wait_idle, lingers linger_us after that, then blocks
+ * (at most 1 ms at a time) until a waiter enters or a producer publishes (efa_post_messages,
+ * efa_ring_push, efa_ring_publish). Frees the CPU for the host's own work where threads
+ * outnumber cores. 0 (the default): spin spin_us after the last progress, then short sleeps
+ * (producers that write the rings directly, e.g. a GPU, and wait outside the engine). */
+int efa_engine_set_idle(uint64_t handle, int linger_us);
 
 /* Test-only: arms one EFA_TAMPER_* fault (0 disarms). */
 int efa_engine_tamper(uint64_t handle, int kind);
@@ -186,13 +195,12 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
  *                     (efa_engine_expect); build every peer's header in the window; lay out the
  *                     send area (`plan`) and the data messages (`msgs`); post the headers.
  *   (caller)          packs the planes at plan[p * world + d] (rows to rank d, plane p)
- *   efa_wire_exchange wait for every peer's header; copy them to `got`; check them (status,
- *                     round tag, op, row bytes, row format, rows within max_rows, chunk count,
- *                     and rows == n_recv when given); write the footers; post the data.
- *                     Returns 1, posting nothing, if any header is not clean: the caller then
- *                     names the problem (and raises) from `got` and the window.
+ *   efa_wire_exchange wait for every peer's header; copy them to `got`; check them
+ *                     (efa_wire_check_headers); write the footers; post the data. A header
+ *                     that is not clean posts nothing and returns check_headers' code.
  *   efa_wire_finish   wait for every peer's data (chunk counts from its header), check each
- *                     footer [rows, round tag]: -EPROTO with bad_peer set on a mismatch.
+ *                     footer [rows, round tag]: -EPROTO with bad_peer set and the text in err.
+ * A failed wait's text names the peer, the message, the operation and the round.
  * Header: int64 [status, op, rows, row_bytes, chunks, round tag, row format, extras...] then
  * error text. Messages: header 2*seq, data 2*seq+1 (mod 2^16). Send area (contiguous, from
  * off_data_send): plane p of every destination in rank order, each destination's start 16-byte
@@ -235,6 +243,77 @@ int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen);
 int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen);
 int efa_wire_post_data(efa_wire *w, char *err, size_t errlen);
 int efa_wire_finish(efa_wire *w, char *err, size_t errlen);
+
+/* The checks of the peers' headers already in `got` (rows_from set when clean), in the order
+ * every rank applies them, so every rank raises the same error from the same headers. Returns 0;
+ * EFA_RC_GROUP_INPUT: some rank (this one: status != 0) reports bad input, whose texts the
+ * caller reads from the headers; EFA_RC_GROUP_MISMATCH: ranks are in different operations or
+ * row formats (text in err); EFA_RC_HANDLE_MISMATCH: a peer sends other row counts than n_recv
+ * (text); -EPROTO: a protocol violation (status, round tag, rows beyond max_rows, chunk count;
+ * text naming the peer). */
+#define EFA_STATUS_BAD_INPUT 4 /* kernels/base.py STATUS_BAD_INPUT */
+#define EFA_RC_GROUP_INPUT 1
+#define EFA_RC_GROUP_MISMATCH 2
+#define EFA_RC_HANDLE_MISMATCH 3
+#define EFA_RC_LOCAL_INPUT 4
+int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Operations (efa_op.c): a whole dispatch, dispatch_cached or combine on a host window in two
+ * calls, post and complete; the caller allocates the outputs in between (their sizes come from
+ * the checked headers). The calling thread does all of it (it blocks in the waits, bounded by
+ * the wire's timeout_ms); one operation at a time per struct. Rows are row_bytes bytes; tokens
+ * int64; every array is caller memory, sized at setup and reused (no allocation here).
+ *   dispatch: post = routing layout of topk_idx/weights [tokens, topk] into send_idx [cap] and
+ *             meta (value checks: EFA_RC_LOCAL_INPUT with flags as efa_route_layout's, nothing
+ *             sent), headers, x's rows and the routing rows packed, headers checked, data posted;
+ *             rows = S, num_send[W], counts[E], num_recv[W] (this rank's own included) set.
+ *             complete = own rows, data waited for, footers checked, recv_x [sum num_recv, row]
+ *             filled in source order, routing rows checked and unpacked into recv_idx [N, topk]
+ *             int64, recv_w [N, topk] float32, tokens_per_expert [num_local] int64.
+ *   cached:   post = x's rows send_idx[S] (grouped by num_send) packed, n_recv = num_recv;
+ *             complete = recv_x as dispatch's.
+ *   combine:  x = y [sum num_recv, row] grouped by destination; post = rows back to their
+ *             sources; complete = out [tokens, row] = the float32 sum over source ranks in
+ *             ascending order, rounded once (efa_reduce_rows; dtype EFA_DT_*; returns 1 when a
+ *             sum is NaN: the caller recomputes).
+ * Returns: 0; a check_headers code (post); EFA_RC_LOCAL_INPUT (dispatch post); -EPROTO with the
+ * violation named (bad_peer, kind set for routing rows); other -errno with the text in err. */
+typedef struct efa_op {
+    efa_wire *wire;
+    int64_t gen, num_experts, num_local;
+    int64_t *meta;          /* [meta_rows * 2 * topk] int64: the dispatch's routing rows */
+    int64_t meta_rows;
+    int32_t *slot;          /* [slot_cap] combine's scratch (world * tokens) */
+    int64_t slot_cap;
+    int64_t *scratch;       /* [2 * world + 2 + num_local] */
+    int64_t *aux;           /* [3 * world] */
+    int64_t *counts;        /* [num_experts] */
+    int64_t *num_send, *num_recv; /* [world] each */
+    /* one call */
+    int64_t seq, tokens, row_bytes, fmt, topk, cap, dtype;
+    const uint8_t *x;
+    const int64_t *topk_idx;
+    const float *weights;
+    int64_t *send_idx;
+    uint8_t *recv_x;
+    int64_t *recv_idx;
+    float *recv_w;
+    int64_t *tokens_per_expert;
+    void *out;
+    int64_t rows, flags, bad_peer, kind;
+} efa_op;
+
+int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen);
+int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen);
+int efa_op_cached_post(efa_op *o, char *err, size_t errlen);
+int efa_op_cached_complete(efa_op *o, char *err, size_t errlen);
+int efa_op_combine_post(efa_op *o, char *err, size_t errlen);
+int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
+/* The text of a routing-rows problem efa_unpack_meta found in source src's n rows m [n, 2K]
+ * (hdr_counts: the L counts of its header); returns -EPROTO. */
+int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K, int64_t L,
+                      const int64_t *hdr_counts, char *err, size_t errlen);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Host-side data path helpers (efa_host.c; plain C over caller memory, no engine). */

@@ -2,7 +2,8 @@
  * native code, for a host window. A client of the public ABI in efa_proxy.h (efa_wait_idle,
  * efa_engine_expect, efa_post_messages, efa_wait_counters); the protocol, the struct and the
  * header format are described there and in kernels/proxy/wire.py, whose Python implementation
- * of the same steps serves device windows and names every problem this code only detects.
+ * of the same steps serves device windows (with this file's header checks). Every problem is
+ * worded here, the same on every rank (efa_wire_check_headers).
  *
  * Build: part of libefa_proxy.so (cc ... efa_proxy.c efa_bench.c efa_round.c efa_host.c ...).
  */
@@ -52,12 +53,27 @@ static int64_t data_recv_off(const efa_wire *w, int64_t src) {
     return w->off_recv + src * w->region_bytes + 2 * w->hdr_bytes;
 }
 
-static int timed_wait(efa_wire *w, uint32_t msg, int n, char *err, size_t errlen) {
+static const char *op_name(int64_t op) {
+    return op == 1 ? "dispatch" : op == 2 ? "combine" : op == 3 ? "dispatch_cached" : "operation";
+}
+
+/* A failed wait's text (it names the peer and the message id) gets the operation and round. */
+static int wait_failed(const efa_wire *w, int rc, const char *what, char *err, size_t errlen) {
+    if (rc < 0 && err && errlen) {
+        size_t n = strlen(err);
+        if (n < errlen)
+            snprintf(err + n, errlen - n, " [%s %s, round %lld]", op_name(w->op), what,
+                     (long long)w->seq);
+    }
+    return rc;
+}
+
+static int timed_wait(efa_wire *w, uint32_t msg, int n, const char *what, char *err, size_t errlen) {
     uint64_t t0 = round_now_ns();
     int rc = efa_wait_counters(w->engine, msg, n, w->wait_srcs, w->wait_expected, 1,
                                (int)w->timeout_ms, err, errlen);
     w->wait_ns += (int64_t)(round_now_ns() - t0);
-    return rc;
+    return wait_failed(w, rc, what, err, errlen);
 }
 
 static int64_t message_writes(const efa_wire *w, const int64_t *sizes, int64_t n) {
@@ -81,7 +97,7 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
     uint64_t t0 = round_now_ns();
     int rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
     w->wait_ns += (int64_t)(round_now_ns() - t0);
-    if (rc) return rc;
+    if (rc) return wait_failed(w, rc, "send side", err, errlen);
     /* from here on, a peer's message of another round is an error */
     efa_engine_expect(w->engine, (uint32_t)w->seq);
 
@@ -203,28 +219,20 @@ int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen) {
         n++;
     }
     if (n) {
-        int rc = timed_wait(w, msg, n, err, errlen);
+        int rc = timed_wait(w, msg, n, "headers", err, errlen);
         if (rc) return rc;
     }
-    /* a copy of every peer's header: what the caller reads (and names problems from) */
-    int clean = w->status == 0;
+    /* a copy of every peer's header: what the caller reads (the error texts stay in the window) */
     for (int64_t r = 0; r < W; r++) {
         int64_t *g = w->got + r * F;
         if (r == me) {
             memset(g, 0, (size_t)F * 8);
-            w->rows_from[r] = 0;
             continue;
         }
         memcpy(g, w->window + hdr_recv_off(w, r, w->seq), (size_t)F * 8);
-        int64_t rows = g[H_ROWS];
-        w->rows_from[r] = rows;
-        if (g[H_STATUS] != 0 || g[H_TAG] != w->tag || g[H_OP] != w->op ||
-            g[H_ROW_BYTES] != w->row_bytes || g[H_FORMAT] != w->fmt || rows < 0 ||
-            rows > w->max_rows || g[H_CHUNKS] != data_chunks(w, rows) ||
-            (w->n_recv && rows != w->n_recv[r]))
-            clean = 0;
     }
-    if (!clean) return 1; /* nothing posted: the caller names the problem and raises */
+    int rc = efa_wire_check_headers(w, err, errlen);
+    if (rc) return rc; /* nothing posted */
     /* footers: [rows, round tag], checked by the receiver against the header */
     for (int64_t d = 0; d < W; d++) {
         int64_t off = w->plan[EFA_MAX_PLANES * W + d];
@@ -261,7 +269,7 @@ int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
         n++;
     }
     if (n) {
-        int rc = timed_wait(w, msg, n, err, errlen);
+        int rc = timed_wait(w, msg, n, "data", err, errlen);
         if (rc) return rc;
     }
     for (int i = 0; i < n; i++) {
@@ -270,10 +278,108 @@ int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
         const int64_t *f = (const int64_t *)(w->window + off);
         if (f[0] != rows || f[1] != w->tag) {
             w->bad_peer = r;
-            round_err(err, errlen, "rank %lld: footer of rank %lld's data disagrees with its header",
-                      (long long)me, (long long)r);
+            round_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s data says %lld "
+                      "rows (round tag %#llx), its header %lld rows (tag %#llx)", (long long)me,
+                      (long long)r, op_name(w->op), (long long)f[0], (unsigned long long)f[1],
+                      (long long)rows, (unsigned long long)w->tag);
             return -EPROTO;
         }
     }
+    return 0;
+}
+
+/* The checks of the peers' headers in w->got (efa_proxy.h), in the order every rank applies
+ * them, so that every rank raises the same error from the same headers. */
+int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen) {
+    const int64_t W = w->world, me = w->rank, F = w->hdr_fields;
+    const char *what = op_name(w->op);
+    int bad_input = w->status != 0;
+    for (int64_t r = 0; r < W; r++) {
+        w->rows_from[r] = 0;
+        if (r == me) continue;
+        const int64_t st = w->got[r * F + H_STATUS];
+        if (st == EFA_STATUS_BAD_INPUT) {
+            bad_input = 1;
+        } else if (st != 0) {
+            round_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s header has status "
+                      "%lld", (long long)me, (long long)r, what, (long long)st);
+            return -EPROTO;
+        }
+    }
+    if (bad_input) return EFA_RC_GROUP_INPUT; /* the texts are in the window: the caller joins them */
+    for (int64_t r = 0; r < W; r++) {
+        const int64_t *g = w->got + r * F;
+        if (r != me && g[H_TAG] != w->tag) {
+            round_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s header carries "
+                      "round tag %#llx, expected %#llx (a stale or replayed header)", (long long)me,
+                      (long long)r, what, (unsigned long long)g[H_TAG], (unsigned long long)w->tag);
+            return -EPROTO;
+        }
+    }
+    int same = 1;
+    for (int64_t r = 0; r < W; r++) {
+        const int64_t *g = w->got + r * F;
+        if (r != me && (g[H_OP] != w->op || g[H_ROW_BYTES] != w->row_bytes || g[H_FORMAT] != w->fmt))
+            same = 0;
+    }
+    if (!same) {
+        size_t n = 0;
+        round_err(err, errlen, "proxy: ranks are in different operations or row formats: ");
+        for (int64_t r = 0; r < W && err && (n = strlen(err)) < errlen; r++) {
+            const int64_t *g = w->got + r * F;
+            int64_t op = r == me ? w->op : g[H_OP], rb = r == me ? w->row_bytes : g[H_ROW_BYTES],
+                    fm = r == me ? w->fmt : g[H_FORMAT];
+            if (op >= 1 && op <= 3)
+                snprintf(err + n, errlen - n, "%srank %lld: %s %lld bytes/row format %lld", r ? ", " : "",
+                         (long long)r, op_name(op), (long long)rb, (long long)fm);
+            else
+                snprintf(err + n, errlen - n, "%srank %lld: %lld %lld bytes/row format %lld", r ? ", " : "",
+                         (long long)r, (long long)op, (long long)rb, (long long)fm);
+        }
+        if (err && (n = strlen(err)) < errlen)
+            snprintf(err + n, errlen - n, "; every rank must call the same operations in order with "
+                     "rows of one dtype and width");
+        return EFA_RC_GROUP_MISMATCH;
+    }
+    for (int64_t r = 0; r < W; r++) {
+        const int64_t *g = w->got + r * F;
+        if (r == me) continue;
+        const int64_t rows = g[H_ROWS], ch = g[H_CHUNKS];
+        if (rows < 0 || rows > w->max_rows) {
+            round_err(err, errlen, "rank %lld: protocol violation: rank %lld declares %lld %s rows; "
+                      "capacity is 0..%lld (max_tokens_per_rank)", (long long)me, (long long)r,
+                      (long long)rows, what, (long long)w->max_rows);
+            return -EPROTO;
+        }
+        if (ch != data_chunks(w, rows)) {
+            round_err(err, errlen, "rank %lld: protocol violation: rank %lld declares %lld %s rows in "
+                      "%lld chunks; %lld rows of %lld bytes are %lld chunks", (long long)me,
+                      (long long)r, (long long)rows, what, (long long)ch, (long long)rows,
+                      (long long)w->row_bytes, (long long)data_chunks(w, rows));
+            return -EPROTO;
+        }
+    }
+    if (w->n_recv) {
+        char a[160] = "", b[160] = "", c[160] = "";
+        size_t pa = 0, pb = 0, pc = 0;
+        int bad = 0;
+        for (int64_t r = 0; r < W; r++) {
+            const int64_t rows = w->got[r * F + H_ROWS];
+            if (r == me || rows == w->n_recv[r]) continue;
+            if (pa < sizeof a - 48) {
+                const char *sep = bad ? ", " : "";
+                pa += (size_t)snprintf(a + pa, sizeof a - pa, "%s%lld", sep, (long long)r);
+                pb += (size_t)snprintf(b + pb, sizeof b - pb, "%s%lld", sep, (long long)rows);
+                pc += (size_t)snprintf(c + pc, sizeof c - pc, "%s%lld", sep, (long long)w->n_recv[r]);
+            }
+            bad = 1;
+        }
+        if (bad) {
+            round_err(err, errlen, "rank %lld: %s: ranks [%s] send [%s] rows, the handle expects "
+                      "[%s]; handles from different dispatches?", (long long)me, what, a, b, c);
+            return EFA_RC_HANDLE_MISMATCH;
+        }
+    }
+    for (int64_t r = 0; r < W; r++) w->rows_from[r] = r == me ? 0 : w->got[r * F + H_ROWS];
     return 0;
 }

@@ -1,7 +1,8 @@
 """The one ctypes boundary of the proxy: builds and loads the native engine (``kernels/native/``:
 ``efa_proxy.c`` the engine, ``efa_round.c`` one round of the wire protocol, ``efa_host.c`` the
 host-side data path helpers (routing layout, received-metadata checks, combine's reduction),
-``efa_bench.c`` the benchmark entry points, ``efa_proxy.h`` the ABI).
+``efa_op.c`` whole operations on host memory in two calls, ``efa_bench.c`` the benchmark entry
+points, ``efa_proxy.h`` the ABI).
 
 Build: on first use, ``cc -O2 -std=c11 -shared -fPIC efa_*.c -lfabric -lpthread``
 into ``$EFA_EP_CACHE_DIR`` (default ``~/.cache/efa_ep``), the file named by a hash of the sources,
@@ -29,10 +30,10 @@ from typing import Optional, Sequence, Tuple
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_proxy.c")
 SOURCES = (SOURCE, os.path.join(_NATIVE_DIR, "efa_bench.c"), os.path.join(_NATIVE_DIR, "efa_round.c"),
-           os.path.join(_NATIVE_DIR, "efa_host.c"))
+           os.path.join(_NATIVE_DIR, "efa_host.c"), os.path.join(_NATIVE_DIR, "efa_op.c"))
 HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -161,6 +162,7 @@ _SIGS = {
     "efa_engine_region_info": ([_u64, _i32, _i32, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_expect": ([_u64, _u32], _i32),
     "efa_engine_tamper": ([_u64, _i32], _i32),
+    "efa_engine_set_idle": ([_u64, _i32], _i32),
     "efa_engine_local_info": ([_u64, _i32, _vp, _pu64, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_set_peers": ([_u64, _i32, _vp, _vp, _vp, _vp, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_ring_wait_space": ([_u64, _i32, _u32, _i32, _cp, ctypes.c_size_t], _i32),
@@ -178,6 +180,14 @@ _SIGS = {
     "efa_wire_exchange": ([_vp, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_wire_post_data": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_wire_finish": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_check_headers": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_dispatch_post": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_dispatch_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_cached_post": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_cached_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_combine_post": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_combine_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_describe_meta": ([_vp, _i64, _vp, _i64, _i64, _i64, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_route_layout": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _vp], _i64),
     "efa_unpack_meta": ([_i64, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp], _i64),
     "efa_reduce_rows": ([_i64, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _vp], _i32),
@@ -274,6 +284,11 @@ class Engine:
     def expect(self, seq: int) -> None:
         """The consumer entered round ``seq``: other message ids now fail the engine."""
         self._lib.efa_engine_expect(self.handle, seq & 0xFFFFFFFF)
+
+    def set_idle(self, linger_us: int) -> None:
+        """The channel threads' idle policy (efa_engine_set_idle): ``linger_us > 0`` keeps them
+        busy only while there is work or a thread waits in the engine; 0 spins ``spin_us``."""
+        self._lib.efa_engine_set_idle(self.handle, linger_us)
 
     def tamper(self, kind: str) -> None:
         """Test-only: alters the next data write (TAMPER_KINDS)."""
@@ -390,15 +405,20 @@ class WireStruct(ctypes.Structure):
         ("wait_ns", _i64))]
 
 
+# efa_wire_check_headers' codes (efa_proxy.h): what a round's headers say beyond "clean"
+RC_GROUP_INPUT, RC_GROUP_MISMATCH, RC_HANDLE_MISMATCH, RC_LOCAL_INPUT = 1, 2, 3, 4
+
+
 class NativeWire:
     """Typed calls of efa_wire_* on one struct (the caller keeps every array it points to alive).
-    Each returns the C return code (0, or 1 = a header needs naming: see efa_proxy.h) and raises
-    :class:`NativeError` on failures."""
+    Each returns the C return code (0, or an ``RC_*`` code: see efa_proxy.h; :meth:`text` is its
+    message) and raises :class:`NativeError` on failures."""
 
     def __init__(self, st: WireStruct):
         self._lib = load()
         self.st = st
         self._ref = ctypes.byref(st)
+        self.address = ctypes.addressof(st)
         self._err = _err()
 
     def _call(self, fn, *args) -> int:
@@ -406,6 +426,20 @@ class NativeWire:
         if rc < 0:
             raise NativeError(rc, self._err.value.decode(errors="replace") or f"native error {rc}")
         return rc
+
+    def text(self) -> str:
+        """The message of the last call's non-zero return code."""
+        return self._err.value.decode(errors="replace")
+
+    def check_headers(self) -> int:
+        return self._call(self._lib.efa_wire_check_headers)
+
+    def describe_meta(self, src: int, meta_ptr: int, n: int, k: int, num_local: int,
+                      hdr_counts_ptr: int) -> str:
+        """The text of the problem efa_unpack_meta found in source ``src``'s routing rows."""
+        self._lib.efa_describe_meta(self._ref, src, meta_ptr, n, k, num_local, hdr_counts_ptr,
+                                    self._err, _ERRLEN)
+        return self.text()
 
     def begin(self, post_headers: bool) -> int:
         return self._call(self._lib.efa_wire_begin, int(post_headers))
@@ -421,6 +455,43 @@ class NativeWire:
 
     def finish(self) -> int:
         return self._call(self._lib.efa_wire_finish)
+
+
+class OpStruct(ctypes.Structure):
+    """``struct efa_op`` (efa_proxy.h): every field 8 bytes, in the header's order."""
+
+    _fields_ = [(name, kind) for name, kind in (
+        ("wire", _vp), ("gen", _i64), ("num_experts", _i64), ("num_local", _i64),
+        ("meta", _vp), ("meta_rows", _i64), ("slot", _vp), ("slot_cap", _i64), ("scratch", _vp),
+        ("aux", _vp), ("counts", _vp), ("num_send", _vp), ("num_recv", _vp),
+        ("seq", _i64), ("tokens", _i64), ("row_bytes", _i64), ("fmt", _i64), ("topk", _i64),
+        ("cap", _i64), ("dtype", _i64), ("x", _vp), ("topk_idx", _vp), ("weights", _vp),
+        ("send_idx", _vp), ("recv_x", _vp), ("recv_idx", _vp), ("recv_w", _vp),
+        ("tokens_per_expert", _vp), ("out", _vp), ("rows", _i64), ("flags", _i64),
+        ("bad_peer", _i64), ("kind", _i64))]
+
+
+class NativeOp:
+    """Typed calls of efa_op_* on one struct: ``post``/``complete`` of ``dispatch``, ``cached``
+    and ``combine`` return the C return code (0 or an ``RC_*`` code, :meth:`text` its message)
+    and raise :class:`NativeError` (the message from C) on failures."""
+
+    def __init__(self, st: OpStruct):
+        lib = self._lib = load()
+        self.st = st
+        self._ref = ctypes.byref(st)
+        self._err = _err()
+        self._fns = {(kind, step): getattr(lib, f"efa_op_{kind}_{step}")
+                     for kind in ("dispatch", "cached", "combine") for step in ("post", "complete")}
+
+    def call(self, kind: str, step: str) -> int:
+        rc = self._fns[kind, step](self._ref, self._err, _ERRLEN)
+        if rc < 0:
+            raise NativeError(rc, self._err.value.decode(errors="replace") or f"native error {rc}")
+        return rc
+
+    def text(self) -> str:
+        return self._err.value.decode(errors="replace")
 
 
 def route_layout(idx_ptr: int, w_ptr: int, T: int, K: int, E: int, W: int, send_idx_ptr: int,

@@ -8,13 +8,16 @@ windows and count arrivals per (source, message). Dispatch is one round, combine
 dispatch_cached one; a row wider than the window's row capacity is split into column rounds.
 Rows to or from this rank itself never touch the wire (copied locally).
 
-The host path of an operation is a handful of calls, none per message or per peer: the routing
-layout with the contract's value checks (``efa_route_layout``), the round's steps
-(``efa_wire_*``), the checks and unpacking of the routing rows received
-(``efa_unpack_meta``) and, for CPU rows, combine's reduction from the receive window in one pass
-(``efa_reduce_rows``) are native code (``kernels/native/efa_round.c``, ``efa_host.c``), each
-matching its torch reference bit for bit; rows are gathered straight into the registered send
-area and copied once out of the receive window. Buffers are allocated once.
+CPU rows on a host window run each operation as two native calls, post and complete
+(``hostop.py`` -> ``kernels/native/efa_op.c``): the routing layout with the contract's value
+checks, the round (headers, packing straight into the registered send area, the peers' headers
+checked, data, footers), the rows copied once out of the receive window, the routing rows
+checked and unpacked, combine's reduction in one pass; every check once, in C, which also words
+every error. Python checks the arguments, allocates the outputs and maps return codes to the
+contract's errors. Other inputs (GPU rows, device windows, the Triton producer, test-only
+tampering) run the round in steps (``wire.py``) with the same native pieces
+(``kernels/native/efa_round.c``, ``efa_host.c``), each matching its torch reference bit for bit.
+Buffers are allocated once.
 
 GPU inputs are host-staged: the routing (16 B per token slot) goes to the host in one copy, rows
 are gathered on the GPU and copied once into the pinned send area (one device-to-host copy for
@@ -51,23 +54,28 @@ import torch.distributed as dist
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, Transport,
     TransportBroken, TransportConfig, TransportError, check_group_agreement, describe_value_errors,
-    align_up, int64_to_float_bits, nbytes_of, reduce_rows_by_rank, rows_input_error,
+    align_up, nbytes_of, reduce_rows_by_rank, rows_input_error,
     validate_dispatch_inputs,
 )
 from . import native
-from .options import default_provider, resolve_options
+from .hostop import HostOps
+from .options import PY_TAMPER, default_provider, resolve_options
 from .ring import Rings, triton_producer
 from .window import (
-    ALIGN, HDR_FIXED, H_ROWS, NUM_COUNTER_SLOTS, OP_CACHED, OP_COMBINE, OP_DISPATCH, WindowLayout,
+    ALIGN, HDR_FIXED, NUM_COUNTER_SLOTS, OP_CACHED, OP_COMBINE, OP_DISPATCH, WindowLayout,
     alloc_window, as_bytes, dense, row_format,
 )
-from .wire import GroupError, Wire
+from .wire import GroupError, ProtocolViolation, Wire
 
 
 def _prefix(counts) -> list:
     """``[0, c0, c0 + c1, ...]``: where each rank's block starts (and the total, last)."""
     return [0, *itertools.accumulate(counts)]
 
+
+# how long an idle channel thread keeps spinning after its last work before it blocks (until a
+# waiter or producer enters the engine); see efa_engine_set_idle
+_IDLE_LINGER_US = 50
 
 # dtypes combine's native reduction takes (others: torch ops)
 _NATIVE_DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16}
@@ -208,16 +216,13 @@ class ProxyTransport(Transport):
         self._i64_out = np.zeros(1, dtype=np.int64)
         self._meta_buf = np.empty(0, dtype=np.int64)
         self._meta_srcs, self._meta_n, self._meta_check = (np.zeros(w, dtype=np.int64) for _ in range(3))
-        self._red_rows, self._red_n, self._red_idx = (np.zeros(w, dtype=np.int64) for _ in range(3))
-        self._slot_buf = np.empty(0, dtype=np.int32)
         self._counts_L = np.zeros(cfg.num_local_experts, dtype=np.int64)
         # their addresses, taken once (``ndarray.ctypes`` builds a helper object per access)
         self._meta_ptr = self._meta_buf.ctypes.data
         self._addr = {name: a.ctypes.data for name, a in (
             ("num_send", self._num_send), ("counts_E", self._counts_E), ("layout", self._layout_scratch),
             ("i64", self._i64_out), ("srcs", self._meta_srcs), ("n", self._meta_n),
-            ("check", self._meta_check), ("red_rows", self._red_rows), ("red_n", self._red_n),
-            ("red_idx", self._red_idx), ("slot", self._slot_buf), ("counts_L", self._counts_L))}
+            ("check", self._meta_check), ("counts_L", self._counts_L))}
         self._net = NetCounter()
         # CUDA inputs on a host window: the dispatch's receive and combine's reduction run as
         # one kernel each (device.py) when triton is importable, and with device_layout the
@@ -228,6 +233,7 @@ class ProxyTransport(Transport):
         self.device_kernels = _triton_importable()
         self.device_layout = False
         self._reads_done = None  # CUDA event: the last op's kernels finished reading host buffers
+        self._hostops: Optional[HostOps] = None
         self.engine = None
         self.gen = 0
         self.bind_address = ""
@@ -268,6 +274,9 @@ class ProxyTransport(Transport):
             raise TransportError(f"rank {self.rank}: the proxy engine over libfabric provider "
                                  f"{self.provider!r} with {where} failed to start: {ex}") from ex
         self._engine_rss = max(0, _rss_bytes() - rss0)
+        # every producer and waiter of this transport goes through the engine's calls, so its
+        # channel threads may leave the CPU to the host's own work between them
+        self.engine.set_idle(_IDLE_LINGER_US)
 
     def _settings(self) -> dict:
         """What this rank resolved from its options and its probes (provider default, hmem)."""
@@ -500,6 +509,18 @@ class ProxyTransport(Transport):
         if self._device_path(x):
             return self._dispatch_device(x, topk_idx, topk_weights)
         error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights))
+        ops = self._host_ops(x, topk_idx, topk_weights) if error is None else None
+        if ops is not None and (error := self._row_cap_error(x, topk_idx)) is None:
+            res = ops.dispatch(dense(x), dense(topk_idx), dense(topk_weights))
+            if res is not None:
+                recv_x, recv_idx, recv_w, tpe, send_idx, num_send, num_recv = res
+                return recv_x, recv_idx, recv_w, tpe, DispatchHandle(
+                    num_tokens=x.shape[0], num_recv_tokens=recv_x.shape[0], topk_idx=topk_idx,
+                    send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
+                    num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
+                    state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx))
+            error = (describe_value_errors(cfg, me, topk_idx, topk_weights)
+                     or f"rank {me}: the routing layout refused the routing values")
         route = None
         if error is None:
             try:
@@ -570,31 +591,8 @@ class ProxyTransport(Transport):
         # 6. routing rows: checked (ids, weights, per-expert counts vs the header) and unpacked
         recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64)
         recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32)
-        tokens_per_expert = torch.empty(L, dtype=torch.int64)
-        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
-        keep = []  # host copies of a device window's routing rows
-        for r in range(w):
-            nr[r] = num_recv[r]
-            chk[r] = r != me
-            if r == me:
-                srcs[r] = self._meta_ptr + s_me * 16 * k
-            else:
-                m = wire.recv(r, 1)
-                if m.device.type != "cpu":
-                    m = m.cpu()
-                    keep.append(m)
-                srcs[r] = m.data_ptr()
-        kind = self._i64_out
-        pa = self._addr
-        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
-                                 wire.got_address + HDR_FIXED * 8, got.shape[1],
-                                 recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr(),
-                                 tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
-        if bad >= 0:  # name the problem (the checks in Python say what is wrong)
-            m = wire.recv(bad, 1).cpu().view(torch.int64).view(-1, 2 * k)
-            self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
-            wire.violation(f"rank {bad} sent routing rows the native check refuses (kind "
-                           f"{int(kind[0])}) and the Python check accepts")
+        tokens_per_expert = self._unpack_meta(num_recv, self._meta_ptr + s_me * 16 * k, k, got,
+                                              recv_topk_idx, recv_topk_weights)
         if dev.type != "cpu":
             recv_topk_idx = recv_topk_idx.to(dev, non_blocking=True)
             recv_topk_weights = recv_topk_weights.to(dev, non_blocking=True)
@@ -624,28 +622,13 @@ class ProxyTransport(Transport):
         """
         from . import device as dk
 
-        w, me, wire, L = self.world_size, self.rank, self.wire, self.cfg.num_local_experts
+        w, me = self.world_size, self.rank
         dev = x.device
         rstarts = _prefix(num_recv)
         n_recv = rstarts[-1]
         in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
         in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
-        tokens_per_expert = torch.empty(L, dtype=torch.int64)
-        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
-        for r in range(w):
-            nr[r] = num_recv[r]
-            chk[r] = r != me
-            srcs[r] = own_meta_address if r == me else wire.recv(r, 1).data_ptr()
-        pa = self._addr
-        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
-                                 wire.got_address + HDR_FIXED * 8, got.shape[1],
-                                 in_idx.data_ptr(), in_w.data_ptr(),
-                                 tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
-        if bad >= 0:  # name the problem (the checks in Python say what is wrong)
-            m = wire.recv(bad, 1).view(torch.int64).view(-1, 2 * k)
-            self._check_meta(bad, m, k, torch.from_numpy(got[bad, HDR_FIXED:HDR_FIXED + L].copy()))
-            wire.violation(f"rank {bad} sent routing rows the native check refuses (kind "
-                           f"{int(self._i64_out[0])}) and the Python check accepts")
+        tokens_per_expert = self._unpack_meta(num_recv, own_meta_address, k, got, in_idx, in_w)
         recv_off = self._pinned("recv_off", w + 1, torch.int64)
         recv_off.numpy()[:] = rstarts
         recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
@@ -690,6 +673,22 @@ class ProxyTransport(Transport):
             return (describe_value_errors(cfg, self.rank, idxh, wh)
                     or f"rank {self.rank}: the routing layout failed ({s}, flags {int(flags[0])})")
         return send_idx[:s], meta[:s * 2 * k].reshape(s, 2 * k), num_send.tolist(), counts
+
+    def _host_ops(self, *tensors) -> Optional[HostOps]:
+        """The native operations (``hostop.py``) when they apply: CPU tensors on a host window
+        with native rounds, the native descriptor producer, no test-only header tampering and
+        no forced device kernels; else None (the round in steps, below)."""
+        wire = self.wire
+        if (wire._nw is None or not wire.native_rounds or wire.tamper in PY_TAMPER
+                or self.producer == "triton" or self.device_kernels == "always"
+                or any(t.device.type != "cpu" for t in tensors)):
+            return None
+        ops = self._hostops
+        if ops is None or not ops.bound_to(wire):
+            cfg = self.cfg
+            ops = self._hostops = HostOps(wire, cfg.num_experts, cfg.num_local_experts,
+                                          cfg.max_tokens_per_rank)
+        return ops
 
     # Device path: CUDA inputs on a host window (kernels in device.py) ------------------------
     def _device_path(self, x) -> bool:
@@ -828,27 +827,37 @@ class ProxyTransport(Transport):
             self._buffers[("pin", name)] = buf
         return buf[:n]
 
-    def _check_meta(self, src: int, m: torch.Tensor, k: int, counts_L: torch.Tensor) -> None:
-        """A peer's routing rows are untrusted: local ids in [-1, L), at least one per row (a row
-        is sent only to a rank owning one of its experts), weight 0 where the id is -1, finite
-        weights, and per-expert counts equal to the header's."""
+    def _unpack_meta(self, num_recv, own_meta_address: int, k: int, got: np.ndarray,
+                     out_idx: torch.Tensor, out_w: torch.Tensor) -> torch.Tensor:
+        """The routing rows of a round's steps, checked and unpacked (efa_unpack_meta) into
+        ``out_idx`` / ``out_w`` (host, ``>= [N, K]`` int64 / float32, source order); returns
+        tokens_per_expert ``[L]`` int64. ``own_meta_address``: this rank's own rows (host)."""
+        w, me, wire, L = self.world_size, self.rank, self.wire, self.cfg.num_local_experts
+        srcs, nr, chk = self._meta_srcs, self._meta_n, self._meta_check
+        keep = []  # host copies of a device window's routing rows
+        for r in range(w):
+            nr[r], chk[r] = num_recv[r], r != me
+            m = None if r == me else wire.recv(r, 1)
+            if m is not None and m.device.type != "cpu":
+                keep.append(m := m.cpu())
+            srcs[r] = own_meta_address if m is None else m.data_ptr()
+        tokens_per_expert = torch.empty(L, dtype=torch.int64)
+        pa = self._addr
+        bad = native.unpack_meta(w, k, L, pa["srcs"], pa["n"], pa["check"],
+                                 wire.got_address + HDR_FIXED * 8, got.shape[1], out_idx.data_ptr(),
+                                 out_w.data_ptr(), tokens_per_expert.data_ptr(), pa["counts_L"], pa["i64"])
+        if bad >= 0:
+            self._meta_violation(bad, wire.recv(bad, 1), k, got)
+        return tokens_per_expert
+
+    def _meta_violation(self, src: int, m: torch.Tensor, k: int, got: np.ndarray):
+        """Raises the :class:`ProtocolViolation` efa_unpack_meta found in rank ``src``'s routing
+        rows ``m`` (``[n, 16K]`` uint8, any device), named by C (efa_describe_meta)."""
         L = self.cfg.num_local_experts
-        ids, wbits = m[:, :k], m[:, k:]
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < -1 or hi >= L:
-                self.wire.violation(f"rank {src} sent local expert id {hi if hi >= L else lo}; expected "
-                                f"-1 or 0 <= id < {L} (local experts)")
-            if not bool((ids >= 0).any(1).all()):
-                self.wire.violation(f"rank {src} sent a row that names none of this rank's experts")
-            if bool(((ids < 0) & (wbits != 0)).any()):
-                self.wire.violation(f"rank {src} sent a non-zero weight in a slot without an expert here")
-            if not bool(torch.isfinite(int64_to_float_bits(wbits)).all()):
-                self.wire.violation(f"rank {src} sent NaN/Inf routing weights")
-        counted = torch.bincount(ids[ids >= 0], minlength=L)[:L]
-        if not torch.equal(counted, counts_L.to(counted.dtype)):
-            self.wire.violation(f"rank {src}'s per-expert counts {counts_L.tolist()} disagree with the "
-                            f"expert ids of the {m.shape[0]} rows it sent ({counted.tolist()})")
+        m = m.cpu().contiguous().view(torch.int64).view(-1, 2 * k)
+        counts = np.ascontiguousarray(got[src, HDR_FIXED:HDR_FIXED + L], dtype=np.int64)
+        raise ProtocolViolation(self.wire._checks.describe_meta(
+            src, m.data_ptr(), m.shape[0], k, L, counts.ctypes.data))
 
     def _select_producer(self, dev: torch.device) -> None:
         """Who writes a round's data descriptors: the native host producer (``auto``, ``torch``),
@@ -894,6 +903,9 @@ class ProxyTransport(Transport):
             self_rows = x.index_select(0, idx[starts[me]:starts[me + 1]])
             return wire.exchange_rows(OP_CACHED, rows_to, self_rows, num_recv)
         xd = dense(x)
+        ops = self._host_ops(x, idx)
+        if ops is not None:
+            return ops.dispatch_cached(xd, idx, num_send, num_recv, row_format(xd))
         wire.begin(OP_CACHED, [row_bytes], num_send, n_recv=num_recv, fmt=row_format(xd))
         self._pack_rows(xd, idx, num_send, starts, gather=True)
         wire.exchange()
@@ -965,6 +977,16 @@ class ProxyTransport(Transport):
             back = wire.exchange_rows(OP_COMBINE, rows_to, yc[starts[me]:starts[me + 1]], n_send)
             return reduce_rows_by_rank(back, idx, handle.num_send_per_rank,
                                        handle.num_tokens).to(y.dtype)
+        ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
+        if ops is not None:
+            out = ops.combine(yc, idx, n_send, num_recv, handle.num_tokens, row_format(yc))
+            if out is not None:
+                return out
+            # a NaN sum: torch reduces the rows still in the window (NaN payloads are torch's)
+            views = [yc[starts[me]:starts[me + 1]] if r == me else
+                     ops.received(r, n_send[r], row_bytes).view(yc.dtype).view(-1, d_cols)
+                     for r in range(w)]
+            return self._reduce_torch(views, idx, n_send, sstarts, handle.num_tokens, yc)
         wire.begin(OP_COMBINE, [row_bytes], num_recv, n_recv=n_send, fmt=row_format(yc))
         self._pack_rows(yc, idx, num_recv, starts, gather=False)
         wire.exchange()
@@ -985,38 +1007,10 @@ class ProxyTransport(Transport):
                               num_programs=self._num_programs(yc.device))
             self._record_reads(yc.device)  # the next op waits for it before its header
             return out
-        out = None
-        if yc.device.type == "cpu" and yc.dtype in _NATIVE_DT and views[0].device.type == "cpu":
-            out = self._reduce_native(views, idx, n_send, sstarts, handle.num_tokens, yc.dtype)
-        if out is None:
-            out = self._reduce_torch(views, idx, n_send, sstarts, handle.num_tokens, yc)
+        out = self._reduce_torch(views, idx, n_send, sstarts, handle.num_tokens, yc)
         if y.device.type == "cuda":
             torch.cuda.current_stream(y.device).synchronize()  # the window is read before our next header
         return out
-
-    def _reduce_native(self, views, idx, n_send, sstarts, num_tokens: int, dtype):
-        """The fused reduction (efa_reduce_rows) on host rows; None when a sum is NaN (NaN
-        payloads are left to torch's kernels, so the torch path recomputes it)."""
-        w = self.world_size
-        d_cols = views[0].shape[1]
-        ptrs, nr, ips = self._red_rows, self._red_n, self._red_idx
-        idx = idx if idx.is_contiguous() else idx.contiguous()
-        for r in range(w):
-            ptrs[r] = views[r].data_ptr()
-            nr[r] = n_send[r]
-            ips[r] = idx.data_ptr() + 8 * sstarts[r]
-        if self._slot_buf.shape[0] < w * num_tokens:
-            self._slot_buf = np.empty(w * num_tokens, dtype=np.int32)
-            self._addr["slot"] = self._slot_buf.ctypes.data
-        out = torch.empty(num_tokens, d_cols, dtype=dtype)
-        dt = _NATIVE_DT[dtype]
-        pa = self._addr
-        rc = native.reduce_rows(w, num_tokens, d_cols, dt, dt, pa["red_rows"], pa["red_n"],
-                                pa["red_idx"], pa["slot"], out.data_ptr())
-        if rc < 0:
-            raise TransportError(f"rank {self.rank}: combine: the handle's token indices are "
-                                 f"outside [0, {num_tokens}) or repeat within a rank's rows")
-        return out if rc == 0 else None
 
     def _reduce_torch(self, views, idx, n_send, sstarts, num_tokens: int, yc):
         """The reduction with torch ops on the output's device (GPU inputs, other dtypes)."""

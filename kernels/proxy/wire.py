@@ -21,7 +21,9 @@
 
 Steps 1, 3, 5 and every check of a round run in one native call each on a host window
 (``kernels/native/efa_round.c``): no per-message or per-peer Python. A device window
-(``hmem='cuda'``) runs them in Python, as does the naming of any problem the native checks find.
+(``hmem='cuda'``) runs the steps in Python, with the same native header checks
+(``efa_wire_check_headers``); every problem is worded in C. CPU rows on a host window skip the
+steps altogether: ``hostop.py`` runs a whole operation in two native calls.
 
 Every header field from a peer is checked against this rank's capacities before its data is used;
 a peer that breaks the protocol raises :class:`ProtocolViolation`.
@@ -75,7 +77,7 @@ class Wire:
 
     A device window (``hmem='cuda'``) runs the same steps in Python (numpy, with the headers
     staged through host memory); so does the naming of any problem the native checks detect
-    (the exact error every rank raises comes from one place, :meth:`_check_headers`).
+    (the exact error every rank raises comes from one place, ``efa_wire_check_headers``).
 
     Args:
         rank, world: this rank and the EP group size. max_tokens_per_rank: row capacity of a slot.
@@ -159,14 +161,15 @@ class Wire:
         self._bind_native()
 
     def _bind_native(self) -> None:
-        """The native round's struct over this wire's arrays (host windows only)."""
-        self._nw = None
-        if self.window.is_cuda or self.engine is None:
+        """The native round's struct over this wire's arrays: its steps run on host windows
+        (``_nw``); its header checks on every window (``_checks``)."""
+        self._nw = self._checks = None
+        if self.engine is None:
             return
         lay, w = self.layout, self.world
         st = native.WireStruct()
         st.engine = self.engine.handle
-        st.window = self.window.data_ptr()
+        st.window = None if self.window.is_cuda else self.window.data_ptr()
         st.rank, st.world = self.rank, w
         st.hdr_fields, st.num_extra = lay.hdr_fields, self.num_extra
         st.hdr_len, st.hdr_bytes, st.hdr_chunks = lay.hdr_len, lay.hdr_bytes, lay.hdr_chunks
@@ -180,7 +183,8 @@ class Wire:
         st.wait_srcs, st.wait_expected = self._wait_ptrs
         st.rows_to = self._rows_to.ctypes.data
         st.plan, st.got, st.rows_from = self._plan.ctypes.data, self._got.ctypes.data, self._rows_from.ctypes.data
-        self._nw = native.NativeWire(st)
+        self._checks = native.NativeWire(st)
+        self._nw = None if self.window.is_cuda else self._checks
 
     def wait_seconds(self) -> float:
         """Cumulative seconds the calling thread spent blocked in the engine's waits (headers,
@@ -298,8 +302,8 @@ class Wire:
         self._round = (seq, op, list(widths), fmt, tag, error, n_recv is not None, count_rows)
         tampering = (not error and op == OP_DISPATCH and self.tamper in PY_TAMPER
                      and self.tamper != "ids")
-        if self._nw is not None and self.native_rounds:
-            st = self._nw.st
+        if self._checks is not None:  # the round's inputs, for the native steps and checks
+            st = self._checks.st
             st.seq, st.op, st.status, st.nplanes = seq, op, STATUS_BAD_INPUT if error else STATUS_OK, len(widths)
             st.tag, st.fmt, st.row_bytes = tag, fmt, sum(widths)
             for i, wd in enumerate(widths):
@@ -310,7 +314,8 @@ class Wire:
             else:
                 st.extras = None
             st.n_recv = self._n_recv_ptr if n_recv is not None else None
-            native_call(self._nw.begin, not (error or tampering))
+        if self._nw is not None and self.native_rounds:
+            self.native(self._nw.begin, not (error or tampering))
             self._nmsgs = st.nmsgs
             if error or tampering:
                 if error:
@@ -318,7 +323,7 @@ class Wire:
                     self._hdr_stage[:, f8:f8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
                 else:
                     self._tamper_header(op, self._hdr_stage_i64, rt, widths)
-                native_call(self._nw.post_headers)
+                self.native(self._nw.post_headers)
         else:
             self._py_begin(op, widths, extras, fmt, tag, error, seq)
 
@@ -357,14 +362,9 @@ class Wire:
         posted_data = False
         try:
             if self._nw is not None and self.native_rounds:
-                st = self._nw.st
-                rc = native_call(self._nw.exchange, not self.use_triton)
-                if rc:  # a header is not clean: name it the way every rank names it
-                    self._got_texts(seq)
-                    self._check_headers(self._got, seq, OP_NAMES[op], op, sum(widths), fmt, tag, error,
-                                        widths, list(self._n_recv) if has_n_recv else None)
-                    self.violation(f"the native check refused a {OP_NAMES[op]} header that the "
-                                   f"Python check accepts: {self._got.tolist()}")
+                rc = self.native(self._nw.exchange, not self.use_triton)
+                if rc:  # a header is not clean: every rank raises the same error
+                    self.header_error(rc, seq, op, error)
                 if self.use_triton and self._nmsgs:
                     m = self._nmsgs
                     self._push_triton(self._msgs[:, :m], (2 * seq + 1) & MSG_MASK)
@@ -381,12 +381,7 @@ class Wire:
         header (a :class:`ProtocolViolation` names the peer)."""
         seq, op, widths, fmt, tag, error, _, _ = self._round
         if self._nw is not None and self.native_rounds:
-            try:
-                self._nw.finish()
-            except native.NativeError as ex:
-                if ex.code != -errno.EPROTO:
-                    raise error_for_errno(ex.code, str(ex)) from ex
-                self._footer_violation(int(self._nw.st.bad_peer), OP_NAMES[op], widths, tag)
+            self.native(self._nw.finish)  # a footer problem is named in C
         else:
             srcs = self._peers[self._rows_from[self._peers] > 0]
             if len(srcs):
@@ -508,14 +503,13 @@ class Wire:
             self.count_posted(lens)
 
     def _py_exchange(self, seq, op, widths, fmt, tag, error, has_n_recv) -> None:
-        lay, me = self.layout, self.rank
+        lay = self.layout
         peers = self._peers
         self.wait((2 * seq) & MSG_MASK, peers, np.full(len(peers), lay.hdr_chunks, dtype=np.int64))
         self._got[:] = self._read_headers(seq)
-        self._check_headers(self._got, seq, OP_NAMES[op], op, sum(widths), fmt, tag, error, widths,
-                            list(self._n_recv) if has_n_recv else None)
-        self._rows_from[:] = self._got[:, H_ROWS]
-        self._rows_from[me] = 0
+        rc = self.native(self._checks.check_headers)  # also sets _rows_from
+        if rc:
+            self.header_error(rc, seq, op, error)
         m = self._nmsgs
         if not m:
             return
@@ -610,58 +604,35 @@ class Wire:
                 self._hdr_text[r] = raw[f8:].tobytes()
         return got
 
-    def _check_headers(self, got: np.ndarray, seq: int, what: str, op: int, row_bytes: int,
-                       fmt: int, tag: int, error: Optional[str], widths: List[int],
-                       n_recv: Optional[List[int]]) -> None:
-        """Refuses headers that break the protocol; raises the group's input errors on every rank
-        (the same message everywhere: every rank read the same statuses and texts)."""
-        me, peers, lay = self.rank, self._peers, self.layout
-        pl = peers.tolist()
-        errs = {me: error} if error else {}
-        status = got[peers, H_STATUS]
-        if (status != STATUS_OK).any():
-            for r in pl:
-                st = int(got[r, H_STATUS])
-                if st == STATUS_BAD_INPUT:
+    @staticmethod
+    def native(fn, *args):
+        """Calls a native step; a failure becomes the contract's error kind with the text from C
+        (a violation named there is a :class:`ProtocolViolation`)."""
+        try:
+            return fn(*args)
+        except native.NativeError as ex:
+            if ex.code == -errno.EPROTO:
+                raise ProtocolViolation(str(ex)) from ex
+            raise error_for_errno(ex.code, str(ex)) from ex
+
+    def header_error(self, rc: int, seq: int, op: int, error: Optional[str],
+                     text: Optional[str] = None):
+        """Raises what efa_wire_check_headers' code ``rc`` says about this round's headers (the
+        same error on every rank: every rank read the same headers). The input errors' texts come
+        from the peers' headers; every other text from C (``text``, else the wire's last)."""
+        text = self._checks.text() if text is None else text
+        if rc == native.RC_GROUP_INPUT:
+            if self._win_np is not None:
+                self._got_texts(seq)
+            errs = {self.rank: error} if error else {}
+            for r in self._peers.tolist():
+                if int(self._got[r, H_STATUS]) == STATUS_BAD_INPUT:
                     text = self._hdr_text.get(r, b"").split(b"\0", 1)[0]
                     errs[r] = text.decode("utf-8", errors="replace") or f"rank {r}: (no message)"
-                elif st != STATUS_OK:
-                    self.violation(f"rank {r}'s {what} header has status {st}")
-        if errs:
-            raise group_input_error(f"proxy {what}", errs)
-        if (got[peers, H_TAG] != tag).any():
-            for r in pl:
-                if int(got[r, H_TAG]) != tag:
-                    self.violation(f"rank {r}'s {what} header carries round tag {int(got[r, H_TAG]):#x}, "
-                                   f"expected {tag:#x} (a stale or replayed header)")
-        if ((got[peers, H_OP] != op).any() or (got[peers, H_ROW_BYTES] != row_bytes).any()
-                or (got[peers, H_FORMAT] != fmt).any()):
-            views = {r: (int(got[r, H_OP]), int(got[r, H_ROW_BYTES]), int(got[r, H_FORMAT])) for r in pl}
-            views[me] = (op, row_bytes, fmt)
-            raise GroupError(
-                f"proxy: ranks are in different operations or row formats: "
-                + ", ".join(f"rank {r}: {OP_NAMES.get(v[0], v[0])} {v[1]} bytes/row format {v[2]}"
-                            for r, v in sorted(views.items()))
-                + "; every rank must call the same operations in order with rows of one "
-                  "dtype and width")
-        cap = self.max_tokens_per_rank
-        rows, chunks = got[peers, H_ROWS], got[peers, H_CHUNKS]
-        if ((rows < 0) | (rows > cap)).any() or (chunks != self._data_chunks_np(np.clip(rows, 0, None), widths)).any():
-            for r in pl:
-                n, ch = int(got[r, H_ROWS]), int(got[r, H_CHUNKS])
-                if not 0 <= n <= cap:
-                    self.violation(f"rank {r} declares {n} {what} rows; capacity is 0..{cap} "
-                                   f"(max_tokens_per_rank)")
-                if ch != lay.data_chunks(n, widths):
-                    self.violation(f"rank {r} declares {n} {what} rows in {ch} chunks; {n} rows of "
-                                   f"{row_bytes} bytes are {lay.data_chunks(n, widths)} chunks")
-        if n_recv is not None:
-            mism = [r for r in pl if int(got[r, H_ROWS]) != n_recv[r]]
-            if mism:
-                raise TransportError(
-                    f"rank {me}: {what}: ranks {mism} send {[int(got[r, H_ROWS]) for r in mism]} rows, "
-                    f"the handle expects {[n_recv[r] for r in mism]}; handles from different "
-                    f"dispatches?")
+            raise group_input_error(f"proxy {OP_NAMES[op]}", errs)
+        if rc == native.RC_GROUP_MISMATCH:
+            raise GroupError(text)
+        raise TransportError(text)
 
     def _tamper_header(self, op: int, hdr: np.ndarray, rows_to: np.ndarray, widths) -> None:
         """Test-only (EFA_EP_PROXY_TAMPER): corrupts this rank's first dispatch header to a peer

@@ -4,9 +4,13 @@ round implementations (native ``efa_round.c`` and the Python steps device window
 - ``efa_route_layout`` == ``kernels/base.py`` ``compute_send_layout`` (+ the routing rows the
   transport sends), bit for bit, and its value checks;
 - ``efa_reduce_rows`` == ``reduce_rows_by_rank(...).to(dtype)``, bit for bit, and its refusals;
-- ``efa_unpack_meta`` == the transport's unpacking, and it refuses what ``_check_meta`` refuses;
+- ``efa_unpack_meta`` == the transport's unpacking and its refusals, each worded by
+  ``efa_describe_meta``;
 - dispatch / combine / dispatch_cached / combine_topk_weights with the Python round steps forced
-  (``wire.native_rounds = False``) are bit-identical to ``torch``, as the native rounds are.
+  (``wire.native_rounds = False``) are bit-identical to ``torch``, as the native operations are;
+- a whole operation on CPU rows is two native calls (``efa_op.c``), its header errors are worded
+  in C alike on every rank, its waits' deadlines name the peer, the op and the round, and idle
+  channel threads block until the next operation wakes them.
 """
 from __future__ import annotations
 
@@ -208,3 +212,170 @@ def test_rounds_bit_identical_to_torch(python_rounds):
                     env=LOOPBACK)
     for rank, bad in enumerate(out):
         assert not bad, f"rank {rank}: proxy differs from torch in {bad}"
+
+
+# --------------------------------------------------------------------------------------------
+# Whole operations in two native calls (efa_op.c): the calls, their errors, the idle channels
+# --------------------------------------------------------------------------------------------
+def test_describe_meta_names_what_unpack_meta_refuses():
+    """efa_describe_meta words each refusal of efa_unpack_meta (the transport's only naming)."""
+    k, num_local = 3, 4
+    ids = torch.tensor([[0, 1, -1], [2, -1, -1], [3, 0, 1]], dtype=torch.int64)
+    wts = torch.where(ids >= 0, torch.full(ids.shape, 0.5), torch.zeros(()))
+    good = torch.cat([ids, float_bits_to_int64(wts)], 1)
+    counts = torch.bincount(ids[ids >= 0], minlength=num_local).numpy().astype(np.int64)
+    st = native.WireStruct()
+    st.rank = 5
+    nw = native.NativeWire(st)
+    nan = int(float_bits_to_int64(torch.tensor([float("inf")]))[0])
+    for edit, want, hdr_delta in (
+            (lambda m: m.__setitem__((0, 1), num_local), "rank 2 sent local expert id 4; expected -1 or 0 <= id < 4", 0),
+            (lambda m: m.__setitem__((1, 0), -2), "rank 2 sent local expert id -2", 0),
+            (lambda m: m[1, :k].fill_(-1), "rank 2 sent a row that names none of this rank's experts", 0),
+            (lambda m: m.__setitem__((1, k + 2), 7), "non-zero weight in a slot without an expert here", 0),
+            (lambda m: m.__setitem__((2, k), nan), "rank 2 sent NaN/Inf routing weights", 0),
+            (lambda m: None, "rank 2's per-expert counts [3, 2, 1, 1] disagree with the expert ids "
+                             "of the 3 rows it sent ([2, 2, 1, 1])", 1)):
+        m = good.clone()
+        edit(m)
+        hdr = counts.copy()
+        hdr[0] += hdr_delta
+        bad, kind, *_ = _unpack([m], [1], hdr[None], k, num_local)
+        assert bad == 0 and kind > 0, want  # what the op refuses, it names:
+        text = nw.describe_meta(2, m.data_ptr(), m.shape[0], k, num_local, hdr.ctypes.data)
+        assert text.startswith("rank 5: protocol violation: ") and want in text, (want, text)
+
+
+def _op_calls_rank(rank, world):
+    """Counts native calls and Python round steps per operation of CPU rows on a host window."""
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.proxy import wire as wire_mod
+    from efa_ep.kernels.proxy.wire import GroupError
+    from efa_ep.testing.routes import contract_route
+
+    torch.set_num_threads(1)
+    px = create_transport("proxy", None, 8, 32, 16, torch.bfloat16, provider="tcp", num_channels=2,
+                          chunk_bytes=256, timeout_s=30)
+    ref = create_transport("torch", None, 8, 32, 16, torch.bfloat16)
+    calls = []
+    op_call = native.NativeOp.call
+    native.NativeOp.call = lambda self, kind, step: (calls.append((kind, step)), op_call(self, kind, step))[1]
+    steps = []
+    begin = wire_mod.Wire.begin
+    wire_mod.Wire.begin = lambda self, *a, **k: (steps.append(a[0]), begin(self, *a, **k))[1]
+    idx, w = contract_route("random", 12, 8, 2, world, rank)
+    x = torch.randn(12, 32).to(torch.bfloat16)
+    per_op, same = {}, True
+    for name, run in (("dispatch", lambda: px.dispatch(x, idx, w)),
+                      ("combine", lambda: px.combine(out[0], out[4])),
+                      ("dispatch_cached", lambda: px.dispatch_cached(x, out[4]))):
+        calls.clear()
+        got = run()
+        per_op[name] = (list(calls), len(steps))
+        if name == "dispatch":
+            out, want = got, ref.dispatch(x, idx, w)
+            same &= all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+        elif name == "combine":
+            same &= torch.equal(got.view(torch.int16), ref.combine(out[0], want[4]).view(torch.int16))
+    # ranks in different operations: every rank raises the same GroupError, named in C
+    try:
+        px.combine(out[0], out[4]) if rank == 0 else px.dispatch_cached(x, out[4])
+        mismatch = "no error"
+    except GroupError as e:
+        mismatch = str(e)
+    again = px.dispatch(x, idx, w)  # still usable
+    same &= torch.equal(again[0], out[0])
+    px.wire.quiesce()
+    posted = sum(c["posted"] for c in px.stats())
+    accounted = px.wire.posted["writes"]
+    native.NativeOp.call, wire_mod.Wire.begin = op_call, begin
+    px.close()
+    return per_op, same, mismatch, posted, accounted
+
+
+def test_host_operation_is_post_and_complete():
+    out = run_ranks(_op_calls_rank, 2, (), timeout_s=200, pg_timeout_s=60, env=LOOPBACK)
+    for rank, (per_op, same, mismatch, posted, accounted) in enumerate(out):
+        for name, kind in (("dispatch", "dispatch"), ("combine", "combine"),
+                           ("dispatch_cached", "cached")):
+            calls, python_steps = per_op[name]
+            assert calls == [(kind, "post"), (kind, "complete")], (rank, name, calls)
+            assert python_steps == 0, (rank, name)  # no Python round steps
+        assert same, rank
+        assert "ranks are in different operations or row formats" in mismatch, mismatch
+        assert "rank 0: combine" in mismatch and "rank 1: dispatch_cached" in mismatch, mismatch
+        assert posted == accounted, (rank, posted, accounted)
+    assert out[0][2] == out[1][2]  # the same words on every rank
+
+
+def _deadline_rank(rank, world):
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.base import PeerFailure, TransportBroken
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    px = create_transport("proxy", None, 4, 8, 8, torch.float32, provider="tcp", num_channels=1,
+                          timeout_s=0.5)
+    idx = torch.tensor([[0, 2]] * 4, dtype=torch.int64)
+    res = None
+    if rank == 0:  # rank 1 never joins this dispatch
+        try:
+            px.dispatch(torch.randn(4, 8), idx, torch.rand(4, 2))
+            res = "no error"
+        except PeerFailure as e:
+            res = str(e)
+        try:
+            px.combine(torch.randn(0, 8), None)
+            after = "no error"
+        except TransportBroken as e:
+            after = str(e)
+        res = (res, after)
+    dist.barrier()
+    px.close(barrier=False)
+    return res
+
+
+def test_wait_deadline_names_peer_op_and_round():
+    out = run_ranks(_deadline_rank, 2, (), timeout_s=200, pg_timeout_s=60, env=LOOPBACK)
+    err, after = out[0]
+    assert "from rank 1" in err and "[dispatch headers, round 1]" in err, err
+    assert "broken" in after and err[:40] in after, after
+
+
+def _idle_rank(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from efa_ep.kernels import create_transport
+    from efa_ep.testing.routes import contract_route
+
+    torch.set_num_threads(1)
+    px = create_transport("proxy", None, 8, 16, 16, torch.float32, provider="tcp", num_channels=2,
+                          timeout_s=30)
+    ref = create_transport("torch", None, 8, 16, 16, torch.float32)
+    idx, w = contract_route("random", 10, 8, 2, world, rank)
+    x = torch.randn(10, 16)
+    ok = True
+    blocked = []
+    for _ in range(3):
+        out = px.dispatch(x, idx, w)
+        ok &= torch.equal(px.combine(out[0], out[4]), ref.combine(*[ref.dispatch(x, idx, w)[i] for i in (0, 4)]))
+        # with nothing to do and nobody waiting, every channel thread blocks (its sleeps count
+        # grows): wait for that event, bounded
+        before = [c["sleeps"] for c in px.stats()]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(
+                c["sleeps"] > b for c, b in zip(px.stats(), before)):
+            pass
+        blocked.append(all(c["sleeps"] > b for c, b in zip(px.stats(), before)))
+        dist.barrier()  # both ranks' channels blocked: the next op must wake them
+    px.close()
+    return ok, blocked
+
+
+def test_idle_channels_block_and_the_next_operation_wakes_them():
+    for rank, (ok, blocked) in enumerate(run_ranks(_idle_rank, 2, (), timeout_s=200,
+                                                    pg_timeout_s=60, env=LOOPBACK)):
+        assert ok and all(blocked), (rank, ok, blocked)

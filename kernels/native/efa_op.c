@@ -1,0 +1,292 @@
+/* efa_op.c: a whole proxy operation on host memory in two native calls, post and complete
+ * (efa_proxy.h, "Operations"). post: the routing layout and its value checks (dispatch), the
+ * round's headers, the rows packed into the send area, the peers' headers waited for and
+ * checked, the data posted. complete: this rank's own rows, the peers' data waited for, footers
+ * checked, rows copied out, routing rows checked and unpacked (dispatch) or the reduction
+ * (combine). Between the two the caller only allocates the outputs, whose sizes the headers
+ * gave. Every problem found here is named here (err); the caller maps the return code to its
+ * error kind. A client of efa_round.c (the round's steps) and efa_host.c (layout, checks,
+ * reduction).
+ *
+ * Build: part of libefa_proxy.so (kernels/proxy/native.py SOURCES).
+ */
+#define _GNU_SOURCE
+#include "efa_proxy.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+enum { OP_DISPATCH = 1, OP_COMBINE = 2, OP_CACHED = 3 };
+
+static void op_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || !errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static inline int64_t align16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static int64_t data_recv_off(const efa_wire *w, int64_t src) {
+    return w->off_recv + src * w->region_bytes + 2 * w->hdr_bytes;
+}
+
+/* Prefix sums of counts[W] into starts[W + 1]. */
+static void prefix(const int64_t *counts, int64_t W, int64_t *starts) {
+    starts[0] = 0;
+    for (int64_t r = 0; r < W; r++) starts[r + 1] = starts[r] + counts[r];
+}
+
+/* The round's fixed inputs for op, rows_to[] given; widths[0..np). */
+static void round_setup(efa_op *o, int64_t op, int64_t np, const int64_t *widths, int64_t fmt,
+                        int64_t *extras, int64_t *n_recv) {
+    efa_wire *w = o->wire;
+    w->seq = o->seq;
+    w->tag = (int64_t)(((uint64_t)o->gen << 32) | ((uint64_t)o->seq & 0xFFFFFFFFull));
+    w->op = op;
+    w->status = 0;
+    w->nplanes = np;
+    w->row_bytes = 0;
+    for (int64_t p = 0; p < np; p++) {
+        w->widths[p] = widths[p];
+        w->row_bytes += widths[p];
+    }
+    w->fmt = fmt;
+    w->extras = extras;
+    w->n_recv = n_recv;
+    w->rows_to[w->rank] = 0;
+}
+
+/* num_recv[r] = rows_from[r] (the checked headers), this rank's own = own. */
+static void take_rows_from(efa_op *o, int64_t own) {
+    efa_wire *w = o->wire;
+    for (int64_t r = 0; r < w->world; r++) o->num_recv[r] = r == w->rank ? own : w->rows_from[r];
+}
+
+/* Rows idx[a..b) of src (row_bytes each) -> dst, in order. */
+static void gather_rows(uint8_t *dst, const uint8_t *src, const int64_t *idx, int64_t a, int64_t b,
+                        int64_t rb) {
+    for (int64_t j = a; j < b; j++, dst += rb) memcpy(dst, src + idx[j] * rb, (size_t)rb);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, K = o->topk, T = o->tokens, rb = o->row_bytes;
+    if (K < 1 || T < 0 || T > w->max_rows || o->cap < T * (K < W ? K : W) ||
+        o->meta_rows < o->cap || o->num_experts != o->num_local * W) {
+        op_err(err, errlen, "rank %lld: dispatch of %lld tokens, top-%lld: scratch of %lld rows "
+               "(capacity %lld) too small or bad geometry", (long long)me, (long long)T,
+               (long long)K, (long long)o->meta_rows, (long long)o->cap);
+        return -EINVAL;
+    }
+    int64_t S = efa_route_layout(o->topk_idx, o->weights, T, K, o->num_experts, W, o->send_idx,
+                                 o->meta, o->cap, o->num_send, o->counts, o->scratch, &o->flags);
+    if (S < 0) {
+        if (S == -1) return EFA_RC_LOCAL_INPUT; /* the caller names the bad values, then the error round */
+        op_err(err, errlen, "rank %lld: the routing layout needs more than %lld rows",
+               (long long)me, (long long)o->cap);
+        return (int)S;
+    }
+    o->rows = S;
+    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_send[d];
+    const int64_t widths[2] = {rb, 16 * K};
+    round_setup(o, OP_DISPATCH, 2, widths, K, o->counts, NULL);
+    int rc = efa_wire_begin(w, 1, err, errlen);
+    if (rc) return rc;
+    /* pack while the headers fly: token rows (plane 0) and routing rows (plane 1) */
+    int64_t *st = o->scratch; /* W + 1 starts (the layout is done with its scratch) */
+    prefix(o->num_send, W, st);
+    for (int64_t d = 0; d < W; d++) {
+        if (d == me || !o->num_send[d]) continue;
+        gather_rows(w->window + w->plan[d], o->x, o->send_idx, st[d], st[d + 1], rb);
+        memcpy(w->window + w->plan[W + d], o->meta + st[d] * 2 * K, (size_t)(o->num_send[d] * 16 * K));
+    }
+    rc = efa_wire_exchange(w, 1, err, errlen);
+    if (rc) return rc;
+    take_rows_from(o, o->num_send[me]);
+    return 0;
+}
+
+/* Names the first problem efa_unpack_meta found in source src's routing rows (m: n rows of 2K
+ * int64), the way every check is worded (kinds as efa_unpack_meta's). */
+static void describe_meta(const efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K,
+                          int64_t L, const int64_t *want, char *err, size_t errlen) {
+    const long long me = (long long)w->rank, s = (long long)src;
+    int64_t lo = 0, hi = 0, none = 0, wt = 0, inf = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *ids = m + i * 2 * K, *wb = ids + K;
+        int any = 0;
+        for (int64_t k = 0; k < K; k++) {
+            if ((i == 0 && k == 0) || ids[k] < lo) lo = ids[k];
+            if ((i == 0 && k == 0) || ids[k] > hi) hi = ids[k];
+            any |= ids[k] >= 0;
+            wt |= ids[k] < 0 && wb[k] != 0;
+            int32_t b = (int32_t)(uint32_t)(uint64_t)wb[k];
+            float f;
+            memcpy(&f, &b, 4);
+            inf |= !isfinite(f);
+        }
+        none |= !any;
+    }
+    if (n && (lo < -1 || hi >= L)) {
+        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent local expert id %lld; "
+               "expected -1 or 0 <= id < %lld (local experts)", me, s,
+               (long long)(hi >= L ? hi : lo), (long long)L);
+    } else if (n && none) {
+        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent a row that names none "
+               "of this rank's experts", me, s);
+    } else if (n && wt) {
+        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent a non-zero weight in a "
+               "slot without an expert here", me, s);
+    } else if (n && inf) {
+        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent NaN/Inf routing "
+               "weights", me, s);
+    } else {
+        /* the counts: ids are in range here, so each lands in [0, L) */
+        char a[192], b[192];
+        size_t pa = 0, pb = 0;
+        for (int64_t e = 0; e < L && pa < sizeof a - 24 && pb < sizeof b - 24; e++) {
+            int64_t c = 0;
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t k = 0; k < K; k++) c += m[i * 2 * K + k] == e;
+            pa += (size_t)snprintf(a + pa, sizeof a - pa, "%s%lld", e ? ", " : "", (long long)want[e]);
+            pb += (size_t)snprintf(b + pb, sizeof b - pb, "%s%lld", e ? ", " : "", (long long)c);
+        }
+        op_err(err, errlen, "rank %lld: protocol violation: rank %lld's per-expert counts [%s%s] "
+               "disagree with the expert ids of the %lld rows it sent ([%s%s])", me, s, a,
+               pa >= sizeof a - 24 ? ", ..." : "", (long long)n, b, pb >= sizeof b - 24 ? ", ..." : "");
+    }
+}
+
+int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K, int64_t L,
+                      const int64_t *hdr_counts, char *err, size_t errlen) {
+    describe_meta(w, src, m, n, K, L, hdr_counts, err, errlen);
+    return -EPROTO;
+}
+
+int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, K = o->topk, rb = o->row_bytes, L = o->num_local;
+    int64_t *rst = o->scratch, *sst = o->scratch + W + 1;
+    prefix(o->num_recv, W, rst);
+    prefix(o->num_send, W, sst);
+    /* this rank's own rows while the peers' data flies */
+    gather_rows(o->recv_x + rst[me] * rb, o->x, o->send_idx, sst[me], sst[me + 1], rb);
+    int rc = efa_wire_finish(w, err, errlen);
+    if (rc) return rc;
+    int64_t *srcs = o->aux, *n = o->aux + W, *chk = o->aux + 2 * W;
+    for (int64_t r = 0; r < W; r++) {
+        n[r] = o->num_recv[r];
+        chk[r] = r != me;
+        if (r == me) {
+            srcs[r] = (int64_t)(uintptr_t)(o->meta + sst[me] * 2 * K);
+            continue;
+        }
+        const uint8_t *base = w->window + data_recv_off(w, r);
+        if (n[r]) memcpy(o->recv_x + rst[r] * rb, base, (size_t)(n[r] * rb));
+        srcs[r] = (int64_t)(uintptr_t)(base + align16(n[r] * rb));
+    }
+    int64_t kind = 0;
+    int64_t bad = efa_unpack_meta(W, K, L, srcs, n, chk, w->got + EFA_HDR_FIXED, w->hdr_fields,
+                                  o->recv_idx, o->recv_w, o->tokens_per_expert,
+                                  o->scratch + 2 * W + 2, &kind);
+    if (bad >= 0) {
+        o->bad_peer = bad;
+        o->kind = kind;
+        describe_meta(w, bad, (const int64_t *)(uintptr_t)srcs[bad], n[bad], K, L,
+                      w->got + bad * w->hdr_fields + EFA_HDR_FIXED, err, errlen);
+        return -EPROTO;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+int efa_op_cached_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, rb = o->row_bytes;
+    /* the handle's rows index x: each must be one of x's tokens (checked before anything moves) */
+    int64_t S = 0;
+    for (int64_t d = 0; d < W; d++) S += o->num_send[d];
+    for (int64_t j = 0; j < S; j++) {
+        if (o->send_idx[j] < 0 || o->send_idx[j] >= o->tokens) {
+            op_err(err, errlen, "rank %lld: dispatch_cached: the handle's token index %lld is "
+                   "outside [0, %lld)", (long long)me, (long long)o->send_idx[j], (long long)o->tokens);
+            return -EINVAL;
+        }
+    }
+    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_send[d];
+    round_setup(o, OP_CACHED, 1, &rb, o->fmt, NULL, o->num_recv);
+    int rc = efa_wire_begin(w, 1, err, errlen);
+    if (rc) return rc;
+    int64_t *st = o->scratch;
+    prefix(o->num_send, W, st);
+    for (int64_t d = 0; d < W; d++)
+        if (d != me && o->num_send[d])
+            gather_rows(w->window + w->plan[d], o->x, o->send_idx, st[d], st[d + 1], rb);
+    return efa_wire_exchange(w, 1, err, errlen);
+}
+
+int efa_op_cached_complete(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, rb = o->row_bytes;
+    int64_t *rst = o->scratch, *sst = o->scratch + W + 1;
+    prefix(o->num_recv, W, rst);
+    prefix(o->num_send, W, sst);
+    gather_rows(o->recv_x + rst[me] * rb, o->x, o->send_idx, sst[me], sst[me + 1], rb);
+    int rc = efa_wire_finish(w, err, errlen);
+    if (rc) return rc;
+    for (int64_t r = 0; r < W; r++)
+        if (r != me && o->num_recv[r])
+            memcpy(o->recv_x + rst[r] * rb, w->window + data_recv_off(w, r), (size_t)(o->num_recv[r] * rb));
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* combine: y's rows are grouped by destination (num_recv[d] rows to rank d, rank order); they go
+ * back to the ranks they came from, each rank expecting num_send[r] rows from r. */
+int efa_op_combine_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, rb = o->row_bytes;
+    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_recv[d];
+    round_setup(o, OP_COMBINE, 1, &rb, o->fmt, NULL, o->num_send);
+    int rc = efa_wire_begin(w, 1, err, errlen);
+    if (rc) return rc;
+    int64_t *st = o->scratch;
+    prefix(o->num_recv, W, st);
+    for (int64_t d = 0; d < W; d++)
+        if (d != me && o->num_recv[d])
+            memcpy(w->window + w->plan[d], o->x + st[d] * rb, (size_t)(o->num_recv[d] * rb));
+    return efa_wire_exchange(w, 1, err, errlen);
+}
+
+int efa_op_combine_complete(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, rb = o->row_bytes, T = o->tokens;
+    int64_t *rst = o->scratch, *sst = o->scratch + W + 1;
+    prefix(o->num_recv, W, rst);
+    prefix(o->num_send, W, sst);
+    int rc = efa_wire_finish(w, err, errlen);
+    if (rc) return rc;
+    if (o->slot_cap < W * T) {
+        op_err(err, errlen, "rank %lld: combine scratch of %lld slots < %lld", (long long)me,
+               (long long)o->slot_cap, (long long)(W * T));
+        return -EINVAL;
+    }
+    int64_t *rows = o->aux, *n = o->aux + W, *ix = o->aux + 2 * W;
+    for (int64_t r = 0; r < W; r++) {
+        rows[r] = (int64_t)(uintptr_t)(r == me ? o->x + rst[me] * rb : w->window + data_recv_off(w, r));
+        n[r] = o->num_send[r];
+        ix[r] = (int64_t)(uintptr_t)(o->send_idx + sst[r]);
+    }
+    const int64_t esz = o->dtype == EFA_DT_F32 ? 4 : 2;
+    rc = efa_reduce_rows(W, T, rb / esz, o->dtype, o->dtype, rows, n, ix, o->slot, o->out);
+    if (rc < 0)
+        op_err(err, errlen, "rank %lld: combine: the handle's token indices are outside [0, %lld) "
+               "or repeat within a rank's rows", (long long)me, (long long)T);
+    return rc;
+}

@@ -1,0 +1,165 @@
+"""The proxy's operations on host memory, each two native calls (``kernels/native/efa_op.c``).
+
+CPU rows on a host window (the common case without a GPU, and the path of every CPU test) run a
+whole dispatch, dispatch_cached or combine as ``post`` then ``complete``: the routing layout,
+the round's headers, packing, the peers' headers checked, the data posted, the peers' data
+waited for and checked, rows copied out, routing rows checked and unpacked, or combine's
+reduction, all in C. Python checks the arguments (shapes, dtypes: no values), allocates the
+outputs between the two calls (their sizes come from the checked headers) and maps return codes
+to the contract's errors; every problem found in C is named in C.
+
+Everything the native side writes besides the outputs (routing rows, scratch, per-rank counts)
+is allocated here once and reused; the outputs and the handle's ``send_token_idx`` are new
+tensors per call (the caller keeps them).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import native
+from .window import OP_CACHED, OP_COMBINE, OP_DISPATCH
+from .wire import Wire
+
+_DTYPES = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16}
+
+
+class HostOps:
+    """The native operations of one transport's wire (host window, native rounds).
+
+    Args:
+        wire: the transport's :class:`~efa_ep.kernels.proxy.wire.Wire` (started).
+        num_experts, num_local: E and L = E / W. max_tokens: rows a rank may send or receive.
+
+    Synchronization: each call blocks the calling thread until its outputs are complete; one
+    operation at a time (the arrays and the struct are shared across calls).
+    """
+
+    def __init__(self, wire: Wire, num_experts: int, num_local: int, max_tokens: int):
+        w = wire.world
+        self.wire = wire
+        self._nw = wire._nw
+        st = native.OpStruct()
+        st.wire = self._nw.address
+        st.gen = wire.gen
+        st.num_experts, st.num_local = num_experts, num_local
+        self._scratch = np.zeros(2 * w + 2 + num_local, dtype=np.int64)
+        self._aux = np.zeros(3 * w, dtype=np.int64)
+        self.counts = np.zeros(num_experts, dtype=np.int64)
+        self.num_send = np.zeros(w, dtype=np.int64)
+        self.num_recv = np.zeros(w, dtype=np.int64)
+        self._slot = np.zeros(max(1, w * max_tokens), dtype=np.int32)
+        self._meta = np.zeros(0, dtype=np.int64)
+        st.scratch, st.aux = self._scratch.ctypes.data, self._aux.ctypes.data
+        st.counts = self.counts.ctypes.data
+        st.num_send, st.num_recv = self.num_send.ctypes.data, self.num_recv.ctypes.data
+        st.slot, st.slot_cap = self._slot.ctypes.data, self._slot.shape[0]
+        self.st = st
+        self.op = native.NativeOp(st)
+
+    def bound_to(self, wire: Wire) -> bool:
+        """Whether this struct still points at ``wire``'s native round (rebuilt on a new window)."""
+        return wire._nw is self._nw and self.st.gen == wire.gen
+
+    # -----------------------------------------------------------------------------------------
+    def _call(self, kind: str, step: str) -> int:
+        return Wire.native(self.op.call, kind, step)  # errors as the round's steps raise them
+
+    def _post(self, kind: str, op: int) -> int:
+        """Runs ``kind``'s post for round ``wire.seq``; accounts what it handed to the engine
+        (:attr:`Wire.posted`) and raises what the headers say (every rank the same)."""
+        wire, st, wst = self.wire, self.st, self._nw.st
+        st.seq = wire.seq
+        wst.r_writes = wst.r_wire_bytes = wst.r_messages = wst.r_rows = 0
+        rc = -1
+        try:
+            rc = self._call(kind, "post")
+        finally:
+            if rc != native.RC_LOCAL_INPUT:  # that one sent nothing and takes no round
+                wire.seq += 1
+            p = wire.posted
+            p["writes"] += wst.r_writes
+            p["wire_bytes"] += wst.r_wire_bytes
+            if rc == 0:
+                p["messages"] += wst.r_messages
+                p["rows"] += wst.r_rows
+                p["bytes"] += wst.r_rows * st.row_bytes
+        if rc and rc != native.RC_LOCAL_INPUT:
+            wire.header_error(rc, st.seq, op, None, self.op.text())
+        return rc
+
+    # -----------------------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """Dispatch of CPU rows ``x`` ``[T, H]`` (dense), ``topk_idx`` ``[T, K]`` int64,
+        ``topk_weights`` ``[T, K]`` float32 (dense, checked for shape and dtype by the caller).
+
+        Returns: (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights ``[N, K]``
+        float32, tokens_per_expert ``[L]`` int64, send_idx ``[S]`` int64, num_send (W ints),
+        num_recv (W ints)); or None when the routing values are invalid (nothing was sent: the
+        caller names them and runs the error round).
+        """
+        st, w = self.st, self.wire.world
+        t, k = topk_idx.shape
+        cap = t * min(w, k)
+        if self._meta.shape[0] < cap * 2 * k:
+            self._meta = np.zeros(max(cap * 2 * k, 1), dtype=np.int64)
+            st.meta = self._meta.ctypes.data
+        st.meta_rows = self._meta.shape[0] // (2 * k)
+        send_idx = torch.empty(cap, dtype=torch.int64)
+        st.tokens, st.topk, st.cap, st.row_bytes = t, k, cap, x.shape[1] * x.element_size()
+        st.x, st.topk_idx, st.weights = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
+        st.send_idx = send_idx.data_ptr()
+        if self._post("dispatch", OP_DISPATCH) == native.RC_LOCAL_INPUT:
+            return None
+        num_recv = self.num_recv.tolist()
+        n = sum(num_recv)
+        recv_x = torch.empty(n, x.shape[1], dtype=x.dtype)
+        recv_idx = torch.empty(n, k, dtype=torch.int64)
+        recv_w = torch.empty(n, k, dtype=torch.float32)
+        tpe = torch.empty(st.num_local, dtype=torch.int64)
+        st.recv_x, st.recv_idx, st.recv_w = recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr()
+        st.tokens_per_expert = tpe.data_ptr()
+        self._call("dispatch", "complete")
+        return (recv_x, recv_idx, recv_w, tpe, send_idx[:st.rows], self.num_send.tolist(),
+                num_recv)
+
+    def dispatch_cached(self, x: torch.Tensor, send_idx: torch.Tensor, num_send, num_recv,
+                        fmt: int) -> torch.Tensor:
+        """``x`` ``[T, D]`` dense CPU rows sent again along a handle's layout: ``send_idx`` ``[S]``
+        int64 CPU, rows per rank ``num_send`` / ``num_recv``; ``fmt``: the rows' format code.
+        Returns ``[sum num_recv, D]`` in source order."""
+        st = self.st
+        self.num_send[:] = num_send
+        self.num_recv[:] = num_recv
+        st.row_bytes, st.fmt, st.tokens = x.shape[1] * x.element_size(), fmt, x.shape[0]
+        st.x, st.send_idx = x.data_ptr(), send_idx.data_ptr()
+        self._post("cached", OP_CACHED)
+        out = torch.empty(sum(num_recv), x.shape[1], dtype=x.dtype)
+        st.recv_x = out.data_ptr()
+        self._call("cached", "complete")
+        return out
+
+    def combine(self, y: torch.Tensor, send_idx: torch.Tensor, num_send, num_recv,
+                num_tokens: int, fmt: int) -> Optional[torch.Tensor]:
+        """Combine of ``y`` ``[sum num_recv, D]`` dense CPU rows, float32 or bfloat16, grouped
+        by the rank they came from; ``send_idx`` ``[S]`` int64 CPU (the handle's). Returns
+        ``[num_tokens, D]`` of y's dtype, or None when a sum is NaN (the rows are still in the
+        window: the caller reduces them with torch, see :meth:`received`)."""
+        st = self.st
+        self.num_send[:] = num_send
+        self.num_recv[:] = num_recv
+        st.row_bytes, st.fmt, st.dtype, st.tokens = y.shape[1] * y.element_size(), fmt, _DTYPES[y.dtype], num_tokens
+        st.x, st.send_idx = y.data_ptr(), send_idx.data_ptr()
+        self._post("combine", OP_COMBINE)
+        out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype)
+        st.out = out.data_ptr()
+        return out if self._call("combine", "complete") == 0 else None
+
+    def received(self, r: int, n: int, row_bytes: int) -> torch.Tensor:
+        """``[n, row_bytes]`` uint8 view of rank ``r``'s rows in the receive window (valid until
+        the next operation)."""
+        lay = self.wire.layout
+        off = lay.data_recv_off(r)
+        return self.wire.window[off:off + n * row_bytes].view(n, row_bytes)
