@@ -53,9 +53,10 @@ class Option:
         doc: one line for humans.
         choices: allowed values (after conversion), or None.
         min, max: inclusive bounds for numbers, or None.
-        env: the environment variable that gives this option to the Megatron dispatcher, or
-            "" (read only by :mod:`efa_ep.dispatcher.settings`, which passes its value as the
-            option; transports themselves read no environment).
+
+    Transports read no environment. The ``EFA_EP_*`` variable that gives an option to the
+    Megatron dispatcher, if any, is declared with the other variables in
+    :data:`efa_ep.dispatcher.settings.VARIABLES`, which links it to the option here.
     """
 
     key: str
@@ -65,7 +66,6 @@ class Option:
     choices: Optional[Tuple[Any, ...]] = None
     min: Optional[float] = None
     max: Optional[float] = None
-    env: str = ""
 
     def describe(self) -> str:
         allowed = (" | ".join(map(str, self.choices)) if self.choices is not None
@@ -117,7 +117,7 @@ def _schema(*options: Option) -> Dict[str, Option]:
 
 
 # The transports' own docstrings explain each knob in depth; these lines are what a user sees
-# in an error. Keep them in step with kernels/proxy/ and kernels/gda.py.
+# in an error. Keep them in step with kernels/proxy/ and kernels/gda/
 SCHEMAS: Dict[str, Dict[str, Option]] = {
     # torch's only deadline is the process group's timeout (init_process_group(timeout=...)).
     "torch": _schema(),
@@ -138,36 +138,27 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",
-               choices=("efa", "tcp", "shm"),
-               env="EFA_EP_PROXY_PROVIDER"),
+               choices=("efa", "tcp", "shm")),
         Option("num_channels", int, None, "proxy channels (threads + endpoints; default 4 on "
-               "hosts with >= 8 CPUs, else 2)", min=1, max=64,
-               env="EFA_EP_PROXY_CHANNELS"),
-        Option("timeout_s", float, 60.0, "deadline of every wait, seconds", min=1e-3,
-               env="EFA_EP_PROXY_TIMEOUT_S"),
-        Option("chunk_bytes", int, 256 << 10, "bytes per descriptor", min=16, max=(1 << 32) - 1,
-               env="EFA_EP_PROXY_CHUNK_BYTES"),
+               "hosts with >= 8 CPUs, else 2)", min=1, max=64),
+        Option("timeout_s", float, 60.0, "deadline of every wait, seconds", min=1e-3),
+        Option("chunk_bytes", int, 256 << 10, "bytes per descriptor", min=16, max=(1 << 32) - 1),
         Option("hmem", str, "auto", "where the window lives: off = host, cuda = GPU memory with "
-               "FI_HMEM", choices=("auto", "off", "cuda"), env="EFA_EP_PROXY_HMEM"),
-        Option("producer", str, "auto", "who writes the descriptors", choices=("auto", "torch", "triton"),
-               env="EFA_EP_PROXY_PRODUCER"),
+               "FI_HMEM", choices=("auto", "off", "cuda")),
+        Option("producer", str, "auto", "who writes the descriptors", choices=("auto", "torch", "triton")),
         Option("max_topk", int, 8, "top-k the windows are sized for", min=1, max=1024),
         Option("max_row_bytes", int, None, "override of the per-row slot size", min=16),
         Option("ring_slots", int, 1024, "descriptor ring slots per channel", min=1),
         Option("max_inflight", int, 64, "writes in flight per channel", min=1),
-        Option("spin_us", int, 200, "microseconds a proxy thread spins before sleeping", min=0,
-               env="EFA_EP_PROXY_SPIN_US"),
-        Option("cpu_base", int, -1, "pin channel c to CPU cpu_base + c (-1: no pinning)", min=-1,
-               env="EFA_EP_PROXY_CPU_BASE"),
-        Option("inject_reorder", int, 0, "test-only fault injection (0 off)", min=0,
-               env="EFA_EP_PROXY_INJECT"),
+        Option("spin_us", int, 200, "microseconds a proxy thread spins before sleeping", min=0),
+        Option("cpu_base", int, -1, "pin channel c to CPU cpu_base + c (-1: no pinning)", min=-1),
+        Option("inject_reorder", int, 0, "test-only fault injection (0 off)", min=0),
     ),
 }
 # hier composes a network stage (proxy by default: its knobs pass through) and a local stage.
 SCHEMAS["hier"] = {
     **_schema(
-        Option("node_size", int, None, "ranks per node (default: from host names)", min=1,
-               env="EFA_EP_NODE_SIZE"),
+        Option("node_size", int, None, "ranks per node (default: from host names)", min=1),
         Option("network", str, "proxy", "transport across nodes, one per rail",
                choices=("proxy", "torch")),
         Option("local", str, "auto", "transport inside a node (auto: gda on a GPU, else torch)",

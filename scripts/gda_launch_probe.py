@@ -54,7 +54,7 @@ def main():
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
     from efa_ep.kernels.launch import FastKernel
 
     dev = torch.device("cuda", 0)

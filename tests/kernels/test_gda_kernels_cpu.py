@@ -38,7 +38,7 @@ def test_gda_kernels_interpreted(check):
 # ------------------------------------------------------------------------------------------
 def _check_layout():
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
     from efa_ep.kernels.base import compute_send_layout
     from efa_ep.testing.routes import contract_route
 
@@ -72,7 +72,7 @@ def _check_layout():
 
 def _check_layout_errors():
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
 
     for small in (kern.LAYOUT_SMALL_ELEMS, 0):  # one-program kernel, then the block kernels
         kern.LAYOUT_SMALL_ELEMS = small
@@ -132,7 +132,7 @@ WAIT = dict(timeout_ns=0, max_spins=1000, use_globaltimer=False)
 
 def _run_dispatch_combine(row_dtype_name):
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
     from efa_ep.testing.reference import reference_combine, reference_dispatch
     from efa_ep.testing.routes import contract_route
 
@@ -232,7 +232,7 @@ def _check_wait_timeout():
     """An expired wait sets the missing-source bits and records the first expired op (epoch and
     kind); every later reduce/gather of the window writes NaN rows, never a partial sum."""
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
 
     world = 4
     peers = _Peers(world, 4, 8, torch.bfloat16, 2, 2)
@@ -284,7 +284,7 @@ def _check_device_op_base():
     compares against it, and an expired wait records it (what lets a CUDA graph replay with
     new op numbers by advancing the device base)."""
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
 
     world = 2
     peers = _Peers(world, 4, 8, torch.float32, 2, 2)
@@ -314,7 +314,7 @@ def _check_fixed_capacity():
     other row has ids -1 / weights 0 (also rows a larger earlier dispatch or another top-k
     width left behind), device counts are right, and the fixed combine equals the reference."""
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
     from efa_ep.testing.reference import reference_combine, reference_dispatch
     from efa_ep.testing.routes import contract_route
 

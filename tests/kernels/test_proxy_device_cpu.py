@@ -81,7 +81,7 @@ def _reference_meta(idx, w, send_idx, num_send, L):
 
 def _check_pack():
     import torch
-    from efa_ep.kernels import gda_kernels as kern
+    from efa_ep.kernels.gda import launches as kern
     from efa_ep.kernels.base import compute_send_layout
     from efa_ep.kernels.proxy import device as dk
 

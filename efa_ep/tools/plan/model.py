@@ -467,7 +467,7 @@ def memory(inp: Inputs, num_channels: int) -> Dict[str, Fig]:
     no_ep = expert_params * (6 + 12 / world)
     with_ep = expert_params / inp.ep * (6 + 12 / max(1, world // inp.ep))
     return {
-        "gda_window_bytes": derived(gda, "B", "2 parities x P x T_MAX x (H x b + 12 x K_CAP=16) (kernels/gda.py layout)"),
+        "gda_window_bytes": derived(gda, "B", "2 parities x P x T_MAX x (H x b + 12 x K_CAP=16) (kernels/gda/window.py layout)"),
         "proxy_window_bytes": derived(prox, "B", "send slots + receive regions: 2 x P x T_MAX x (H x b + 12 k + 16) (kernels/proxy/ layout, approx.)"),
         "proxy_engine_bytes": Fig(72e6 * num_channels, "B", "measured",
                                   "RESULTS.md 'Reliability: proxy': 72 MB resident per channel (tcp;ofi_rxm, 2-core VM); x K"),

@@ -1,219 +1,29 @@
-"""The ``gda`` transport: GPU-initiated dispatch and combine through symmetric-memory windows.
-
-The GPU moves every byte: Triton kernels store token rows straight into the peers' receive
-windows (torch symmetric memory, CUDA backend: NVLink peers of one host, or several ranks as
-processes on one GPU) and raise per-source flags; no CPU on the data path. Kernels and the flag
-protocol: :mod:`efa_ep.kernels.gda_kernels` (read its module docstring first).
-
-Symbols: W ranks, T tokens here, K top-k, E experts, L = E // W, H hidden, D row width,
-T_MAX = ``max_tokens_per_rank``, N rows received, S rows sent.
-
-Windows (allocated once per transport, collective, reused by every call):
-    One ``symm_mem.empty`` byte buffer per rank holding two parities of
-    ``data [W, T_MAX, H * elem bytes] | idx [W, T_MAX, K_CAP] int64 | wts [W, T_MAX, K_CAP] f32 |
-    hdr [W, 2 + L] int64``, each region 256-byte aligned; ``K_CAP`` = option ``max_topk``
-    (default 16). Bytes per rank ~= 2 * W * T_MAX * (H * elem + 12 * K_CAP). Op ``e`` uses parity
-    ``e % 2`` for every window kind (data of dispatch, returned rows of combine), which is what
-    lets windows be reused with no resets and no extra acknowledgement (protocol step 5).
-
-One dispatch (collective, current stream; kernels in order):
-    1. host: shape/dtype/capacity checks (no sync). An overflow (T > T_MAX, K > K_CAP, rows wider
-       than the window) raises here, before any byte moves, on the offending rank; it still
-       takes part in the count exchange with ``status`` set, so its peers raise too instead of
-       timing out.
-    2. ``layout`` (2 launches over token blocks): slot of every (token, destination), rows per
-       destination, (token, expert) pairs per expert, value checks (bad ids, NaN weights).
-    3. ``dispatch_store``: every token row stored once per destination rank at
-       ``window[me * T_MAX + slot]`` of that rank (16-byte stores), with its local expert ids and
-       weights; program 0 also writes the count header ``[status, rows, rows per local expert]``
-       into every destination (the count exchange); the grid's last program raises the
-       per-source signal (release, system scope).
-    4. ``recv_header`` (1 program): waits (acquire, bounded) for all W sources, gathers headers
-       and the error word into one small tensor; the host copies it: **the one host sync per
-       dispatch** (Megatron needs ``tokens_per_expert`` on the CPU, as in its alltoall dispatcher).
-    5. ``gather_rows``: the receive permutation, window -> compact ``recv_x [N, H]`` in
-       (source, token) order, with ids and weights.
-Combine: ``combine_store`` returns row i to its source's window at ``me * T_MAX + j`` and signals;
-a one-program wait kernel waits (bounded) for every source; ``combine_reduce`` then sums the
-partials in ascending rank order in float32 from +0.0, rounding once: bit-equal to ``torch``.
-No host sync; a deadline expiry is recorded in the error word and raised at the next dispatch
-(or by :meth:`GdaTransport.check_errors` / ``after_backward``, or at once with option
-``check_every_call=1``). ``dispatch_cached`` replays the layout with new rows, no host sync.
-
-Never stuck, never silently wrong:
-    * The stall this design prevents (4 ranks as MPS clients of one H200, every run before
-      it): a combine wait spun until its deadline for a store its peer had not issued, every
-      rank's host sat in Triton's module load, and the reduce then summed without that peer's
-      rows. Measured since (``scripts/gda_stall_probe.py``): a module load waits for the
-      process's *own* running kernels (1.7 s behind a 2 s spin; 0.3 ms idle), so a rank whose
-      wait spins cannot issue anything until that wait ends. A wait must therefore only ever
-      wait for stores already in the peers' streams. Hence the **launch gate**: a rank launches
-      a waiting kernel only after every source has *issued* (enqueued) the op's stores, told
-      through a host shared-memory board (:class:`LaunchGate`, on by default when ranks share a
-      GPU, where the ranks also compete for SMs). A wait then depends only on kernels already in
-      streams, which complete whatever the hosts do; a peer that never issues is found on the
-      host, within ``timeout_s``, and named. Pre-loading kernels is not enough: any library may
-      load a module or allocate between two ops.
-    * Waits run in one-program kernels, so a spinning wait holds one program slot, never the SMs
-      a peer's store on the same GPU needs (full-width spinning grids starved them).
-    * An expired wait records the op (number and kind: dispatch, combine, cached dispatch,
-      weight combine) and the missing sources in the error word; every later gather/reduce of
-      the transport writes NaN rows, so no output looks valid; the host raises
-      :class:`PeerTimeoutError` naming the op, its kind, the waiting rank and the missing ranks
-      at the next dispatch, ``check_errors`` or ``after_backward``. After any deadline or peer
-      failure the transport refuses further calls on every rank that sees it (the group's
-      epochs no longer agree): rebuild it. Bad inputs to combine / cached dispatch make every
-      rank raise naming the offending rank (through the gate; without it the peers' waits
-      expire as above).
-
-Fixed-capacity mode (:meth:`GdaTransport.dispatch_fixed`; inference and decode):
-    no host sync and no receive copy: the layout, store and a one-program fixed receive
-    (``recv_header_fixed``: counts into device tensors, unused rows of the window marked with
-    ids -1 / weights 0) and then the returned ``recv_x [W * T_MAX, H]`` *is* the window; every
-    launch has a grid fixed by T and T_MAX. ``combine`` with its handle takes ``y`` in the same
-    layout and returns only rows ``j < n_s`` (counts read on the device). The views are
-    overwritten two ops later (window parity): hold at most one fixed dispatch result while its
-    combine runs, as in DeepEP's low-latency mode; training keeps the regular ``dispatch``
-    (activations saved for backward must outlive that).
-
-CUDA graphs (:meth:`GdaTransport.capture`, :class:`GdaGraph`): fixed-capacity ops have static
-grids and no host sync, so a sequence of them is captured once and replayed with one host
-call (decode D+C on one H200: ~7 us of host time instead of ~500). Kernels take op numbers as
-``op_base[0] + delta`` with the base on the device; the graph's last node advances it, and a
-replay first moves it past any eager call made since (and restores the window parity with a
-barrier op when needed), so graphs and eager calls interleave freely.
-"""
+"""``GdaTransport``: the transport object (op sequencing, checks, the launch gate, errors),
+and its CUDA graph capture. The package docstring has the protocol."""
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import mmap
 import os
-import secrets
 import socket
 import time
 from typing import Optional
 
-import numpy as np
 
 import torch
 import torch.distributed as dist
 
-from .base import (
-    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, HandleState, PeerFailure,
-    ProtocolError, Transport, TransportBroken,
-    TransportError, TransportUnavailable, align_up, describe_status, group_input_error,
-    rows_input_error, validate_dispatch_inputs,
+from ..base import (
+    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, ProtocolError, Transport,
+    TransportBroken, TransportError, TransportUnavailable, align_up, describe_status,
+    group_input_error, rows_input_error, validate_dispatch_inputs,
 )
 
-_ALIGN = 256      # bytes: every region of the window starts at a multiple of this
+from .gate import LaunchGate, PeerTimeoutError
+from .graph import GdaGraph, capture
+from .window import GdaDispatchState, WindowLayout
+
 _MAX_WORLD = 62   # the error word is a 64-bit mask of missing sources; bit 62: bad input seen
 _BAD_INPUT_BIT = 1 << 62
-
-
-class PeerTimeoutError(PeerFailure):
-    """A wait (device-side, or the host launch gate) passed its deadline: the named source
-    rank(s) never signalled / never issued their stores."""
-
-
-class PeerFailedError(PeerFailure):
-    """An EP peer gave up (deadline, closed transport) before issuing this op's stores."""
-
-
-class LaunchGate:
-    """Host-side board of the ranks of one gda group on one host: which op each rank has issued
-    its stores for, and which rank failed. Shared memory (a ``/dev/shm`` file, mapped by every
-    rank, unlinked once all have mapped it), int64 slots ``[issued W | failed W]``.
-
-    Why: a host call that needs the CUDA context idle (a module load on a kernel's first use,
-    lazy loading of a library's kernel) waits for the process's own running kernels, a spinning
-    wait included. If that wait needs a store that a peer has not issued, and the peer's host is
-    held the same way, both stall until the deadline. A rank therefore launches a kernel that
-    waits on sources only once every source has *issued* (enqueued) its stores for that op: the
-    wait then depends only on kernels already in streams, which finish whatever the hosts do.
-    The gate is a host wait for the peers' hosts (shared memory, microseconds when they are in
-    step), not a device sync.
-
-    ``failed[r]`` = ``epoch * 8 + kind`` of the op at which rank r gave up (-1: closed), so a
-    waiting peer raises at once naming it instead of waiting out its own deadline.
-    """
-
-    def __init__(self, group, rank: int, world: int):
-        token = [None]
-        if rank == 0:
-            token[0] = f"/dev/shm/efa_ep_gda_{os.getpid()}_{secrets.token_hex(8)}"
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-        path = token[0]
-        size = 16 * world
-        if rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-        dist.barrier(group=group)
-        if rank != 0:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as e:
-                raise TransportError(
-                    f"rank {rank}: gda launch gate: cannot open {path} made by rank 0 ({e}); "
-                    f"ranks sharing a GPU must share /dev/shm (same host and IPC namespace)")
-        self._mm = mmap.mmap(fd, size)
-        os.close(fd)
-        dist.barrier(group=group)
-        if rank == 0:
-            os.unlink(path)  # nothing left behind, even after a crash
-        arr = np.frombuffer(self._mm, dtype=np.int64)
-        self.issued, self.failed = arr[:world], arr[world:]
-        # the hot path reads and writes through a memoryview: Python ints, no numpy per call
-        self._slots = memoryview(self._mm).cast("q")
-        self.rank, self.world = rank, world
-
-    def publish(self, epoch: int) -> None:
-        """This rank has enqueued its stores of op ``epoch`` (an aligned 8-byte store)."""
-        self._slots[self.rank] = epoch
-
-    def ready(self, epoch: int) -> bool:
-        """Every rank has issued op ``epoch`` (no wait)."""
-        return min(self._slots[:self.world]) >= epoch
-
-    def fail(self, record: int) -> None:
-        self.failed[self.rank] = record
-
-    def wait(self, epoch: int, timeout_s: float, op: str) -> None:
-        """Returns once every rank has issued op ``epoch``; raises naming the ranks otherwise."""
-        issued, failed = self.issued, self.failed
-        if self.ready(epoch):
-            return
-        deadline = time.monotonic() + timeout_s
-        spins = 0
-        while True:
-            if self.ready(epoch):
-                return
-            if failed.any():
-                gone = [int(r) for r in np.flatnonzero(failed)
-                        if r != self.rank and issued[r] < epoch]
-                if gone:
-                    raise PeerFailedError(
-                        f"rank {self.rank}: gda {op} (op {epoch}): EP peer rank(s) {gone} "
-                        f"failed or closed their transport before this op (see their error)")
-            spins += 1
-            if spins > 2000:
-                time.sleep(2e-5 if spins < 100000 else 1e-3)
-            if time.monotonic() > deadline:
-                missing = [int(r) for r in np.flatnonzero(issued < epoch)]
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: gda {op} (op {epoch}) gave up after {timeout_s:g}s "
-                    f"waiting for source rank(s) {missing}: they never issued their stores "
-                    f"(crashed, hung, or skipped this collective call)")
-
-    def close(self) -> None:
-        if getattr(self, "_mm", None) is not None:
-            self.issued = self.failed = None
-            self._slots.release()
-            try:
-                self._mm.close()
-            except BufferError:
-                pass
-            self._mm = None
 
 
 def availability() -> Optional[str]:
@@ -233,103 +43,19 @@ def availability() -> Optional[str]:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class WindowLayout:
-    """Byte layout of one rank's window (see the module docstring).
-
-    Attributes:
-        world: W. t_max: T_MAX rows per source. row_bytes: capacity of one row in bytes.
-        k_cap: K_CAP top-k slots per row. num_local: L (header length is 2 + L).
-    """
-
-    world: int
-    t_max: int
-    row_bytes: int
-    k_cap: int
-    num_local: int
-
-    @property
-    def rows(self) -> int:
-        return self.world * max(1, self.t_max)
-
-    @property
-    def data_bytes(self) -> int:
-        return align_up(self.rows * self.row_bytes, _ALIGN)
-
-    @property
-    def idx_bytes(self) -> int:
-        return align_up(self.rows * self.k_cap * 8, _ALIGN)
-
-    @property
-    def w_bytes(self) -> int:
-        return align_up(self.rows * self.k_cap * 4, _ALIGN)
-
-    @property
-    def hdr_len(self) -> int:
-        return 2 + self.num_local
-
-    @property
-    def hdr_bytes(self) -> int:
-        return align_up(self.world * self.hdr_len * 8, _ALIGN)
-
-    @property
-    def parity_bytes(self) -> int:
-        return self.data_bytes + self.idx_bytes + self.w_bytes + self.hdr_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return 2 * self.parity_bytes
-
-    def offsets(self, parity: int) -> dict:
-        """Byte offsets of the regions of parity 0 or 1."""
-        base = parity * self.parity_bytes
-        return dict(data_off=base, idx_off=base + self.data_bytes,
-                    w_off=base + self.data_bytes + self.idx_bytes,
-                    hdr_off=base + self.data_bytes + self.idx_bytes + self.w_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class GdaDispatchState(HandleState):
-    """``DispatchHandle.state`` of a gda dispatch.
-
-    Attributes:
-        owner: the transport object that made it (:class:`~efa_ep.kernels.base.HandleState`).
-        slot_TW: ``[T, W]`` int64, device: row of (token, rank) in rank's block, -1 = not sent.
-        recv_offsets: ``[W + 1]`` int64, device: first received row of each source (None for a
-            fixed-capacity dispatch).
-        epoch: the dispatch's op number.
-        fixed: made by :meth:`GdaTransport.dispatch_fixed`; then ``num_recv_W`` ``[W]`` int64,
-            device: rows received from each source (rows ``s * T_MAX + j``, ``j < n_s``).
-    """
-
-    slot_TW: torch.Tensor
-    recv_offsets: Optional[torch.Tensor]
-    epoch: int
-    fixed: bool = False
-    num_recv_W: Optional[torch.Tensor] = None
-
-
 class GdaTransport(Transport):
     """GPU-initiated transport over symmetric-memory windows; contract in ``efa_ep.kernels.base``.
 
-    Options (``create_transport(..., **options)``, identical on every rank):
-        max_topk: K_CAP, most top-k slots a dispatch may carry (default 16).
-        timeout_s: deadline of every device-side wait (default 60).
-        num_programs: grid of the store/gather kernels (default 2 x SMs / ranks sharing the GPU).
-        check_every_call: 1 = sync after combine/dispatch_cached to raise deadline errors at
-            once (default 0: raised at the next dispatch, by :meth:`check_errors`, or by
-            :meth:`after_backward`).
-        check_backward: 1 (default) = :meth:`after_backward` syncs once per layer backward and
-            raises deferred deadline errors before the gradients are used; 0 = defer.
-        launch_gate: ``auto`` (default: on when ranks share a GPU), ``on`` or ``off``. With it a
-            rank launches a waiting kernel only after every source has issued its stores for
-            the op (host shared memory, see :class:`LaunchGate`); needed for ranks sharing one
-            CUDA context (MPS), where a spinning wait can block a peer's module load.
-        fast_launch: 2 (default) = the kernels of each op phase in one native call
-            (:mod:`efa_ep.kernels.native_launch`; where the driver cannot, 1, with the reason in
-            ``native_launch_off``); 1 = each kernel through its compiled launcher, skipping
-            Triton's per-call Python (:mod:`efa_ep.kernels.launch`); 0 = Triton's own launch
-            path. Same kernels and results on every path; ``launch_path`` says which runs.
+    Options (``create_transport(..., **options)``, identical on every rank): declared once,
+    with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
+    (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
+    ``launch_gate``, ``fast_launch``). Where they need more than a line: ``check_backward``
+    makes :meth:`after_backward` raise deferred deadline errors before the gradients are used;
+    ``launch_gate`` (on when ranks share a GPU) launches a waiting kernel only once every source
+    has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
+    kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
+    path runs, ``native_launch_off`` why not), 1 each kernel through its compiled launcher, 0
+    Triton's own path: same kernels, same results.
 
     Host time: ``blocked_s`` accumulates the seconds this transport's calls spent blocked on
     the device (the dispatch's count read) or on peers' hosts (the launch gate); a call's wall
@@ -354,11 +80,11 @@ class GdaTransport(Transport):
             raise TransportUnavailable(f"rank {self.rank}: gda is not available: {why}")
         if self.world_size > _MAX_WORLD:
             raise TransportError(f"gda supports up to {_MAX_WORLD} ranks, got {self.world_size}")
-        from . import gda_kernels  # triton import stays lazy
-        from .gda_phases import GdaPhases
+        from . import launches  # triton import stays lazy
+        from .phases import GdaPhases
         symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
 
-        self._kern = gda_kernels
+        self._kern = launches
         opts = dict(cfg.options)
         self.max_topk = int(opts.get("max_topk", 16))
         self.timeout_s = float(opts.get("timeout_s", 60.0))
@@ -412,7 +138,7 @@ class GdaTransport(Transport):
         # error word: [missing-source bits (bit 62: a source reported bad input in a
         # fixed-capacity dispatch), epoch * 8 + kind of the first expired wait, bad sources]
         self._err = torch.zeros(3, dtype=torch.int64, device=self.device)
-        gda_kernels.check_err(self._err)
+        launches.check_err(self._err)
         # rows of each parity's id region written per source (fixed mode clears the rest), and
         # per parity the top-k width last written (a new width makes every row stale)
         self._hw = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
@@ -817,58 +543,10 @@ class GdaTransport(Transport):
         kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="combine",
                            **self._wait_args())
 
-    def capture(self, fn, *, warmup: int = 1, pool=None) -> "GdaGraph":
-        """Captures ``fn()`` (collective: every rank captures the same sequence of calls) in a
-        CUDA graph and returns a :class:`GdaGraph` whose ``replay()`` reruns it with one host
-        launch; ``GdaGraph.outputs`` is what ``fn`` returned (static tensors, overwritten by
-        every replay).
-
-        Inside ``fn``: :meth:`dispatch_fixed` and :meth:`combine` / :meth:`dispatch_cached` /
-        :meth:`combine_topk_weights` with its handles, plus any other capturable torch work;
-        inputs are read from tensors ``fn`` closes over (fill them before each replay, as with
-        any CUDA graph). The regular :meth:`dispatch` reads counts on the host and raises.
-        ``fn`` first runs ``warmup`` times eagerly (kernel compilation happens there, never
-        during capture). The graph's op numbers come from a device counter that the graph
-        advances by its op count as its last node, so replays interleave freely with eager
-        calls (see :meth:`GdaGraph.replay`); an odd op count is padded with one data-free barrier
-        op (window parities must repeat on every replay).
-
-        Why no launch gate on replay: one replay enqueues every store and wait of the sequence
-        at once, so a wait depends only on peers' kernels of the same or an earlier replay,
-        which are in their streams as soon as the peer's host called ``replay()``. A peer that
-        never replays is caught by the device deadline (error word, NaN rows, raised by
-        :meth:`check_errors`).
-        Synchronization: capture synchronizes the device once; replay does not block.
-        """
-        self._check_usable()
-        if self._capturing:
-            raise TransportError(f"rank {self.rank}: gda capture() is not re-entrant")
-        for _ in range(max(0, int(warmup))):
-            first = self._epoch
-            fn()
-            if (self._epoch - first) % 2:
-                self._barrier_op()
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        first = self._epoch
-        # captured op i (1-based) carries the number op_base[0] + first - dev_base + i
-        offset = first - self._dev_base
-        self._capturing = True
-        try:
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = fn()
-                if (self._epoch - first) % 2:
-                    self._barrier_op()
-                num_ops = self._epoch - first
-                self._op_base.add_(num_ops)  # captured: every replay advances the base
-        except BaseException as e:
-            self._break(f"CUDA graph capture failed ({type(e).__name__}: {e})",
-                        self._epoch, "dispatch")
-            raise
-        finally:
-            self._capturing = False
-        # The captured add never ran: replay() moves the base to what the replay needs.
-        return GdaGraph(self, graph, num_ops, outputs, first, offset)
+    def capture(self, fn, *, warmup: int = 1, pool=None) -> GdaGraph:
+        """Captures ``fn()`` in a CUDA graph of this transport's ops (collective: every rank
+        captures the same sequence); see :func:`efa_ep.kernels.gda.graph.capture`."""
+        return capture(self, fn, warmup=warmup, pool=pool)
 
     def close(self) -> None:
         """Drops the windows (idempotent). Collective in spirit: peers may still map them."""
@@ -880,43 +558,3 @@ class GdaTransport(Transport):
             self._gate.fail(-1)
             self._gate.close()
             self._gate = None
-
-
-class GdaGraph:
-    """A CUDA graph of one :class:`GdaTransport`'s ops, made by :meth:`GdaTransport.capture`.
-
-    Attributes:
-        outputs: what the captured function returned (static tensors; every replay overwrites
-            them, so copy what must outlive the next replay).
-        num_ops: op numbers one replay consumes (even).
-    """
-
-    def __init__(self, transport: GdaTransport, graph, num_ops: int, outputs, first: int,
-                 offset: int):
-        self._transport, self.graph, self.num_ops, self.outputs = transport, graph, num_ops, outputs
-        self._first, self._offset = first, offset
-
-    def replay(self) -> None:
-        """Relaunches the captured sequence on the current stream (collective: every rank
-        replays its graph the same number of times, in the same order relative to its eager
-        calls). No host sync; deadline expiries are deferred as for eager calls.
-
-        The replay's ops take the next op numbers: when eager calls (or another graph) ran
-        since this graph's last replay, one small kernel first moves the device base; when an
-        odd number of them ran, one barrier op first restores the window parities the graph
-        was captured with (so no op writes the window half a peer may still be reading)."""
-        tr = self._transport
-        tr._check_usable()
-        if tr._epoch + self.num_ops + 1 >= 2**31 - 1:
-            raise TransportError(f"rank {tr.rank}: gda epoch counter exhausted; recreate")
-        if (tr._epoch - self._first) % 2:
-            tr._barrier_op()
-        base = tr._epoch - self._offset  # captured op i then runs as op tr._epoch + i
-        if base != tr._dev_base:
-            tr._op_base.add_(base - tr._dev_base)
-            tr._dev_base = base
-        tr._epoch += self.num_ops
-        self.graph.replay()
-        tr._dev_base += self.num_ops
-        if tr.check_every_call:
-            tr.check_errors("graph replay")

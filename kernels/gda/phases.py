@@ -8,7 +8,7 @@ method launches its kernels on the current stream either
 * natively (``fast_launch=2``, the default where the driver allows): a
   :class:`~efa_ep.kernels.native_launch.Program` per phase and shape, bound on first use, then
   one native call per phase with only the call's addresses, op number and row counts; or
-* through the Python wrappers of :mod:`efa_ep.kernels.gda_kernels` (``fast_launch`` 0 or 1, a
+* through the Python wrappers of :mod:`efa_ep.kernels.gda.launches` (``fast_launch`` 0 or 1, a
   shape seen during CUDA graph capture, a bad-input op, a misaligned user tensor).
 
 Both paths launch the same compiled kernels with the same arguments, so results are the same
@@ -28,8 +28,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import gda_kernels as kern
-from .native_launch import NativeLaunchError, Program, availability
+from . import launches as kern
+from ..native_launch import NativeLaunchError, Program, availability
 
 _EPOCH = ("epoch_delta",)
 

@@ -1,0 +1,378 @@
+"""Host wrappers of gda's device kernels (:mod:`.device`): check dtypes, build grids, pass
+constexprs; launch through :class:`~efa_ep.kernels.launch.FastKernel`, or append the launch to a
+``plan`` for a native program (:mod:`efa_ep.kernels.native_launch`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, ceil_div
+from ..launch import FastKernel
+from ..native_launch import KernelStep, MemsetStep
+from .device import (
+    _combine_reduce_kernel, _combine_store_kernel, _dispatch_store_kernel, _gather_rows_kernel,
+    _recv_header_fixed_kernel, _recv_header_kernel, _wait_kernel, next_pow2,
+)
+from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_small_kernel
+
+__all__ = [
+    "layout", "layout_words", "dispatch_store", "recv_header", "recv_header_fixed",
+    "wait_for_sources", "gather_rows", "combine_store", "combine_reduce", "next_pow2", "OP_KINDS",
+    "wait_record", "check_err", "op_base_zero",
+]
+
+# -------------------------------------------------------------------------------------------
+# Public wrappers (check dtypes, build grids, pass constexprs by keyword)
+# -------------------------------------------------------------------------------------------
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int = None) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _block_d(d: int, elem: int) -> int:
+    """Columns per chunk: up to 8 KiB of row per iteration (16 bytes per thread)."""
+    return max(16, min(next_pow2(d), 8192 // elem))
+
+
+def _warps(block_d: int, elem: int) -> int:
+    return max(1, min(8, block_d * elem // 512))
+
+
+def _aligned16(d: int, elem: int, row_stride: int, region_off: int) -> bool:
+    """Window rows start 16-byte aligned (windows are 256-byte aligned allocations)."""
+    return (d * elem) % 16 == 0 and (row_stride * elem) % 16 == 0 and region_off % 16 == 0
+
+
+def _pad(n: int) -> int:
+    """Power-of-two extent of a constexpr axis, at least 2."""
+    return 2 if n <= 2 else 1 << (int(n) - 1).bit_length()
+
+
+def _even(n: int) -> int:
+    """``n`` int64 slots rounded up to 16 bytes (pieces of one allocation stay 16-byte aligned,
+    so every call sees the same kernel specialization)."""
+    return n + (n & 1)
+
+
+# Every kernel is launched through a FastKernel: compiled once per specialization, then called
+# through its native launcher (see :mod:`efa_ep.kernels.launch`). Wrappers pass every parameter
+# positionally in signature order; ``fast=False`` takes Triton's own launch path.
+_K_LAYOUT_SMALL = FastKernel(_layout_small_kernel)
+_K_LAYOUT_COUNT = FastKernel(_layout_count_kernel)
+_K_LAYOUT_SLOT = FastKernel(_layout_slot_kernel)
+_K_STORE = FastKernel(_dispatch_store_kernel)
+_K_RECV_HEADER = FastKernel(_recv_header_kernel)
+_K_RECV_HEADER_FIXED = FastKernel(_recv_header_fixed_kernel)
+_K_WAIT = FastKernel(_wait_kernel)
+_K_GATHER = FastKernel(_gather_rows_kernel)
+_K_COMBINE_STORE = FastKernel(_combine_store_kernel)
+_K_REDUCE = FastKernel(_combine_reduce_kernel)
+_ONE = (1,)
+
+
+def _go(kernel: FastKernel, grid, args, num_warps: int, fast: bool, plan) -> None:
+    """Launches ``kernel`` now, or with ``plan`` (a list) appends the launch to it instead."""
+    if plan is None:
+        kernel.launch(grid, args, num_warps, fast)
+    else:
+        plan.append(KernelStep(kernel, grid, args, num_warps))
+_UNUSED_F32 = {}  # device -> [1] float32: a pointer argument the kernel variant never reads
+
+
+def _unused_f32(device) -> torch.Tensor:
+    t = _UNUSED_F32.get(device)
+    if t is None:
+        t = _UNUSED_F32[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return t
+
+
+LAYOUT_BLOCK_T = 64
+# One-program layout when the whole batch fits: T_PAD x K_PAD x W_PAD elements at most
+# (decode sizes; larger batches use the two block kernels).
+LAYOUT_SMALL_ELEMS = 1 << 14
+
+
+def layout_words(t: int, num_experts: int, world: int, k: int) -> int:
+    """int64 elements of the scratch :func:`layout` uses for ``t`` tokens of top-``k``."""
+    return _layout_offsets(t, num_experts, world, k)[-1]
+
+
+def _layout_offsets(t: int, num_experts: int, world: int, k: int):
+    """(small, nb, o_exp, o_rank, o_slot, o_send, o_blk, total words) of layout's scratch."""
+    small = _pad(t) * _pad(k) * _pad(world) <= LAYOUT_SMALL_ELEMS
+    nb = max(1, ceil_div(t, LAYOUT_BLOCK_T))
+    tw = t * world
+    # [status, pad | per expert E | per rank W | slot T x W | send idx | block counts NB x W]
+    o_exp = 2
+    o_rank = o_exp + _even(num_experts)
+    o_slot = o_rank + _even(world)
+    o_send = o_slot + _even(tw)
+    o_blk = o_send + _even(max(1, tw))
+    return small, nb, o_exp, o_rank, o_slot, o_send, o_blk, \
+        o_blk + (0 if small else _even(nb * world))
+
+
+def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world: int,
+           *, fast: bool = True, scratch: Optional[torch.Tensor] = None, plan=None):
+    """Routing layout on the device (no host sync): one launch for a small batch (decode:
+    T_PAD x K_PAD x W_PAD <= ``LAYOUT_SMALL_ELEMS``), else a memset and two block kernels.
+
+    Args:
+        topk_idx: ``[T, K]`` int64; global expert ids, -1 = unused slot; other values outside
+            [-1, E) are flagged in ``status`` (``STATUS_BAD_EXPERT_ID`` of
+            :mod:`efa_ep.kernels.base`) and routed nowhere.
+        topk_weights: ``[T, K]`` float32; NaN/Inf flagged in ``status``
+            (``STATUS_NON_FINITE_WEIGHT``).
+        fast: launch through the compiled kernel's own launcher (see :class:`FastKernel`).
+        scratch: int64 device buffer of at least :func:`layout_words` elements to use (None:
+            allocated here).
+        plan: a list: append the launches (:mod:`efa_ep.kernels.native_launch` steps) instead
+            of making them (the same for every wrapper below).
+    Returns:
+        (slot_TW [T, W] int64 (-1 = not sent), send_token_idx [T*W] int64 (first S valid),
+        num_per_rank_W [W] int64, num_per_expert_E [E] int64, status [1] int64), on the device:
+        views of one int64 allocation made by this call.
+    """
+    _check("topk_idx", topk_idx, torch.int64, 2)
+    _check("topk_weights", topk_weights, torch.float32, 2)
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights must be {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
+    t, k = topk_idx.shape
+    num_local = num_experts // world
+    w_pad, k_pad, t_pad = _pad(world), _pad(k), _pad(t)
+    tw = t * world
+    small, nb, o_exp, o_rank, o_slot, o_send, o_blk, words = _layout_offsets(
+        t, num_experts, world, k)
+    if scratch is None:
+        scratch = torch.empty(words, dtype=torch.int64, device=topk_idx.device)
+    status = scratch[0:1]
+    num_per_expert = scratch[o_exp:o_exp + num_experts]
+    num_per_rank = scratch[o_rank:o_rank + world]
+    slot = scratch[o_slot:o_slot + tw].view(t, world)
+    send_token_idx = scratch[o_send:o_send + max(1, tw)]
+    if small:  # the kernel zeroes the counts itself
+        _go(_K_LAYOUT_SMALL, _ONE, (
+            topk_idx, topk_weights, slot, send_token_idx, num_per_rank, num_per_expert, status,
+            t, k, num_experts, num_local,
+            world, w_pad, k_pad, t_pad, _pad(num_experts), STATUS_BAD_EXPERT_ID,
+            STATUS_NON_FINITE_WEIGHT), 4, fast, plan)
+        return slot, send_token_idx, num_per_rank, num_per_expert, status
+    # status and per-expert counts: the count kernel adds atomically
+    if plan is None:
+        scratch[:o_rank].zero_()
+    else:
+        plan.append(MemsetStep(scratch, o_rank * 8))
+    block_counts = scratch[o_blk:o_blk + nb * world].view(nb, world)
+    _go(_K_LAYOUT_COUNT, (nb,), (
+        topk_idx, topk_weights, block_counts, num_per_expert, status,
+        t, k, num_experts, num_local,
+        world, w_pad, k_pad, LAYOUT_BLOCK_T, STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT),
+        4, fast, plan)
+    _go(_K_LAYOUT_SLOT, (nb,), (
+        topk_idx, block_counts, slot, send_token_idx, num_per_rank,
+        t, k, num_experts, num_local, nb,
+        world, w_pad, k_pad, LAYOUT_BLOCK_T, _pad(nb)), 4, fast, plan)
+    return slot, send_token_idx, num_per_rank, num_per_expert, status
+
+
+def op_base_zero(device) -> torch.Tensor:
+    """A ``[1]`` int32 zero op-number base (``epoch`` is then the whole op number)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _base(op_base, device) -> torch.Tensor:
+    """The ``[1]`` int32 device op-number base; None: a zero (``epoch`` is the whole op number)."""
+    if op_base is None:
+        return op_base_zero(device)
+    return op_base
+
+
+# The transport's own tables (peer pointers, signal pad, error word, op base, completion
+# counters) are made and checked once when it is created; the wrappers below check what
+# changes per call: rows, routing tensors and outputs.
+
+def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
+                   buf_ptrs, sig_ptrs, done, *, data_off, idx_off, w_off, hdr_off, me, t_max,
+                   num_local, epoch, with_meta, num_programs, op_base=None, fast=True,
+                   plan=None):
+    """Stores rows (and, ``with_meta``, ids, weights and headers) into every destination's
+    window, then raises ``signal[me] = op_base[0] + epoch`` at every rank. ``x``: ``[T, D]``
+    (row stride ``x.stride(0)``, unit column stride); ``slot``: ``[T, W]`` int64; tables:
+    ``[W]`` int64; ``done``: ``[1]`` int32; ``op_base``: ``[1]`` int32 device op-number base
+    (None: 0; the same rule for every ``epoch`` argument of this module). Without
+    ``with_meta`` the id, weight and count arguments are not read (None is fine)."""
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be [T, D] with unit column stride, got {tuple(x.shape)}")
+    if slot.dtype != torch.int64 or slot.dim() != 2:
+        raise ValueError(f"slot must be [T, W] int64, got {tuple(slot.shape)} {slot.dtype}")
+    world = buf_ptrs.numel()
+    t, d = x.shape
+    if with_meta:
+        if topk_idx.dtype != torch.int64 or topk_weights.dtype != torch.float32:
+            raise ValueError(f"topk_idx / topk_weights must be int64 / float32, got "
+                             f"{topk_idx.dtype} / {topk_weights.dtype}")
+        k = topk_idx.shape[1]
+    else:  # unused int64 / float32 pointers: the kernel never reads them
+        k = 1
+        topk_idx = num_per_expert = num_per_rank = status = slot
+        topk_weights = _unused_f32(x.device)
+    elem = x.element_size()
+    bd = _block_d(d, elem)
+    stride = max(1, x.stride(0))
+    _go(_K_STORE, (max(1, min(t, num_programs)),), (
+        x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs,
+        done, _base(op_base, x.device), data_off, idx_off, w_off, hdr_off, me, t, stride, d, k,
+        t_max, num_local, epoch,
+        world, _pad(world), _pad(k), _pad(num_local), bd, bool(with_meta),
+        _aligned16(d, elem, stride, data_off)), _warps(bd, elem), fast, plan)
+
+
+# Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).
+OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine"}
+KIND_OF = {v: k for k, v in OP_KINDS.items()}
+
+
+def wait_record(epoch: int, kind: str) -> int:
+    return epoch * 8 + KIND_OF[kind]
+
+
+def check_err(err: torch.Tensor) -> None:
+    """The error word: ``[3]`` int64 (missing-source bits, first expired op, sources with bad
+    input). Checked once by whoever makes it."""
+    _check("err", err, torch.int64, 1)
+    if err.numel() < 3:
+        raise ValueError(f"err must hold 3 int64 (missing-source bits, first expired op, sources "
+                         f"with bad input), got {err.numel()}")
+
+
+def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
+                max_spins, use_globaltimer, kind="dispatch", op_base=None, fast=True, out=None,
+                plan=None):
+    """Waits for every source and returns (info [1 + W*(2+L) + W + L] int64, offsets [W+1]
+    int64) on the device. info = [error bits, headers (status, rows, rows per local expert) per
+    source, rows this rank sent per destination, rows received per local expert]. ``my_sig``: ``[W]`` int32; ``hdr``:
+    ``[W, 2 + L]`` int64; ``err``: ``[3]`` int64 error word (:func:`check_err`); ``hw``:
+    ``[W]`` int64 id-region high-water mark of this parity (updated). ``out``: an int64
+    buffer of at least ``info + offsets`` elements to write into (None: allocated here)."""
+    world = my_sig.numel()
+    n_info = 1 + world * (2 + num_local) + world + num_local
+    o_off = _even(n_info)
+    if out is None:
+        out = torch.empty(o_off + world + 1, dtype=torch.int64, device=hdr.device)
+    info = out[:n_info]
+    offsets = out[o_off:o_off + world + 1]
+    _go(_K_RECV_HEADER, _ONE, (
+        my_sig, hdr, err, num_per_rank, info, offsets, hw, _base(op_base, hdr.device),
+        num_local, t_max, epoch, KIND_OF[kind], timeout_ns, max_spins,
+        world, _pad(world), _pad(2 + num_local), bool(use_globaltimer)), 4, fast, plan)
+    return info, offsets
+
+
+def recv_header_fixed(my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
+                      *, num_topk, t_max, epoch, full, timeout_ns, max_spins, use_globaltimer,
+                      kind="dispatch", op_base=None, fast=True, plan=None):
+    """Fixed-capacity receive (one program, no host copy, see :func:`_recv_header_fixed_kernel`):
+    fills ``num_recv`` ``[W]`` and ``tokens_per_expert`` ``[L]`` (int64, device) and marks the
+    window rows this op did not fill as unused in ``idx_region`` / ``w_region`` (flat int64 /
+    float32 views of this parity's id and weight regions, ``W * T_MAX * K`` used)."""
+    world = my_sig.numel()
+    num_local = tokens_per_expert.numel()
+    _go(_K_RECV_HEADER_FIXED, _ONE, (
+        my_sig, hdr, err, hw, num_recv, tokens_per_expert, idx_region, w_region,
+        _base(op_base, hdr.device), num_local, num_topk, t_max, epoch, KIND_OF[kind],
+        timeout_ns, max_spins, int(full),
+        world, _pad(world), _pad(num_local), _pad(num_topk), 64, bool(use_globaltimer)), 4, fast, plan)
+
+
+def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_globaltimer,
+                     op_base=None, fast=True, plan=None):
+    """One-program kernel: waits until every source signalled ``epoch`` (or the deadline, which
+    sets the error word ``err`` ``[3]`` int64). Stream-ordered before the op's copy/reduce."""
+    world = my_sig.numel()
+    _go(_K_WAIT, _ONE, (
+        my_sig, err, _base(op_base, err.device), epoch, KIND_OF[kind], timeout_ns, max_spins,
+        world, _pad(world), bool(use_globaltimer)), 1, fast, plan)
+
+
+def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
+                w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs,
+                kind="cached dispatch", op_base=None, fast=True, plan=None):
+    """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
+    ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order. With
+    ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`). Float rows are
+    NaN if any wait of this window expired. ``offsets``: ``[W + 1]`` int64."""
+    if not out_x.is_contiguous() or out_x.dim() != 2:
+        raise ValueError(f"out_x must be a contiguous [N, D] tensor, got {tuple(out_x.shape)}")
+    if wait:
+        wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
+                         max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
+                         fast=fast, plan=plan)
+    world = offsets.numel() - 1
+    n, d = out_x.shape
+    if n == 0:
+        return
+    with_meta = out_idx is not None
+    if with_meta:
+        if out_idx.dtype != torch.int64 or out_w.dtype != torch.float32:
+            raise ValueError(f"out_idx / out_w must be int64 / float32, got {out_idx.dtype} / "
+                             f"{out_w.dtype}")
+        k = out_idx.shape[1]
+    else:
+        out_idx, out_w, k = offsets, _unused_f32(out_x.device), 1
+    elem = out_x.element_size()
+    bd = _block_d(d, elem)
+    _go(_K_GATHER, (max(1, min(n, num_programs)),), (
+        win_ptr, offsets, out_x, out_idx, out_w, err, data_off, idx_off, w_off,
+        n, d, k, t_max,
+        world, _pad(world), _pad(k), bd, with_meta, _aligned16(d, elem, d, data_off)),
+        _warps(bd, elem), fast, plan)
+
+
+def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
+                  num_programs, fixed=False, op_base=None, fast=True, plan=None):
+    """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank.
+    ``fixed``: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets`` is the device count
+    ``num_recv [W]``; only rows j < num_recv[s] of each source block are returned."""
+    if y.dim() != 2 or (y.shape[1] > 1 and y.stride(1) != 1):
+        raise ValueError(f"y must be [N, D] with unit column stride, got {tuple(y.shape)}")
+    world = buf_ptrs.numel()
+    n, d = y.shape
+    elem = y.element_size()
+    bd = _block_d(d, elem)
+    stride = max(1, y.stride(0))
+    _go(_K_COMBINE_STORE, (max(1, min(n if not fixed else t_max, num_programs)),), (
+        y, offsets, buf_ptrs, sig_ptrs, done, _base(op_base, y.device), data_off, me, n,
+        stride, d, t_max, epoch,
+        world, _pad(world), bd, _aligned16(d, elem, stride, data_off), bool(fixed)),
+        _warps(bd, elem), fast, plan)
+
+
+def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
+                   max_spins, use_globaltimer, num_programs, kind="combine", op_base=None,
+                   fast=True, plan=None):
+    """``out`` ``[T, D]`` = float32 sum of this rank's returned partials in ascending rank order
+    (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype. ``slot``: ``[T, W]``
+    int64 of the matching dispatch. With ``wait``, a one-program wait kernel runs first; rows
+    are NaN if any wait of this window expired."""
+    if slot.dtype != torch.int64 or slot.dim() != 2:
+        raise ValueError(f"slot must be [T, W] int64, got {tuple(slot.shape)} {slot.dtype}")
+    if not out.is_contiguous() or out.dim() != 2:
+        raise ValueError(f"out must be a contiguous [T, D] tensor, got {tuple(out.shape)}")
+    if wait:
+        wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
+                         max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
+                         fast=fast, plan=plan)
+    t, d = out.shape
+    if t == 0:
+        return
+    world = slot.shape[1]
+    elem = out.element_size()
+    bd = _block_d(d, elem)
+    _go(_K_REDUCE, (max(1, min(t, num_programs)),), (
+        win_ptr, slot, out, err, data_off, t, d, t_max,
+        world, _pad(world), bd, _aligned16(d, elem, d, data_off)), _warps(bd, elem), fast, plan)
