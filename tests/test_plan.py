@@ -242,7 +242,7 @@ def test_shipped_gda_records_match_the_raw_run():
         assert r["d_us"] == round(statistics.median(c["dispatch_us"] for c in cells))
         assert r["c_us"] == round(statistics.median(c["combine_us"] for c in cells))
         assert (r["arm"], r["link"], r["date"]) == ("gda", "hbm", "2026-12-02") and all(c["ok"] for c in cells)
-        assert "scripts/gda_gpu_check.py" in r["source"] and "#" not in r["source"]
+        assert "scripts/gpu/gda_gpu_check.py" in r["source"] and "#" not in r["source"]
     shipped = cal_mod.read(SHIPPED)
     assert shipped["gda_fixed_us"].tag == "measured"
     assert "results/plan/measured_h200_gda_eager.jsonl" in shipped["gda_fixed_us"].source

@@ -1,5 +1,5 @@
 """Probes of transport creation shared by the transport tests and the GPU check scripts
-(``scripts/gpu_hmem_check.sh``). Transports are imported inside the functions."""
+(``scripts/gpu/gpu_hmem_check.sh``). Transports are imported inside the functions."""
 from __future__ import annotations
 
 import torch

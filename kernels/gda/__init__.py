@@ -44,7 +44,7 @@ Never stuck, never silently wrong:
     * The stall this design prevents (4 ranks as MPS clients of one H200, every run before
       it): a combine wait spun until its deadline for a store its peer had not issued, every
       rank's host sat in Triton's module load, and the reduce then summed without that peer's
-      rows. Measured since (``scripts/gda_stall_probe.py``): a module load waits for the
+      rows. Measured since (``scripts/probes/gda_stall_probe.py``): a module load waits for the
       process's *own* running kernels (1.7 s behind a 2 s spin; 0.3 ms idle), so a rank whose
       wait spins cannot issue anything until that wait ends. A wait must therefore only ever
       wait for stores already in the peers' streams. Hence the **launch gate**: a rank launches

@@ -3,7 +3,7 @@ a GPU: Megatron's ``forward_backward_no_pipelining`` with the overlap on runs it
 schedule as in training (dispatch and combine nodes on its communication stream, CUDA events
 between nodes, inputs freed after a node's forward), 4 micro-batches of a 3-layer bf16 GPTModel
 (local layer spec: no Transformer Engine; MoE in every layer, top-2 of 8 experts), EP 2 as two
-processes on one GPU over a gloo group (MPS on, started by ``scripts/gpu_1f1b_check.sh``).
+processes on one GPU over a gloo group (MPS on, started by ``scripts/gpu/gpu_1f1b_check.sh``).
 
 Asserted, on every rank: per-micro-batch losses and every parameter's gradient bitwise equal
 across all arms of a test: Megatron's ``alltoall`` without the overlap (the reference) and with

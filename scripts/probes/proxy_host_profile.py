@@ -9,7 +9,7 @@ the calling thread spends in it: launches, copies, waits); rank 0 prints per D+C
 of every step, the sum, and the rest (Python between the steps). Then a cProfile of rank 0
 lists the functions with the most own time.
 
-    python3 scripts/proxy_host_profile.py [--provider shm] [--iters 200] [--staging kernels|layout|torch]
+    python3 scripts/probes/proxy_host_profile.py [--provider shm] [--iters 200] [--staging kernels|layout|torch]
 """
 import argparse
 import collections
@@ -20,7 +20,7 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

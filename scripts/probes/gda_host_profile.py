@@ -5,7 +5,7 @@ W ranks as processes on the GPU run ``--iters`` fixed-capacity (or regular) D+C 
 (DeepSeek-V3 shape: H 7168 bf16, top-8 of 256, 128 tokens per rank) under cProfile; rank 0
 prints the functions with the most own time and the wall time per iteration.
 
-    python3 scripts/gda_host_profile.py [--world 2] [--mode fixed|regular] [--iters 300]
+    python3 scripts/probes/gda_host_profile.py [--world 2] [--mode fixed|regular] [--iters 300]
 """
 import argparse
 import cProfile
@@ -15,7 +15,7 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

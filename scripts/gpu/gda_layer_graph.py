@@ -7,7 +7,7 @@ Each start checks graph == eager bit for bit first (the GPU test's worker,
 eager fwd+bwd and replays with CUDA events (per rank; the slowest rank is reported). Layer:
 hidden 256, 16 experts, top-2, 64 x 4 tokens per rank, capacity factor 1.0.
 
-    python3 scripts/gda_layer_graph.py [--worlds 2,4] [--dtype bf16] [--starts 3] [--iters 50]
+    python3 scripts/gpu/gda_layer_graph.py [--worlds 2,4] [--dtype bf16] [--starts 3] [--iters 50]
 
 Writes ``$OUT/gda_layer_graph.json`` (or ``outputs/``).
 """
@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402

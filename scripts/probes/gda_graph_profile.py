@@ -6,7 +6,7 @@ bf16, top-8 of 256; ``--tokens`` per rank) with ``GdaTransport.capture`` and rep
 ``--iters`` times under ``torch.profiler`` (CUDA activity: kernels inside graphs are traced);
 every rank returns its kernels' mean and total device time per replay; rank 0 prints them.
 
-    python3 scripts/gda_graph_profile.py [--world 2] [--tokens 128] [--iters 200]
+    python3 scripts/probes/gda_graph_profile.py [--world 2] [--tokens 128] [--iters 200]
 
 Writes ``$OUT/gda_graph_profile_W{world}_T{tokens}.json`` when ``$OUT`` is set.
 """
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

@@ -5,7 +5,7 @@ arguments), ``torch.empty`` on the device, a small device-to-host copy, and the 
 wrapper. Median of ``--iters`` host-timed calls each, microseconds; the stream is synchronized
 between groups, never inside one.
 
-    python3 scripts/gda_launch_probe.py [--iters 2000] [--threads N]
+    python3 scripts/probes/gda_launch_probe.py [--iters 2000] [--threads N]
 """
 import argparse
 import json
@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

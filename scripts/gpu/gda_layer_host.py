@@ -12,7 +12,7 @@ minus the time its transport reports blocked on the device or on peers (``blocke
 transport has it; without it the figure includes the one count read per dispatch and is marked
 ``includes_wait``).
 
-    python3 scripts/gda_layer_host.py [--world 4] [--steps 10] [--options fast_launch=0]
+    python3 scripts/gpu/gda_layer_host.py [--world 4] [--steps 10] [--options fast_launch=0]
         [--repo PATH]   # import efa_ep from another checkout (a before/after comparison)
 
 Writes ``$OUT/gda_layer_host<tag>.json`` and prints one line per rank and a summary.
@@ -135,7 +135,7 @@ def main():
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     repo = os.path.abspath(args.repo) if args.repo else os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__)))
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, repo)
     import torch
 

@@ -4,13 +4,13 @@ same layer over ``torch`` (EP 4, bf16)? Runs the torch layer twice (baseline det
 gda layer once on identical inputs and prints, per rank, how many elements of the output, x.grad
 and every parameter grad differ, by how much, and which routing the differing tokens had.
 
-    PYTHONPATH=. python3 scripts/gda_layer_diag.py [--world 4] [--dtype bf16] [--deterministic]
+    PYTHONPATH=. python3 scripts/probes/gda_layer_diag.py [--world 4] [--dtype bf16] [--deterministic]
 """
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

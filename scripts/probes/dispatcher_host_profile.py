@@ -26,7 +26,7 @@ Per layer step it reports:
   slowest rank's; ``--repeats`` launches give n and the spread;
 - a cProfile top list of one pass (per step; rank 0).
 
-    python3 scripts/dispatcher_host_profile.py [--dispatcher efa|alltoall] [--world 2]
+    python3 scripts/probes/dispatcher_host_profile.py [--dispatcher efa|alltoall] [--world 2]
         [--repeats 3] [--steps 20] [--tag before]
         [--repo PATH]   # import efa_ep from another checkout (a before/after comparison)
 
@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
          "token_combine", "combine_postprocess")
 TRANSPORT_METHODS = ("dispatch", "dispatch_fixed", "combine", "dispatch_cached",

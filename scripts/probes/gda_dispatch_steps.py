@@ -4,7 +4,7 @@
 one by one here with a clock between them. Median of ``--iters`` calls per step, microseconds;
 DeepSeek-V3 decode shape (H 7168 bf16, top-8 of 256, 128 tokens).
 
-    python3 scripts/gda_dispatch_steps.py [--iters 300]
+    python3 scripts/probes/gda_dispatch_steps.py [--iters 300]
 """
 import argparse
 import json
@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

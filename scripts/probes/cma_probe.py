@@ -5,7 +5,7 @@ libfabric's shm provider moves large messages with CMA when it can (one copy by 
 Yama's ptrace_scope=1 (a common default) forbids it between siblings, and the provider then falls
 back to copying through shared bounce buffers. Prints ptrace_scope and the probe's result.
 
-    python3 scripts/cma_probe.py
+    python3 scripts/probes/cma_probe.py
 """
 import ctypes
 import multiprocessing as mp

@@ -17,7 +17,7 @@ on a side stream of the process that times the calls. A call that takes about th
 spin time while A spins, and milliseconds in the control, waits for A's kernel: a wait that
 spins until B issues a store would then never end (until its deadline). Prints one JSON line.
 
-    python3 scripts/gda_stall_probe.py [--spin-s 3]
+    python3 scripts/probes/gda_stall_probe.py [--spin-s 3]
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _spin_kernel_src():

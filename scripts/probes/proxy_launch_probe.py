@@ -7,7 +7,7 @@ Triton kernel, ``torch.index_select`` of a decode's rows, and the proxy's receiv
 (H 7168 bf16, top-8, 128 tokens, EP 2) with their host buffers in pinned memory; then the same
 calls with a stream synchronization after each (launch + kernel + sync). Median of ``--iters``.
 
-    python3 scripts/proxy_launch_probe.py [--iters 200]
+    python3 scripts/probes/proxy_launch_probe.py [--iters 200]
 """
 import argparse
 import json
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
