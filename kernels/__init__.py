@@ -6,8 +6,13 @@ expert-parallel ranks. Knows nothing of Megatron.
     recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle = t.dispatch(x, idx, w)
     out = t.combine(y, handle)
 
-The contract is written in :mod:`efa_ep.kernels.base`. Names map to factories in one registry;
-a transport module is imported only when it is asked for or probed.
+The contract is written in :mod:`efa_ep.kernels.base` (its pieces live in ``core/``: errors,
+handles, routing math, input checks, the status exchange, the ``Transport`` class). Each
+transport has one home: ``torch_a2a.py``, ``hier.py``, ``gda/`` and ``proxy/`` (packages with a
+front class, window/layout, device kernels and, for the proxy, the native binding); ``native/``
+holds the C sources, ``launch.py`` and ``native_launch.py`` the kernel launch paths. Names map
+to factories in one registry; a transport module is imported only when it is asked for or
+probed.
 """
 from __future__ import annotations
 
