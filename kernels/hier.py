@@ -69,13 +69,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import socket
+import time
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .options import SCHEMAS
+from .torch_a2a import _host_id, _pid_exited
 from .base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
     ProtocolError,
@@ -219,6 +222,14 @@ class HierTransport(Transport):
         self._ctl = collective_device(group)
         self._broken: Optional[str] = None
         self._net = NetCounter()
+        self._op = "setup"  # the operation in progress, for failure messages
+        # EP ranks of each stage's group, to name a stage's peers in EP terms
+        self._net_ranks = (list(range(self.world_size)) if self._direct
+                           else list(range(self.local_rank, self.world_size, g)))
+        self._node_ranks = list(range(self.node * g, (self.node + 1) * g))
+        # Who is who, to name a dead peer when gloo only reports a socket error (as torch does).
+        self._peers = [None] * self.world_size
+        dist.all_gather_object(self._peers, (_host_id(), os.getpid()), group=group)
 
     @property
     def last_op_counts(self) -> Dict[str, NetOpCounts]:
@@ -250,24 +261,68 @@ class HierTransport(Transport):
         if self._broken is not None:
             raise TransportBroken(f"rank {self.rank}: hier transport unusable after an earlier "
                                   f"failure ({self._broken}); create a new one")
+        self._op = op
         self._stage(agree_on_input, self.group, self.rank, f"hier {op}", error, self._ctl)
+
+    def _where(self, fn) -> Tuple[str, list]:
+        """(what ``fn`` is, the EP ranks of the group it runs over)."""
+        owner = getattr(fn, "__self__", None)
+        if owner is self.network:
+            return f"the network stage's {fn.__name__}", self._net_ranks
+        if owner is self.local:
+            return f"the local stage's {fn.__name__}", self._node_ranks
+        if fn is agree_on_input:
+            return "the status exchange", list(range(self.world_size))
+        return "the forward count exchange", self._node_ranks
+
+    def _exited(self, ranks, text: str) -> str:
+        """Names the peers among EP ``ranks`` whose process on this host has exited (a peer
+        that closed its sockets may still be exiting: looked at for up to 0.5 s)."""
+        me = _host_id()
+        closed = any(w in text.lower() for w in ("closed", "reset", "broken pipe"))
+        for attempt in range(11):
+            dead = [r for r in ranks if r != self.rank and self._peers[r][0] == me
+                    and _pid_exited(self._peers[r][1])]
+            if dead or not closed or attempt == 10:
+                break
+            time.sleep(0.05)
+        other = [r for r in ranks if r != self.rank and self._peers[r][0] != me]
+        who = (f"peer rank(s) {dead} exited (pids {[self._peers[r][1] for r in dead]})" if dead
+               else "no peer on this host has exited (a peer is slow, hung, or on another host)")
+        return who + (f"; rank(s) {other} are on other hosts (not checked)" if other else "")
 
     def _stage(self, fn, *args):
         """Runs one stage (a transport's op or a collective of hier's own). A failure other than
         a group's input error breaks hier on this rank; a backend error of a collective (gloo and
-        NCCL raise RuntimeError) becomes a :class:`PeerFailure` naming hier."""
+        NCCL raise RuntimeError) and a stage's :class:`PeerFailure` become a :class:`PeerFailure`
+        naming hier's op, the stage, its EP ranks and the peers that exited."""
         try:
             return fn(*args)
         except DispatchInputError:
             raise
-        except TransportError as e:
+        except PeerFailure as e:
+            raise self._peer_failure(fn, e) from e
+        except TransportError as e:  # ProtocolError & co: named by the stage
             self._broken = self._broken or str(e)
             raise
         except RuntimeError as e:
-            msg = (f"rank {self.rank}: hier: a collective over its groups failed ({type(e).__name__}: "
-                   f"{str(e).strip()[:500]})")
-            self._broken = self._broken or msg
-            raise PeerFailure(msg) from e
+            raise self._peer_failure(fn, e) from e
+
+    def _peer_failure(self, fn, e: Exception) -> PeerFailure:
+        """The :class:`PeerFailure` for ``e`` raised by ``fn`` (see :meth:`_stage`); breaks hier."""
+        what, ranks = self._where(fn)
+        text = str(e).strip()
+        if isinstance(e, PeerFailure):  # a stage's ranks are not EP ranks: say which they are
+            msg = (f"{text[:1000]} [rank {self.rank}: hier {self._op}: {what}, over EP ranks "
+                   f"{ranks} (its ranks 0..{len(ranks) - 1}): {self._exited(ranks, text)}]")
+        else:
+            late = "timed out" in text.lower() or "timeout" in text.lower()
+            kind = "missed the deadline (timeout_s)" if late else "failed"
+            msg = (f"rank {self.rank}: hier {self._op} {kind} in {what} over EP ranks {ranks}: "
+                   f"{self._exited(ranks, text)}; backend error: {type(e).__name__}: "
+                   f"{text[:500]}")
+        self._broken = self._broken or msg
+        return PeerFailure(msg)
 
     # ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights):

@@ -148,6 +148,7 @@ typedef struct engine {
     _Atomic int tamper_done;
     _Atomic int stop;
     _Atomic int failed;
+    int fail_code;               /* under fail_mu: -EIO, or -EPROTO (a peer broke the protocol) */
     /* Idle policy (efa_engine_set_idle): linger_ns > 0 = host-driven. A channel thread then
      * stays busy only while it has work (queued, in flight, held) or a host thread is inside
      * one of the engine's waits (waiters > 0), lingers linger_ns after that, and then blocks on
@@ -191,17 +192,32 @@ static void set_err(char *err, size_t errlen, const char *fmt, ...) {
     va_end(ap);
 }
 
-/* The first data-path or init failure wins; later ones are dropped (they are usually echoes). */
-static void engine_fail(engine *e, const char *fmt, ...) {
+/* The first data-path or init failure wins; later ones are dropped (they are usually echoes).
+ * code is what every later wait returns: the caller maps a transfer failure (-EIO) and a peer's
+ * write that breaks the protocol (-EPROTO) to different error kinds. */
+static void engine_vfail(engine *e, int code, const char *fmt, va_list ap) {
     pthread_mutex_lock(&e->fail_mu);
     if (!atomic_load(&e->failed)) {
-        va_list ap;
-        va_start(ap, fmt);
         vsnprintf(e->fail_msg, sizeof e->fail_msg, fmt, ap);
-        va_end(ap);
+        e->fail_code = code;
         atomic_store_explicit(&e->failed, 1, memory_order_release);
     }
     pthread_mutex_unlock(&e->fail_mu);
+}
+
+static void engine_fail(engine *e, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    engine_vfail(e, -EIO, fmt, ap);
+    va_end(ap);
+}
+
+/* A received write whose immediate fails validation: the peer broke the protocol. */
+static void engine_violation(engine *e, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    engine_vfail(e, -EPROTO, fmt, ap);
+    va_end(ap);
 }
 
 /* Waiters call this each spin: returns nonzero (and fills err) if the engine failed/stopped. */
@@ -209,8 +225,9 @@ static int engine_broken(engine *e, char *err, size_t errlen) {
     if (atomic_load_explicit(&e->failed, memory_order_acquire)) {
         pthread_mutex_lock(&e->fail_mu);
         set_err(err, errlen, "rank %d: proxy engine failed: %s", e->rank, e->fail_msg);
+        int code = e->fail_code;
         pthread_mutex_unlock(&e->fail_mu);
-        return -EIO;
+        return code;
     }
     if (atomic_load_explicit(&e->stop, memory_order_acquire)) {
         set_err(err, errlen, "rank %d: proxy engine stopped (close() was called) while waiting", e->rank);
@@ -583,23 +600,25 @@ static inline void publish_arrival(engine *e, channel *c, uint32_t imm) {
     uint32_t src = imm >> EFA_MSG_BITS;
     uint32_t gen = (imm >> EFA_IMM_MSG_BITS) & EFA_IMM_GEN_MASK, msg = imm & EFA_IMM_MSG_MASK;
     if ((int)src >= e->world) {
-        engine_fail(e, "rank %d channel %d: remote completion with immediate 0x%08x names source "
-                       "rank %u outside the group of %d", e->rank, c->idx, imm, src, e->world);
+        engine_violation(e, "rank %d channel %d: remote completion with immediate 0x%08x names "
+                            "source rank %u outside the group of %d", e->rank, c->idx, imm, src,
+                         e->world);
         return;
     }
     if (gen != (e->gen & EFA_IMM_GEN_MASK)) {
-        engine_fail(e, "rank %d channel %d: write from rank %u (message %u) carries generation %u, "
-                       "this transport's is %u: a stray write from another transport instance, "
-                       "rejected", e->rank, c->idx, src, msg, gen, e->gen & EFA_IMM_GEN_MASK);
+        engine_violation(e, "rank %d channel %d: write from rank %u (message %u) carries "
+                            "generation %u, this transport's is %u: a stray write from another "
+                            "transport instance, rejected", e->rank, c->idx, src, msg, gen,
+                         e->gen & EFA_IMM_GEN_MASK);
         return;
     }
     if (atomic_load_explicit(&e->check_msgs, memory_order_acquire)) {
         uint32_t s = atomic_load_explicit(&e->expect_seq, memory_order_acquire);
         uint32_t lo = (2u * s) & EFA_IMM_MSG_MASK, rel = (msg - lo) & EFA_IMM_MSG_MASK;
         if (rel > 2) {
-            engine_fail(e, "rank %d channel %d: stray or replayed write from rank %u: message %u, "
-                           "expected %u..%u (round %u); rejected, not counted",
-                        e->rank, c->idx, src, msg, lo, (lo + 2) & EFA_IMM_MSG_MASK, s);
+            engine_violation(e, "rank %d channel %d: stray or replayed write from rank %u: "
+                                "message %u, expected %u..%u (round %u); rejected, not counted",
+                             e->rank, c->idx, src, msg, lo, (lo + 2) & EFA_IMM_MSG_MASK, s);
             return;
         }
     }
@@ -954,8 +973,9 @@ static int wait_phase(engine *e, channel *c, int want, int timeout_ms, char *err
         if (ph == PH_FAILED || atomic_load(&e->failed)) {
             pthread_mutex_lock(&e->fail_mu);
             set_err(err, errlen, "%s", e->fail_msg);
+            int code = atomic_load(&e->failed) ? e->fail_code : -EIO;
             pthread_mutex_unlock(&e->fail_mu);
-            return -EIO;
+            return code;
         }
         if (now_ns() > deadline) {
             set_err(err, errlen, "rank %d channel %d: timed out after %d ms waiting for the channel "

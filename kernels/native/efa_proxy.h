@@ -39,7 +39,9 @@
  *
  * Every function returns 0 on success or a negative errno-style code; on failure it writes a
  * message naming the verb, the peer and the message into err (errlen bytes, NUL-terminated).
- * Waits take a timeout in milliseconds and fail with -ETIMEDOUT naming the peer they waited for.
+ * Waits take a timeout in milliseconds and fail with -ETIMEDOUT naming the peer they waited for;
+ * once the engine failed they return its failure: -EPROTO when a peer's write failed validation
+ * (source, generation or message id of its immediate), -EIO for anything else (a failed write).
  */
 #ifndef EFA_PROXY_H
 #define EFA_PROXY_H

@@ -65,7 +65,7 @@ from .window import (
     ALIGN, HDR_FIXED, NUM_COUNTER_SLOTS, OP_CACHED, OP_COMBINE, OP_DISPATCH, WindowLayout,
     alloc_window, as_bytes, dense, row_format,
 )
-from .wire import GroupError, ProtocolViolation, Wire
+from .wire import ProtocolViolation, Wire
 
 
 def _prefix(counts) -> list:
@@ -163,8 +163,9 @@ class ProxyTransport(Transport):
     Buffers (windows, rings, counters) are allocated once and reused.
 
     Failures: invalid input on any rank raises the same :class:`DispatchInputError` on every rank
-    (the transport stays usable). A deadline, a failed or dead peer, or a protocol violation
-    marks the transport broken on the rank that saw it: later calls there raise the original error.
+    (the transport stays usable). A deadline, a failed or dead peer, a protocol violation or ranks
+    in different operations break the transport on the rank that saw it: later calls there raise
+    :class:`TransportBroken` carrying the original error.
 
     Warning: one operation at a time per transport object (calls are not thread-safe).
     """
@@ -422,14 +423,14 @@ class ProxyTransport(Transport):
             raise TransportBroken(f"rank {self.rank}: proxy transport refuses {what}: it is closed")
 
     def _guarded(self, fn, *args):
-        """Runs one operation; anything but an error every rank raised in step marks the
-        transport broken (its peers' writes for this round may still land). Records what the
-        operation handed to the wire (:attr:`last_op_counts`), also when it raised."""
+        """Runs one operation; anything but a group's input error (refused by every rank in
+        step) breaks the transport (peers' writes for this round may still land). Records what
+        the operation handed to the wire (:attr:`last_op_counts`), also when it raised."""
         before = dict(self.wire.posted)
         try:
             self._wait_reads()
             return fn(*args)
-        except (DispatchInputError, GroupError):
+        except DispatchInputError:
             raise
         except BaseException as e:
             if self._broken is None:
@@ -438,7 +439,6 @@ class ProxyTransport(Transport):
         finally:
             d = {k: v - before[k] for k, v in self.wire.posted.items()}
             self._net.record(NetOpCounts(fn.__name__.lstrip("_"), **d))
-
 
     # Input checks (local; their result travels in the header) ---------------------------------
     def _device_error(self, **tensors) -> Optional[str]:

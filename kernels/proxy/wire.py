@@ -52,9 +52,9 @@ from .window import (
 MSG_MASK = native.IMM_MSG_MASK  # message ids as carried in the immediate data
 
 
-class GroupError(TransportError):
-    """Raised by every rank at the same point of a round from the same headers (the protocol stays
-    in step): the transport remains usable."""
+class GroupError(ProtocolError):
+    """Ranks in different operations or row formats: every rank raises it from the same headers
+    (as ``exchange_status``'s :class:`ProtocolError`); the transport is broken afterwards."""
 
 
 class ProtocolViolation(ProtocolError):

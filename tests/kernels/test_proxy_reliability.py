@@ -355,10 +355,11 @@ FAST_TAMPER = ("ids", "rows_consistent", "msg")
 
 def _fault_rank(rank, world, kinds, timeout_s):
     """For each tamper kind: rank 1 tampers, every rank runs one dispatch; returns per kind
-    (error or 'no error', seconds to it, error of the call after it)."""
+    (error or 'no error', seconds to it, error of the call after it, whether a ProtocolError)."""
     import torch.distributed as dist
 
     from efa_ep.kernels import TransportError, create_transport
+    from efa_ep.kernels.base import ProtocolError
 
     torch.set_num_threads(1)
     x = torch.randn(8, 16)
@@ -373,20 +374,21 @@ def _fault_rank(rank, world, kinds, timeout_s):
         t = create_transport("proxy", None, 8, 16, 16, torch.float32, provider="tcp",
                              timeout_s=timeout_s, num_channels=2, chunk_bytes=chunk)
         os.environ.pop("EFA_EP_PROXY_TAMPER", None)
-        start = time.monotonic()
+        start, protocol = time.monotonic(), False
         try:
             out = t.dispatch(x, idx, w)
             t.combine(out[0], out[4])
             msg = "no error"
         except TransportError as e:
             msg = str(e)
+            protocol = isinstance(e, ProtocolError)
         took = time.monotonic() - start
         try:
             t.dispatch(x, idx, w)
             after = "no error"
         except TransportError as e:
             after = str(e)
-        results[kind] = (msg, took, after)
+        results[kind] = (msg, took, after, protocol)
         t.close(barrier=False)
         dist.barrier()  # both ranks are past this kind (the tamperer may have waited it out)
     return results
@@ -399,10 +401,15 @@ def test_tampering_is_detected_and_never_summed():
     victim = out[0]
     figures, failures = {}, []
     for kind in kinds:
-        msg, took, after = victim[kind]
+        msg, took, after, protocol = victim[kind]
         figures[kind] = round(took, 3)
         if TAMPER_EXPECT[kind] not in msg:
             failures.append(f"{kind}: error {msg!r} lacks {TAMPER_EXPECT[kind]!r}")
+        # data that fails validation is a ProtocolError, also when the engine rejects a write
+        # ("offset": the provider refuses the write and drops the connection, so the victim sees
+        # a failed transfer, a PeerFailure)
+        if kind != "offset" and not protocol:
+            failures.append(f"{kind}: not a ProtocolError: {msg!r}")
         # broken afterwards: the next call refuses with the original error
         if not ("broken" in after and msg[:60] in after):
             failures.append(f"{kind}: next call gave {after!r}")
