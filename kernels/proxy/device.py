@@ -4,7 +4,7 @@ Without these kernels a CUDA dispatch + combine is a chain of ~20 small launches
 five stream synchronizations driven from Python (routing to the host, layout there, a gather, a
 device-to-host copy, per-peer host-to-device copies, a reduction in several torch ops). Here:
 
-- dispatch: the routing layout runs on the device (:func:`~efa_ep.kernels.gda_kernels.layout`,
+- dispatch: the routing layout runs on the device (:func:`~efa_ep.kernels.gda.launches.layout`,
   the same kernels and value checks as ``gda``), then :func:`pack_dispatch` stores every row for
   a peer straight into the window's send plane (GPU stores into pinned host memory: no staging
   buffer, no separate copy), the routing metadata of every sent row into a pinned host buffer,
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import gda_kernels as kern
-from ..gda_kernels import _round_f32_to, _source_of_row, next_pow2
+from ..gda import launches as kern
+from ..gda.device import _round_f32_to, _source_of_row, next_pow2
 from .ring import HostPtr
 
 __all__ = ["pack_dispatch", "gather_dispatch", "reduce_combine", "host_arg"]
@@ -219,7 +219,7 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
     Args:
         x: ``[T, D]`` rows (device, any float dtype, unit column stride).
         topk_idx, topk_weights: ``[T, K]`` int64 / float32 (device, contiguous).
-        layout: the outputs of :func:`~efa_ep.kernels.gda_kernels.layout` for them.
+        layout: the outputs of :func:`~efa_ep.kernels.gda.launches.layout` for them.
         plane: host ``[>= (S - S_me) * D * elem]`` uint8, the window's send plane 0 (pinned).
         meta: host ``[>= S * 2K]`` int64 (pinned). counts: host ``[1 + W + E]`` int64 (pinned):
             status word, rows per rank, (token, expert) pairs per expert.

@@ -750,7 +750,7 @@ class ProxyTransport(Transport):
         """:meth:`dispatch` of CUDA rows on a host window: layout and packing on the device
         straight into the window (one stream synchronization), the wire, then one kernel for
         the outputs (no synchronization: the next op waits for its event before its header)."""
-        from .. import gda_kernels as kern
+        from ..gda import launches as kern
         from . import device as dk
 
         cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire

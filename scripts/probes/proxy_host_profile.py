@@ -39,7 +39,8 @@ def _wrap(owner, name, acc):
 
 
 def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"):
-    from efa_ep.kernels import create_transport, gda_kernels
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.gda import launches as gda_kernels
     from efa_ep.kernels.proxy import device, native, wire, transport
     from efa_ep.testing.routes import contract_route
 
