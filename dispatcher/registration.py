@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
-import os
 import sys
 import threading
 
@@ -40,8 +39,12 @@ def uses_efa(dispatcher_type) -> bool:
     """True for ``"efa"``, and for the type named by ``EFA_EP_REPLACE_DISPATCHER`` (e.g.
     ``alltoall``): stacks that validate the type string (some Megatron-Bridge providers) keep a
     legal value in their config and still get the efa dispatcher."""
-    replaced = os.environ.get("EFA_EP_REPLACE_DISPATCHER", "").strip()
-    return dispatcher_type == EFA_DISPATCHER_TYPE or (bool(replaced) and dispatcher_type == replaced)
+    from .settings import replaced_dispatcher_type
+
+    if dispatcher_type == EFA_DISPATCHER_TYPE:
+        return True
+    replaced = replaced_dispatcher_type()
+    return replaced is not None and dispatcher_type == replaced
 
 
 def register_with_megatron(moe_layer_module=None) -> None:

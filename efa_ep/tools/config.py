@@ -393,3 +393,64 @@ def compose(group: str, config_name: str, overrides: Sequence[str] = ()) -> Dict
 
     check_settings(out, SETTINGS.get(group, ()), where)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The EFA_EP_* settings table of the docs (declared in efa_ep.dispatcher.settings.VARIABLES)
+# ----------------------------------------------------------------------------------------------
+TABLE_START = "<!-- settings-table:start -->"
+TABLE_END = "<!-- settings-table:end -->"
+#: files (relative to the checkout) holding the generated table between the two markers
+TABLE_FILES = ("README.md", "docs/cluster.md")
+_TABLE_NOTE = ("<!-- generated from efa_ep.dispatcher.settings.VARIABLES; refresh with "
+               "python3 -m efa_ep.tools.config --settings-table --write -->")
+
+
+def settings_table() -> str:
+    """The marked region's content: a note saying where it comes from, then the table."""
+    from efa_ep.dispatcher.settings import markdown_table
+
+    return f"{_TABLE_NOTE}\n{markdown_table()}"
+
+
+def with_settings_table(text: str, where: str = "text") -> str:
+    """``text`` with the region between :data:`TABLE_START` and :data:`TABLE_END` replaced by
+    :func:`settings_table`; ValueError naming ``where`` when the markers are missing."""
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{where}: no {TABLE_START} ... {TABLE_END} region")
+    head = text[:start + len(TABLE_START)]
+    return f"{head}\n{settings_table()}{text[end:]}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python3 -m efa_ep.tools.config --settings-table [--write]``: prints the settings table,
+    or rewrites it in :data:`TABLE_FILES` of this checkout."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python3 -m efa_ep.tools.config",
+                                description="The EFA_EP_* settings table, from their declarations.")
+    p.add_argument("--settings-table", action="store_true", required=True,
+                   help="print the Markdown table of every EFA_EP_* variable")
+    p.add_argument("--write", action="store_true",
+                   help=f"rewrite the marked region of {', '.join(TABLE_FILES)} instead")
+    a = p.parse_args(argv)
+    if not a.write:
+        print(settings_table(), end="")
+        return 0
+    from .provenance import repo_root
+
+    for rel in TABLE_FILES:
+        path = os.path.join(repo_root(), rel)
+        with open(path) as f:
+            text = f.read()
+        new = with_settings_table(text, rel)
+        if new != text:
+            with open(path, "w") as f:
+                f.write(new)
+            print(f"updated {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -18,9 +18,9 @@ import socket
 import subprocess
 from typing import Dict, Optional
 
-# Environment variables that move results (recorded when set).
+# Environment variables of other software that move results (recorded when set); every
+# declared EFA_EP_* variable is recorded too (efa_ep.dispatcher.settings.variables_set).
 ENV_KNOBS = (
-    "EFA_EP_TRANSPORT", "EFA_EP_TRANSPORT_OPTIONS", "EFA_EP_MAX_TOKENS_PER_RANK",
     "NCCL_DEBUG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NET", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
     "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE",
     "NCCL_BUFFSIZE", "NCCL_IB_DISABLE", "NCCL_P2P_LEVEL", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -171,6 +171,8 @@ def collect(extra_env: tuple = ()) -> Dict[str, object]:
     """Everything that identifies the run. Cheap; call it in the process that measured."""
     import torch
 
+    from efa_ep.dispatcher.settings import variables_set
+
     try:
         from efa_ep.kernels import transport_status
 
@@ -193,5 +195,6 @@ def collect(extra_env: tuple = ()) -> Dict[str, object]:
         "mps": mps_running(),
         "process_group": process_group_info(),
         "transports": transports,
-        "env": {k: os.environ[k] for k in ENV_KNOBS + tuple(extra_env) if k in os.environ},
+        "env": {**variables_set(),
+                **{k: os.environ[k] for k in ENV_KNOBS + tuple(extra_env) if k in os.environ}},
     }

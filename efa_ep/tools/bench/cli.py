@@ -20,6 +20,32 @@ from .schema import SCHEMA, timing_boundary
 from .start import start_main
 
 
+def rank_env(cfg: Dict[str, Any]) -> Dict[str, str]:
+    """``cfg["env"]``, the variables every rank gets, as strings; its ``EFA_EP_*`` entries
+    checked against their declarations (:data:`efa_ep.dispatcher.settings.VARIABLES`).
+
+    Raises:
+        ConfigError: an undeclared ``EFA_EP_*`` name (with the closest one) or a value its
+            declaration refuses, naming ``env.<variable>``.
+    """
+    from efa_ep.dispatcher.settings import VARIABLE
+    from efa_ep.kernels.options import ConfigError, did_you_mean
+
+    env = {str(k): str(v) for k, v in (cfg.get("env") or {}).items()}
+    for name, value in env.items():
+        if not name.startswith("EFA_EP_"):
+            continue
+        v = VARIABLE.get(name)
+        if v is None:
+            raise ConfigError(f"env.{name}: not an efa-ep variable{did_you_mean(name, VARIABLE)}",
+                              hint="the variables: python3 -m efa_ep.tools.config --settings-table")
+        if v.transport:  # a per-option variable: its transport's schema checks it
+            v.option.convert(value, f"env.{name}")
+        elif not v.read_by:
+            v.convert(value, f"env.{name}")
+    return env
+
+
 def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     """The whole benchmark of ``cfg`` minus argument parsing: ``starts`` launches of all ranks,
     then ``bench_records.jsonl``, ``bench_summary.json``, ``bench_table.md`` and plots in
@@ -38,7 +64,7 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + hashlib.sha1(os.urandom(8)).hexdigest()[:6]
     env = {"FI_TCP_IFACE": os.environ.get("FI_TCP_IFACE", "lo"), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": str(cfg["num_threads"])}
-    env.update({k: str(v) for k, v in (cfg.get("env") or {}).items()})
+    env.update(rank_env(cfg))
     records: List[Dict[str, Any]] = []
     failed_starts: List[Dict[str, Any]] = []
     jsonl = os.path.join(out_dir, "bench_records.jsonl")
@@ -86,6 +112,14 @@ def run(cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     return summary
 
 
+def _environment_help() -> str:
+    from efa_ep.dispatcher.settings import help_lines
+
+    return ("environment (from this shell, or +env.<VARIABLE>=... for the ranks only; arms set their own transport "
+            "and options; meanings: python3 -m efa_ep.tools.config --settings-table):\n"
+            + "\n".join(help_lines()))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..config import config_names
 
@@ -98,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "minute on 2 cores; the default runs >= 20 starts and takes tens of minutes).\n"
                "writes: out_dir (default ./bench_out; --quick: ./bench_quick): bench_records.jsonl, "
                "bench_summary.json, bench_table.md, bench_<profile>.png.\nexit codes: 0 ok, 1 a failed start or a void "
-               "cell, 2 bad settings.")
+               "cell, 2 bad settings.\n" + _environment_help())
     parser.add_argument("--config-name", default=None, help="conf/bench/<name>.yaml (default: default)")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: conf/bench/quick.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
@@ -112,6 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Settings that cannot run are refused here, in one line, before any rank starts: each
         # key's value, their combinations, and the arms they ask for.
         validate_config(cfg)
+        rank_env(cfg)
         from efa_ep.kernels import available_transports
 
         if not build_cells(cfg, resolve_arms(cfg, available_transports())[0]):

@@ -143,6 +143,8 @@ def final_line(doc: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from efa_ep.dispatcher.settings import help_lines
+
     from ..config import config_names
 
     p = argparse.ArgumentParser(
@@ -152,7 +154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "deepseek_v3|kimi_k2> fabric=<p5|p5en|p6-b200|p6-b300> nodes=N gpus_per_node=G ep=P "
                "tokens_per_rank=T, selftest.<key>=... (selftest.enabled=false skips the loopback self-test).\n"
                f"configs: {', '.join(config_names('doctor'))}.\n"
-               "exit codes: 0 no failed check, 1 a failed check, 2 bad settings.")
+               "exit codes: 0 no failed check, 1 a failed check, 2 bad settings.\n"
+               "environment checked by the 'efa_ep settings' line (meanings: python3 -m "
+               "efa_ep.tools.config --settings-table):\n" + "\n".join(help_lines()))
     p.add_argument("--config-name", default="default", help="conf/doctor/<name>.yaml (default: default)")
     p.add_argument("--json", action="store_true", help="print the machine-readable document instead of the lines")
     p.add_argument("--print-config", action="store_true", help="print the composed config and exit")

@@ -154,7 +154,9 @@ def native_library(build_if_missing: bool = True) -> Dict[str, Any]:
     out: Dict[str, Any] = {"path": None, "expected_path": None, "built": False, "prebuilt": False, "abi": None,
                            "expected_abi": native.ABI_VERSION, "problem": None, "temporary": None,
                            "load_s": None}
-    pre = os.environ.get("EFA_EP_PROXY_SO")
+    from efa_ep.dispatcher.settings import raw
+
+    pre = raw("EFA_EP_PROXY_SO")
     if pre:
         out.update(path=pre, prebuilt=True, built=os.path.isfile(pre))
     else:
@@ -169,7 +171,9 @@ def native_library(build_if_missing: bool = True) -> Dict[str, Any]:
             tmp = tempfile.mkdtemp(prefix="efa-ep-doctor-")
             _TEMP_DIRS.append(tmp)
             _PREV_CACHE_DIR.append(os.environ.get("EFA_EP_CACHE_DIR", _UNSET))
-            os.environ["EFA_EP_CACHE_DIR"] = tmp  # this process and the self-test's ranks only
+            # native.py (this process) and the self-test's ranks (children) read the build
+            # folder from the environment only, so it is set here and put back by cleanup().
+            os.environ["EFA_EP_CACHE_DIR"] = tmp
             out["temporary"] = tmp
     t0 = time.perf_counter()
     try:
@@ -259,15 +263,17 @@ def proxy_channels() -> Dict[str, Any]:
     """The proxy's channels per rank as the dispatcher would resolve them here: ``value`` and
     ``source`` (``EFA_EP_PROXY_CHANNELS`` or the default, 4 on >= 8 CPUs, else 2), and
     ``cpu_base`` (``EFA_EP_PROXY_CPU_BASE``, None when unset)."""
+    from efa_ep.dispatcher.settings import raw
     from efa_ep.kernels.proxy.options import default_num_channels
 
-    raw = (os.environ.get("EFA_EP_PROXY_CHANNELS") or "").strip()
-    base = (os.environ.get("EFA_EP_PROXY_CPU_BASE") or "").strip()
+    # Lenient on purpose: a bad value is the settings line's failure, not this one's.
+    text = raw("EFA_EP_PROXY_CHANNELS") or ""
+    base = raw("EFA_EP_PROXY_CPU_BASE") or ""
     try:
-        value, source = (int(raw), "EFA_EP_PROXY_CHANNELS") if raw else (
+        value, source = (int(text), "EFA_EP_PROXY_CHANNELS") if text else (
             default_num_channels(), "default: 4 on hosts with >= 8 CPUs, else 2")
     except ValueError:
-        value, source = default_num_channels(), f"default (EFA_EP_PROXY_CHANNELS={raw!r} is not a number)"
+        value, source = default_num_channels(), f"default (EFA_EP_PROXY_CHANNELS={text!r} is not a number)"
     try:
         cpu_base = int(base) if base else None
     except ValueError:
@@ -287,14 +293,14 @@ def settings() -> Dict[str, Any]:
     (:func:`efa_ep.dispatcher.settings.check_environment`, without the availability check, which
     the transport lines cover): ``transport``, ``options``, ``fallback`` and ``error`` (the
     ConfigError's line and hint, or None)."""
-    from efa_ep.dispatcher.settings import check_environment, fallback_dispatcher
+    from efa_ep.dispatcher.settings import check_environment, fallback_dispatcher, raw
 
     try:
         s = check_environment(check_available=False)
         return {"transport": s.transport, "options": dict(s.transport_options),
                 "fallback": fallback_dispatcher(), "error": None, "hint": None}
     except ValueError as e:
-        return {"transport": os.environ.get("EFA_EP_TRANSPORT"), "options": {}, "fallback": None,
+        return {"transport": raw("EFA_EP_TRANSPORT"), "options": {}, "fallback": None,
                 "error": str(e), "hint": getattr(e, "hint", "")}
 
 

@@ -17,7 +17,8 @@ class Arm:
         dispatcher: Megatron ``moe_token_dispatcher_type``.
         ep_size: expert-parallel size (= ranks launched; TP=PP=1, so DP = EP).
         transport: efa transport name (``efa`` arms only).
-        transport_options: knobs passed to the transport (``EFA_EP_TRANSPORT_OPTIONS``).
+        transport_options: knobs passed to the transport (the dispatcher settings'
+            ``transport_options``, :func:`efa_ep.dispatcher.settings.use`).
     """
 
     name: str

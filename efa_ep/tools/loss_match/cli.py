@@ -81,6 +81,8 @@ def _flip_text(r) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from efa_ep.dispatcher.settings import help_lines
+
     from ..config import config_names
 
     parser = argparse.ArgumentParser(
@@ -98,7 +100,10 @@ configs (--config-name, efa_ep/conf/loss_match/): {', '.join(config_names('loss_
 overrides (key=value, any key of the config), e.g.:
   steps=20 ep_size=4 arms.candidates=[alltoall] out_dir=/tmp/lm
 output: <out_dir>/loss_match.json (every loss, the comparisons, provenance) and
-  <out_dir>/loss_match.png; out_dir defaults to ./loss_match_out (ci: ./loss_match_ci)""",
+  <out_dir>/loss_match.png; out_dir defaults to ./loss_match_out (ci: ./loss_match_ci)
+environment (every rank reads it; each efa arm sets its own transport and options; meanings:
+python3 -m efa_ep.tools.config --settings-table):
+{chr(10).join(help_lines())}""",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-name", default="cpu", metavar="NAME",
                         help="a config of efa_ep/conf/loss_match (default cpu)")

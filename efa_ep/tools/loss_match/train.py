@@ -79,14 +79,14 @@ def _train_arm(rank: int, cfg: Dict[str, Any], arm: Arm, corpus, fault) -> Dict[
 
     mcfg = TinyMoEConfig(**cfg["model"])
     device = torch.device(cfg["device"])
-    # Arm-specific dispatcher settings, reset between arms (env is what NeMo-RL workers see too).
+    # Arm-specific dispatcher settings, passed as a settings object (this process builds the
+    # model) and replaced for every arm; the rest (T_MAX, per-option variables) stays the
+    # environment's. A non-efa arm reads the environment, as before any arm ran.
     if arm.transport is not None:
-        os.environ["EFA_EP_TRANSPORT"] = arm.transport
-        os.environ["EFA_EP_TRANSPORT_OPTIONS"] = ",".join(f"{k}={v}" for k, v in arm.transport_options)
+        dsettings.use(dsettings.DispatcherSettings.from_env().replace(
+            transport=arm.transport, transport_options=tuple(arm.transport_options)))
     else:
-        os.environ.pop("EFA_EP_TRANSPORT", None)
-        os.environ.pop("EFA_EP_TRANSPORT_OPTIONS", None)
-    dsettings.reset()
+        dsettings.use(None)
     token_dispatcher.clear_transport_cache()
     faulted = fault is not None and fault.get("arm") == arm.name
     original_get = token_dispatcher.get_shared_transport
