@@ -3,7 +3,8 @@
 ``create_transport("proxy", ..., **options)``: options are explicit. The environment variable in
 parentheses is the option's name for users of the Megatron dispatcher: its settings
 (:mod:`efa_ep.dispatcher.settings`, the one place that reads ``EFA_EP_*``) pass it as the option
-when no other channel gives it; the schema in ``kernels/options.py`` names each variable.
+when no other channel gives it (each variable is one row of that module's ``VARIABLES``; the
+option's type, default and bounds are the schema's in ``kernels/options.py``).
 
     provider (EFA_EP_PROXY_PROVIDER): ``efa`` if usable, else ``tcp``; also ``shm``.
     num_channels (EFA_EP_PROXY_CHANNELS): proxy channels (threads + endpoints), default

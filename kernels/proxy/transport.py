@@ -90,7 +90,8 @@ def availability() -> Optional[str]:
         native.load()
     except RuntimeError as e:
         return str(e)
-    provider = os.environ.get("EFA_EP_PROXY_PROVIDER") or default_provider()
+    # The default provider: a configured one is checked when the transport is created.
+    provider = default_provider()
     why = native.probe(provider)
     if why:
         return f"libfabric provider {provider!r} unusable: {why}"

@@ -41,6 +41,13 @@ _SHARE_METRICS = ("loss", "actor_loss", "kl_penalty", "probs_ratio", "probs_rati
 
 
 # ----------------------------------------------------------------------------- model helpers
+
+def _efa_transport_setting() -> str:
+    """The efa dispatcher's transport setting, as its settings read it (for the log line)."""
+    from efa_ep.dispatcher import current_settings
+
+    return current_settings().transport
+
 def _process_logits(logits: torch.Tensor, gen_cfg) -> torch.Tensor:
     """Temperature, then top-k / top-p filtering (filtered entries -> -inf)."""
     logits = logits.float() / gen_cfg.temperature
@@ -312,7 +319,7 @@ def _setup_rank(rank: int, world: int, cfg_dict: dict) -> _RankRun:
     log.info(f"policy: tiny Megatron GPT-MoE ({model_cfg.num_layers} layers, "
              f"{model_cfg.num_moe_experts} experts top-{model_cfg.moe_router_topk}, hidden "
              f"{model_cfg.hidden_size}), moe_token_dispatcher_type={dispatcher!r}, EP={world}, "
-             f"device={device.type}, transport={os.environ.get('EFA_EP_TRANSPORT', 'auto')}")
+             f"device={device.type}, transport={_efa_transport_setting()}")
     if dispatcher == "efa":
         from efa_ep.dispatcher.token_dispatcher import EfaTokenDispatcher
 

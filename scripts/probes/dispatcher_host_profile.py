@@ -178,8 +178,10 @@ def _rank(rank, world, dispatcher, transport, shape, steps, warmup, profile, rep
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.set_num_threads(1)
-    os.environ["EFA_EP_TRANSPORT"] = transport
     import efa_ep  # noqa: F401
+    from efa_ep.dispatcher import configure
+
+    configure(transport=transport)  # this process's settings, not its environment
     from efa_ep.tiny_moe import TinyMoEConfig, init_megatron, transformer_config
 
     init_megatron(world)
