@@ -1,10 +1,12 @@
 """The one ctypes boundary of the proxy: builds and loads the native engine (``kernels/native/``:
-``efa_proxy.c`` the engine, ``efa_round.c`` one round of the wire protocol, ``efa_host.c`` the
-host-side data path helpers (routing layout, received-metadata checks, combine's reduction),
+``efa_proxy.c`` the engine (creation, API, waits), ``efa_endpoint.c`` a channel's libfabric
+endpoint, ``efa_channel.c`` a channel thread's data path (the three share the internal
+``efa_engine.h``), ``efa_round.c`` one round of the wire protocol, ``efa_host.c`` the host-side
+data path helpers (routing layout, received-metadata checks, combine's reduction),
 ``efa_op.c`` whole operations on host memory in two calls, ``efa_bench.c`` the benchmark entry
 points, ``efa_proxy.h`` the ABI).
 
-Build: on first use, ``cc -O2 -std=c11 -shared -fPIC efa_*.c -lfabric -lpthread``
+Build: on first use, ``cc -O2 -std=c11 -shared -fPIC <SOURCES> -lfabric -lpthread``
 into ``$EFA_EP_CACHE_DIR`` (default ``~/.cache/efa_ep``), the file named by a hash of the sources,
 the header and the compile command, so a changed source rebuilds and one build serves every Python
 version (C ABI, no Python symbols). ``EFA_EP_PROXY_SO=/path/libefa_proxy.so`` loads a prebuilt
@@ -29,9 +31,11 @@ from typing import Optional, Sequence, Tuple
 # The C sources live in efa_ep.kernels.native (kernels/native/), next to this package.
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_proxy.c")
-SOURCES = (SOURCE, os.path.join(_NATIVE_DIR, "efa_bench.c"), os.path.join(_NATIVE_DIR, "efa_round.c"),
-           os.path.join(_NATIVE_DIR, "efa_host.c"), os.path.join(_NATIVE_DIR, "efa_op.c"))
+SOURCES = tuple(os.path.join(_NATIVE_DIR, f) for f in (
+    "efa_proxy.c", "efa_endpoint.c", "efa_channel.c", "efa_bench.c", "efa_round.c", "efa_host.c",
+    "efa_op.c"))
 HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
+HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"))  # a changed header rebuilds too
 
 ABI_VERSION = 6
 ADDR_MAX = 256          # EFA_ADDR_MAX
@@ -126,7 +130,7 @@ def build(force: bool = False) -> str:
         raise RuntimeError(problem)
     cc = compiler()
     h = hashlib.sha256()
-    for p in (*SOURCES, HEADER):
+    for p in (*SOURCES, *HEADERS):
         with open(p, "rb") as f:
             h.update(f.read())
     h.update(" ".join(_compile_cmd(cc, "OUT")).encode())
