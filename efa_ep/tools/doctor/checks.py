@@ -387,7 +387,7 @@ def check_nic_spread(h: Host, lay: Layout) -> Check:
         return Check("proxy nic spread", "ok", f"one EFA device: every channel of the {lay.ranks_per_host} ranks "
                      "per host uses it", data=data)
     return Check("proxy nic spread", "warn", f"{n} EFA devices, but every proxy channel of every rank opens the "
-                 f"first device fi_getinfo lists ({h.efa_devices[0]}; kernels/native/efa_proxy.c get_info): "
+                 f"first device fi_getinfo lists ({h.efa_devices[0]}; kernels/native/efa_endpoint.c efa_get_info): "
                  f"{lay.ranks_per_host} ranks x {ch} channels share one NIC", "nothing to set in efa-ep yet; "
                  "the planner's wire term assumes the node's whole EFA bandwidth, so its proxy/hier figures "
                  "are optimistic where the wire bounds them", data)
