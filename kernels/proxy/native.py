@@ -119,6 +119,17 @@ def build_problem() -> Optional[str]:
     return None
 
 
+def library_path(cc: str) -> str:
+    """Where :func:`build` puts the library compiled by ``cc``: named by a hash of the sources,
+    the headers and the compile command (nothing is built here)."""
+    h = hashlib.sha256()
+    for p in (*SOURCES, *HEADERS):
+        with open(p, "rb") as f:
+            h.update(f.read())
+    h.update(" ".join(_compile_cmd(cc, "OUT")).encode())
+    return os.path.join(cache_dir(), f"libefa_proxy-{h.hexdigest()[:16]}.so")
+
+
 def build(force: bool = False) -> str:
     """Compiles the library if needed; returns its path. Raises RuntimeError with the compiler's
     output on failure."""
@@ -129,14 +140,9 @@ def build(force: bool = False) -> str:
     if problem:
         raise RuntimeError(problem)
     cc = compiler()
-    h = hashlib.sha256()
-    for p in (*SOURCES, *HEADERS):
-        with open(p, "rb") as f:
-            h.update(f.read())
-    h.update(" ".join(_compile_cmd(cc, "OUT")).encode())
-    d = cache_dir()
+    out = library_path(cc)
+    d = os.path.dirname(out)
     os.makedirs(d, exist_ok=True)
-    out = os.path.join(d, f"libefa_proxy-{h.hexdigest()[:16]}.so")
     if os.path.isfile(out) and not force:
         return out
     # Compile to a private temp name, then rename: concurrent ranks never load a half-written file.

@@ -10,7 +10,6 @@ project loads libfabric, so the providers the doctor reports are the ones the pr
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import re
@@ -130,14 +129,7 @@ def expected_library_path() -> Optional[str]:
     from efa_ep.kernels.proxy import native
 
     cc = native.compiler()
-    if cc is None:
-        return None
-    h = hashlib.sha256()
-    for p in (*native.SOURCES, native.HEADER):
-        with open(p, "rb") as f:
-            h.update(f.read())
-    h.update(" ".join(native._compile_cmd(cc, "OUT")).encode())
-    return os.path.join(native.cache_dir(), f"libefa_proxy-{h.hexdigest()[:16]}.so")
+    return None if cc is None else native.library_path(cc)
 
 
 def native_library(build_if_missing: bool = True) -> Dict[str, Any]:
