@@ -19,11 +19,9 @@ Every MoE layer moves its tokens with the dispatcher named by
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
@@ -33,123 +31,16 @@ import torch.nn.functional as F
 
 from .algorithm import clipped_pg_loss, grpo_advantages
 from .config import TrainerConfig
-from .task import EOS, PAD, VOCAB_SIZE, make_task
+from .task import make_task
+from .policy import (
+    _all_reduce, _efa_transport_setting, _forward, generate, global_grad_norm, token_logprobs,
+)
+from .preflight import check_before_start, check_task_fits, rank_env
+from .progress import _RankZeroLog
 
 # Summed over microbatches and ranks (each is a share of the global mean); the rest min/max.
 _SHARE_METRICS = ("loss", "actor_loss", "kl_penalty", "probs_ratio", "probs_ratio_clamped",
                   "clip_fraction", "token_mult_prob_error", "gen_kl_error")
-
-
-# ----------------------------------------------------------------------------- model helpers
-
-def _efa_transport_setting() -> str:
-    """The efa dispatcher's transport setting, as its settings read it (for the log line)."""
-    from efa_ep.dispatcher import current_settings
-
-    return current_settings().transport
-
-def _process_logits(logits: torch.Tensor, gen_cfg) -> torch.Tensor:
-    """Temperature, then top-k / top-p filtering (filtered entries -> -inf)."""
-    logits = logits.float() / gen_cfg.temperature
-    if gen_cfg.top_k is not None and 0 < gen_cfg.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, gen_cfg.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if gen_cfg.top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > gen_cfg.top_p
-        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return logits
-
-
-def _forward(model, tokens: torch.Tensor) -> torch.Tensor:
-    from efa_ep.tiny_moe import causal_inputs
-
-    pos, mask = causal_inputs(tokens)
-    return model(tokens, pos, mask)  # [B, S, V]
-
-
-def token_logprobs(model, tokens: torch.Tensor, prompt_len: int, gen_cfg, batch_size: int,
-                   grad: bool = False) -> torch.Tensor:
-    """Logprobs ``[B, T]`` of ``tokens[:, prompt_len:]`` under ``model`` (same logits processing
-    as the sampler), in chunks of ``batch_size`` rows (every rank runs the same number)."""
-    outs = []
-    with torch.set_grad_enabled(grad):
-        for chunk in tokens.split(batch_size):
-            logits = _process_logits(_forward(model, chunk)[:, prompt_len - 1:-1], gen_cfg)
-            lp = torch.log_softmax(logits, -1).gather(-1, chunk[:, prompt_len:, None]).squeeze(-1)
-            outs.append(lp)
-    return torch.cat(outs)
-
-
-@torch.no_grad()
-def generate(model, prompts: torch.Tensor, gen_cfg, gen: torch.Generator, greedy: bool = False):
-    """Samples ``max_new_tokens`` tokens after ``prompts [B, P]``.
-
-    Returns ``(tokens [B, P+T], response_mask [B, T] float, generation_logprobs [B, T])``;
-    tokens after ``<eos>`` are ``<pad>`` with mask 0 (``<eos>`` itself counts). Stops early only
-    when every sequence on every rank has ended (all-reduce), so all ranks call forward equally.
-    """
-    b = prompts.shape[0]
-    tokens, done = prompts, torch.zeros(b, dtype=torch.bool, device=prompts.device)
-    masks, lps = [], []
-    for _ in range(gen_cfg.max_new_tokens):
-        logits = _process_logits(_forward(model, tokens)[:, -1], gen_cfg)
-        logp = torch.log_softmax(logits, -1)
-        if greedy:
-            nxt = logp.argmax(-1)
-        else:
-            nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).squeeze(-1).to(logp.device)
-        lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
-        masks.append((~done).float())
-        lps.append(torch.where(done, torch.zeros_like(lp), lp))
-        nxt = torch.where(done, torch.full_like(nxt, PAD), nxt)
-        done = done | (nxt == EOS)
-        tokens = torch.cat([tokens, nxt[:, None]], 1)
-        all_done = torch.tensor([float(done.all())], device=tokens.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
-        if all_done.item() == 1.0:
-            break
-    t = len(masks)
-    pad = gen_cfg.max_new_tokens - t
-    mask, lp = torch.stack(masks, 1), torch.stack(lps, 1)
-    if pad:
-        tokens = F.pad(tokens, (0, pad), value=PAD)
-        mask, lp = F.pad(mask, (0, pad)), F.pad(lp, (0, pad))
-    return tokens, mask, lp
-
-
-def global_grad_norm(model) -> torch.Tensor:
-    """L2 norm of all gradients of the full (un-sharded) model: dense grads are replicated after
-    :func:`sync_grads`; expert shards are summed over the expert-parallel group."""
-    from megatron.core import parallel_state
-
-    from efa_ep.tiny_moe import is_expert_param
-
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if is_expert_param(p):
-            expert += sq
-        else:
-            dense += sq
-    if dist.is_initialized():
-        group = parallel_state.get_expert_model_parallel_group()
-        expert = expert.to(next(model.parameters()).device)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(expert, group=group)
-        expert = expert.cpu()
-    return (dense + expert).sqrt()
-
-
-def _all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
-    return x
 
 
 # ----------------------------------------------------------------------------- rank main
@@ -635,137 +526,7 @@ def _summary(history: List[dict], wall: float, jsonl: str, png: Optional[str]) -
     }
 
 
-class _RankZeroLog:
-    """Rank 0 prints, owns the metrics files and the progress bars; other ranks stay quiet."""
-
-    def __init__(self, cfg: TrainerConfig, is_main: bool):
-        self.is_main = is_main
-        self.progress = cfg.logger.progress_bar
-        self.metrics = None
-        if is_main:
-            from .metrics import MetricsLogger
-
-            self.metrics = MetricsLogger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled)
-
-    def info(self, msg: str) -> None:
-        if self.is_main:
-            print(f"[efa-ep grpo] {msg}", flush=True)
-
-    def bar(self, total: int, desc: str):
-        """tqdm on a terminal; a one-line status every ``_LINE_PERIOD_S`` otherwise (a bar
-        redrawn with carriage returns fills a log file with hundreds of KB of noise)."""
-        if not (self.is_main and self.progress):
-            return None
-        if sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-        return _LineProgress(total, desc, self.info)
-
-
-_LINE_PERIOD_S = 30.0
-
-
-class _LineProgress:
-    """The part of tqdm's API the trainer uses, printing ``desc n/total (p%): k=v ..., eta``
-    at most every ``_LINE_PERIOD_S`` seconds and at the end."""
-
-    def __init__(self, total: int, desc: str, emit: Callable[[str], None]):
-        self.total, self.desc, self.emit = total, desc, emit
-        self.n, self.post = 0, {}
-        self.t0 = self.last = time.time()
-
-    def set_postfix(self, post=None, **kw):
-        self.post = dict(post or {}, **kw)
-
-    def update(self, k: int = 1):
-        self.n += k
-        now = time.time()
-        if now - self.last >= _LINE_PERIOD_S or self.n >= self.total:
-            self.last = now
-            rate = (now - self.t0) / max(self.n, 1)
-            eta = rate * (self.total - self.n)
-            post = " ".join(f"{key}={val}" for key, val in self.post.items())
-            self.emit(f"{self.desc} {self.n}/{self.total} ({100 * self.n // max(self.total, 1)}%)"
-                      + (f": {post}" if post else "")
-                      + (f", eta {eta:.0f}s" if self.n < self.total else f", {now - self.t0:.0f}s"))
-
-    def close(self):
-        pass
-
-
 # ----------------------------------------------------------------------------- entry
-def rank_env(cfg: TrainerConfig, environ=None):
-    """What the ranks will see: ``(env, names)`` where ``env`` is the variables the launcher
-    sets on top of ``environ`` (default ``os.environ``) and ``names`` maps each ``EFA_EP_*``
-    variable the recipe set to its recipe key (for messages)."""
-    environ = os.environ if environ is None else environ
-    env = dict(cfg.efa_ep.transport.env())
-    names = {var: f"efa_ep.transport.{key}" for var, key in (
-        ("EFA_EP_TRANSPORT", "transport"), ("EFA_EP_MAX_TOKENS_PER_RANK", "max_tokens_per_rank"),
-        ("EFA_EP_TRANSPORT_OPTIONS", "transport_options")) if var in env}
-    env.setdefault("OMP_NUM_THREADS", str(cfg.efa_ep.num_threads))
-    if "EFA_EP_TRANSPORT" in environ and cfg.efa_ep.transport.transport == "auto":
-        # the recipe's default leaves the choice to the environment
-        env["EFA_EP_TRANSPORT"] = environ["EFA_EP_TRANSPORT"]
-        names.pop("EFA_EP_TRANSPORT", None)
-    return env, names
-
-
-def check_task_fits(cfg: TrainerConfig) -> None:
-    """The task's prompts and answers fit the model and the generation settings."""
-    task = make_task(cfg.efa_ep.task)
-    model_cfg, pol = cfg.efa_ep.model, cfg.policy
-    gen_cfg = pol.generation
-    if model_cfg.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"efa_ep.model.vocab_size={model_cfg.vocab_size} < task vocab {VOCAB_SIZE}")
-    total_len = task.prompt_len + gen_cfg.max_new_tokens
-    if total_len > min(pol.max_total_sequence_length, model_cfg.seq_length):
-        raise ValueError(f"prompt ({task.prompt_len}) + policy.generation.max_new_tokens "
-                         f"({gen_cfg.max_new_tokens}) = {total_len} exceeds "
-                         f"policy.max_total_sequence_length / efa_ep.model.seq_length")
-    if gen_cfg.max_new_tokens < task.max_answer_len:
-        raise ValueError(f"policy.generation.max_new_tokens={gen_cfg.max_new_tokens} < longest "
-                         f"answer + <eos> ({task.max_answer_len})")
-
-
-def check_before_start(cfg: TrainerConfig, environ=None) -> None:
-    """Everything the ranks will read, checked here first (seconds, one error): the dispatcher
-    settings from the recipe and the ``EFA_EP_*`` environment against the transport's schema,
-    and that the transport runs on this machine.
-
-    Raises:
-        ValueError / ConfigError: naming the recipe key or environment variable.
-    """
-    check_task_fits(cfg)
-    if cfg.policy.megatron_cfg.moe_token_dispatcher_type != "efa":
-        return
-    from efa_ep.dispatcher.settings import check_environment
-
-    environ = os.environ if environ is None else environ
-    env, names = rank_env(cfg, environ)
-    with _sigint_held_back():
-        check_environment({**environ, **env}, names)
-
-
-@contextlib.contextmanager
-def _sigint_held_back():
-    """SIGINT blocked on this thread meanwhile, delivered (to Python's handler) afterwards.
-    For the transport probe: loading libfabric installs a SIGINT handler that ends the process
-    with status 1 and no message; the probe puts Python's handler back when it is done, and a
-    Ctrl-C that came in between then reaches it instead of libfabric's."""
-    import signal
-
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def run(cfg_dict: dict, log: Callable[[str], None] = print) -> dict:
     """Runs the built-in trainer on a resolved recipe dict; returns rank 0's summary, with
     every rank's dispatcher use as ``dispatch`` (a list in rank order).
