@@ -1,0 +1,182 @@
+"""CUDA rows on a host window: the routing layout and packing run as device kernels straight into
+the window (``device.py``), one stream synchronization before the wire, one kernel for the
+outputs after it, and an event that the next op waits for before peers may overwrite the
+window. A mixin of :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`, whose state it
+uses."""
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from ..base import DispatchHandle, TransportError, describe_value_errors
+from .window import OP_DISPATCH, dense
+
+from .round_ops import ProxyHandleState, _prefix
+
+
+class DevicePath:
+    """:class:`ProxyTransport`'s CUDA-input path (see the module)."""
+
+    def _receive_device(self, x, send_token_idx, num_recv, own_start: int, own_meta_address: int,
+                        got, k: int):
+        """A dispatch's outputs after its round (``wire.finish``), as one kernel: the routing
+        rows are checked (ids, weights, per-expert counts vs the headers) and unpacked on the
+        host into pinned buffers, then :func:`~efa_ep.kernels.proxy.device.gather_dispatch`
+        writes ``recv_x`` (peers' rows from the window, this rank's from ``x``), ids and
+        weights on x's device. Ends with an event (the next op waits for it), no sync.
+
+        Args:
+            x: ``[T, H]`` rows (x's device). send_token_idx: ``[S]`` int64 on x's device.
+            num_recv: W ints. own_start: where this rank's own rows start in the send order.
+            own_meta_address: host address of this rank's own routing rows
+                (``[n_me, 2K]`` int64). got: the peers' headers of this round. k: top-k.
+        Returns: (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights
+            ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU).
+        """
+        from . import device as dk
+
+        w, me = self.world_size, self.rank
+        dev = x.device
+        rstarts = _prefix(num_recv)
+        n_recv = rstarts[-1]
+        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
+        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+        tokens_per_expert = self._unpack_meta(num_recv, own_meta_address, k, got, in_idx, in_w)
+        recv_off = self._pinned("recv_off", w + 1, torch.int64)
+        recv_off.numpy()[:] = rstarts
+        recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
+        recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
+        recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
+        dk.gather_dispatch(x, send_token_idx, self._src_ptrs(dev), recv_off,
+                           in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
+                           in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
+                           recv_x, recv_topk_idx, recv_topk_weights, me=me,
+                           own_start=own_start, num_programs=self._num_programs(dev))
+        self._record_reads(dev)
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert
+
+    def _device_path(self, x) -> bool:
+        """Whether a dispatch runs as the kernels of ``device.py`` (layout and packing on the
+        device, one synchronization) rather than as torch ops around the host layout:
+        ``device_layout`` on, CUDA input, a host window, rows of whole 16-byte units."""
+        return (self.device_layout and self._device_kernels_for(x) and x.dim() == 2
+                and (x.shape[1] * x.element_size()) % 16 == 0
+                and x.shape[1] * x.element_size() <= self.row_cap)
+
+    def _device_kernels_for(self, t) -> bool:
+        """Whether ``t``'s device work runs as the kernels of ``device.py``: a CUDA tensor (or any,
+        with ``device_kernels="always"``) on a host window, triton importable."""
+        return (bool(self.device_kernels) and isinstance(t, torch.Tensor)
+                and (t.is_cuda or self.device_kernels == "always") and not self.window.is_cuda)
+
+    def _wait_reads(self) -> None:
+        """The previous op's kernels have finished reading the receive window and the pinned
+        buffers (so a header may let peers overwrite it, and the host may rewrite them)."""
+        if self._reads_done is not None:
+            self._reads_done.synchronize()
+            self._reads_done = None
+
+    @staticmethod
+    def _sync(dev: torch.device) -> None:
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+
+    def _record_reads(self, dev: torch.device) -> None:
+        if dev.type != "cuda":
+            return  # CPU kernels (interpreter) have finished when they return
+        ev = self._buffers.get(("event", str(dev)))
+        if ev is None:
+            ev = self._buffers[("event", str(dev))] = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        self._reads_done = ev
+
+    def _src_ptrs(self, dev: torch.device) -> torch.Tensor:
+        """``[W]`` int64 on ``dev``: the address of plane 0 of each source's receive region
+        (pinned host memory, mapped into the GPU's address space)."""
+        key = ("src_ptrs", str(dev), self.window.data_ptr())
+        t = self._buffers.get(key)
+        if t is None:
+            base = self.window.data_ptr()
+            t = torch.tensor([base + self.layout.data_recv_off(r) for r in range(self.world_size)],
+                             dtype=torch.int64).to(dev)
+            self._buffers[key] = t
+        return t
+
+    def _num_programs(self, dev: torch.device) -> int:
+        key = ("sms", str(dev))
+        n = self._buffers.get(key)
+        if n is None:
+            n = self._buffers[key] = (torch.cuda.get_device_properties(dev).multi_processor_count
+                                      if dev.type == "cuda" else 4)
+        return n
+
+    def _dispatch_device(self, x, topk_idx, topk_weights):
+        """:meth:`dispatch` of CUDA rows on a host window: layout and packing on the device
+        straight into the window (one stream synchronization), the wire, then one kernel for
+        the outputs (no synchronization: the next op waits for its event before its header)."""
+        from ..gda import launches as kern
+        from . import device as dk
+
+        cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire
+        dev = x.device
+        error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights)
+                              or self._row_cap_error(x, topk_idx))
+        if error is not None:
+            wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
+            raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
+        t, k = topk_idx.shape
+        H, L, E = cfg.hidden, cfg.num_local_experts, cfg.num_experts
+        xd, idx, wts = dense(x), topk_idx.contiguous(), topk_weights.contiguous()
+        lay = kern.layout(idx, wts, E, w)
+        send_token_idx = lay[1]
+        meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
+        counts = self._pinned("counts", 1 + w + E, torch.int64)
+        nsm = self._num_programs(dev)
+        wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
+        dk.pack_dispatch(xd, idx, wts, lay, me, self.window[self.layout.off_data_send:self.layout.off_recv],
+                         meta, counts, num_programs=nsm)
+        self._sync(dev)  # the rows, routing rows and counts are in host memory
+        cn = counts.numpy()
+        if cn[0]:  # a bad expert id or weight: named from a host copy (error path only)
+            error = (describe_value_errors(cfg, me, idx.cpu(), wts.cpu())
+                     or f"rank {me}: the device layout flagged the routing (status {int(cn[0])})")
+            wire.round(OP_DISPATCH, {}, [0], None, None, error)
+            raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
+        num_send = cn[1:1 + w].tolist()
+        counts_E = cn[1 + w:].copy()
+        starts = _prefix(num_send)
+        s_me, e_me, s_all = starts[me], starts[me + 1], starts[-1]
+        row_x = H * x.element_size()
+
+        wire.begin(OP_DISPATCH, [row_x, 16 * k], num_send, extras=counts_E.reshape(w, L), fmt=k)
+        xs, ms = wire.plane(0), wire.plane(1)
+        if xs.numel() and xs.data_ptr() != self.window.data_ptr() + self.layout.off_data_send:
+            raise TransportError(f"rank {me}: the send plane moved (at {xs.data_ptr()}, the "
+                                 f"device packed at the send area's start)")
+        metan = meta.numpy()[:s_all * 2 * k].reshape(s_all, 2 * k)
+        msn = ms.numpy().view(np.int64).reshape(-1, 2 * k)
+        msn[:s_me] = metan[:s_me]
+        msn[s_me:] = metan[e_me:]
+        got = wire.exchange()
+        num_recv = [num_send[me] if r == me else wire.rows_from(r) for r in range(w)]
+        rstarts = _prefix(num_recv)
+        n_recv = rstarts[-1]
+        wire.finish()
+        recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert = self._receive_device(
+            xd, send_token_idx, num_recv, s_me, meta.data_ptr() + s_me * 16 * k, got, k)
+        handle = DispatchHandle(
+            num_tokens=t, num_recv_tokens=n_recv, topk_idx=topk_idx,
+            send_token_idx=send_token_idx[:s_all], num_send_per_rank=tuple(num_send),
+            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
+            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=None))
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
+
+    def _pinned(self, name: str, n: int, dtype) -> torch.Tensor:
+        """A flat host buffer of ``n`` elements, page-locked, reused across calls (grown when too
+        small): staging of D2H copies that must not wait on pageable memory."""
+        buf = self._buffers.get(("pin", name))
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=torch.cuda.is_available())
+            self._buffers[("pin", name)] = buf
+        return buf[:n]
