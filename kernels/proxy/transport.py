@@ -8,6 +8,9 @@ windows and count arrivals per (source, message). Dispatch is one round, combine
 dispatch_cached one; a row wider than the window's row capacity is split into column rounds.
 Rows to or from this rank itself never touch the wire (copied locally).
 
+Modules: this one holds setup, the failure state, the input checks and the contract's entry
+points; ``round_ops.py`` the operations as wire rounds, ``device_path.py`` the CUDA-input path.
+
 CPU rows on a host window run each operation as two native calls, post and complete
 (``hostop.py`` -> ``kernels/native/efa_op.c``): the routing layout with the contract's value
 checks, the round (headers, packing straight into the registered send area, the peers' headers
