@@ -30,8 +30,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import subprocess
-import tempfile
 import threading
 from typing import Optional, Sequence, Tuple
 
@@ -70,7 +68,7 @@ _lib_error: Optional[str] = None
 
 
 def _build() -> str:
-    from .proxy.native import cache_dir, compiler  # the project's one compiler lookup
+    from .proxy.native import cache_dir, compile_library, compiler  # one build recipe
     cc = compiler()
     if cc is None:
         raise NativeLaunchError("no C compiler found (cc/gcc/clang; apt-get install gcc)")
@@ -84,15 +82,10 @@ def _build() -> str:
     out = os.path.join(d, f"libefa_launch-{h.hexdigest()[:16]}.so")
     if os.path.isfile(out):
         return out
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)  # then rename: ranks never load half a file
-    os.close(fd)
-    proc = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
-    if proc.returncode:
-        os.unlink(tmp)
-        raise NativeLaunchError(f"compiling {SOURCE} failed ({' '.join(cmd)}):\n"
-                                f"{proc.stdout}{proc.stderr}")
-    os.replace(tmp, out)
-    return out
+    try:
+        return compile_library(lambda o: cmd + ["-o", o], out, [SOURCE])
+    except RuntimeError as e:
+        raise NativeLaunchError(str(e)) from e
 
 
 _i64, _i32, _vp, _cp, _sz = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, \

@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 # The C sources live in efa_ep.kernels.native (kernels/native/), next to this package.
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
@@ -145,13 +145,19 @@ def build(force: bool = False) -> str:
     os.makedirs(d, exist_ok=True)
     if os.path.isfile(out) and not force:
         return out
-    # Compile to a private temp name, then rename: concurrent ranks never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+    return compile_library(lambda o: _compile_cmd(cc, o), out, SOURCES)
+
+
+def compile_library(make_cmd: Callable[[str], list], out: str, sources: Sequence[str]) -> str:
+    """Runs the compile command ``make_cmd(path)`` to a private temporary name next to ``out``,
+    then renames it to ``out`` (concurrent ranks never load a half-written file); returns
+    ``out``. Raises RuntimeError with the compiler's output on failure."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
-    proc = subprocess.run(_compile_cmd(cc, tmp), capture_output=True, text=True)
+    proc = subprocess.run(make_cmd(tmp), capture_output=True, text=True)
     if proc.returncode:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {' '.join(SOURCES)} failed ({' '.join(_compile_cmd(cc, out))}):\n"
+        raise RuntimeError(f"compiling {' '.join(sources)} failed ({' '.join(make_cmd(out))}):\n"
                            f"{proc.stdout}{proc.stderr}")
     os.replace(tmp, out)
     return out
