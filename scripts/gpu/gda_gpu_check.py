@@ -4,7 +4,7 @@ Run after the command has started the MPS daemon (several ranks share one GPU):
 
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
     mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python scripts/gpu/gda_gpu_check.py [--skip-tests] [--worlds 2,4,8]
+    PYTHONUNBUFFERED=1 python scripts/gpu/gda_gpu_check.py [--skip-tests] [--worlds 2,4,8]
     echo quit | nvidia-cuda-mps-control
 
 Benchmark: H 7168, bf16, top-8 of 256 experts, contract routes of :mod:`efa_ep.testing.routes`

@@ -9,8 +9,9 @@
 # Carry: .libfabric_src and .native_build (the Debian-linked .so, for the refusal check).
 set -u
 OUT=${OUT:-/tmp/hmem_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo
+export PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo
 source scripts/gpu/gpu_common.sh
+package_setup || exit 1
 TAILN=${TAILN:-6}
 # 1. with Debian's libfabric: hmem='cuda' must be refused with a message naming the verb
 step refusal 60 env EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so python3 -c "

@@ -16,7 +16,8 @@ mps_start
 want() { case " ${PEROP_STEPS:-tests bench} " in *" $1 "*) return 0;; esac; return 1; }
 N=${PEROP_STARTS:-3}
 BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph"
-want tests && TAILN=6 step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
+want tests && TAILN=20 step tests ${PEROP_TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
+  --durations=12 \
   tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "not stress"
 want bench && TAILN=30 step bench 300 python3 scripts/gpu/gda_gpu_check.py $BENCH --starts "$N" --tag _after
 want fast1 && TAILN=12 step fast1 200 python3 scripts/gpu/gda_gpu_check.py $BENCH --starts 1 \
@@ -25,9 +26,10 @@ want nofast && TAILN=12 step nofast 200 python3 scripts/gpu/gda_gpu_check.py $BE
   --options fast_launch=0 --tag _nofast
 if want before; then
   for s in $(seq 1 "$N"); do
-    (cd .before && PYTHONPATH=/tmp/site:$PWD TAILN=12 step before_$s 200 python3 scripts/gpu/gda_gpu_check.py $BENCH)
+    (cd .before && package_setup && TAILN=12 step before_$s 200 python3 scripts/gpu/gda_gpu_check.py $BENCH)
     mv "$OUT/gda_gpu_check.json" "$OUT/gda_gpu_check_before_$s.json" 2>/dev/null
   done
+  package_setup || exit 1
 fi
 want layer && TAILN=6 step layer 240 python3 scripts/gpu/gda_layer_host.py --world 4 --tag _after
 want layer_nofast && TAILN=6 step layer_nofast 240 python3 scripts/gpu/gda_layer_host.py --world 4 \
@@ -35,6 +37,7 @@ want layer_nofast && TAILN=6 step layer_nofast 240 python3 scripts/gpu/gda_layer
 want layer_before && TAILN=6 step layer_before 240 python3 scripts/gpu/gda_layer_host.py --world 4 \
   --repo .before --tag _before
 want profile && TAILN=40 step profile 120 python3 scripts/probes/gda_host_profile.py --world 2 --mode regular --iters 300
-want stress && TAILN=8 step stress 300 python3 scripts/gpu/gda_stress.py --worlds 2,4 --rounds 300 \
+want stress && TAILN=8 step stress 300 python3 scripts/gpu/gda_stress.py --worlds 2,4 --rounds ${PEROP_ROUNDS:-300} \
   --out "$OUT/gda_stress.jsonl"
 mps_stop
+triton_cache_save

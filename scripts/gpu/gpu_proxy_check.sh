@@ -11,10 +11,10 @@
 # machine: the GPU image has the libfabric runtime but no headers). Outputs: $OUT/*.log, $OUT/proxy/.
 set -u
 OUT=${OUT:-/tmp/gpu_proxy_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo \
-       EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so
 source scripts/gpu/gpu_common.sh
+gpu_setup || exit 1
+export FI_TCP_IFACE=lo \
+       EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so
 mps_start
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 want() { case " ${PROXY_STEPS:-tests bench} " in *" $1 "*) return 0;; esac; return 1; }

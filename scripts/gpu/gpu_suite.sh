@@ -8,10 +8,10 @@
 # runtime but no headers). Outputs: $OUT/*.log and $OUT/suite.tgz.
 set -u
 OUT=${OUT:-/tmp/gpu_suite_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FI_TCP_IFACE=lo \
-       TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so
 source scripts/gpu/gpu_common.sh
+gpu_setup || exit 1
+export FI_TCP_IFACE=lo \
+       TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 EFA_EP_PROXY_SO=$PWD/.native_build/libefa_proxy.so
 mps_start
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import efa_ep.kernels as k; print('transports:', k.transport_status())"
