@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from ..base import TransportError, ceil_div, error_for_errno
+from ..base import ceil_div, error_for_errno
 from . import native
 
 

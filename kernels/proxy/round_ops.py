@@ -188,7 +188,7 @@ class RoundOps:
         with native rounds, the native descriptor producer, no test-only header tampering and
         no forced device kernels; else None (the round in steps, below)."""
         wire = self.wire
-        if (wire._nw is None or not wire.native_rounds or wire.tamper in PY_TAMPER
+        if (not wire.native_round or wire._nw is None or wire.tamper in PY_TAMPER
                 or self.producer == "triton" or self.device_kernels == "always"
                 or any(t.device.type != "cpu" for t in tensors)):
             return None

@@ -1,8 +1,8 @@
 """The ``proxy`` transport: command rings + a native multi-channel CPU proxy + a libfabric wire.
 
 A token's path: :meth:`ProxyTransport.dispatch` packs rows into the registered window
-(``window.py``), :class:`~efa_ep.kernels.proxy.wire.Wire` runs one round (header exchange, then
-data; ``wire.py``), the rings (``ring.py``) hand descriptors to the native channel threads
+(``window.py``), a wire runs one round (header exchange, then data: ``wire.py`` natively over a
+host window, ``stepped_wire.py`` in Python steps over a device window), the rings (``ring.py``) hand descriptors to the native channel threads
 (``native.py`` -> ``kernels/native/efa_proxy.c``), which post ``fi_writedata`` into the peers'
 windows and count arrivals per (source, message). Dispatch is one round, combine one,
 dispatch_cached one; a row wider than the window's row capacity is split into column rounds.
@@ -64,7 +64,7 @@ from .ring import Rings
 from .window import ALIGN, NUM_COUNTER_SLOTS, WindowLayout, alloc_window
 from .device_path import DevicePath
 from .round_ops import ProxyHandleState, RoundOps  # noqa: F401 (public name)
-from .wire import Wire
+from .wire import wire_for
 
 
 def availability() -> Optional[str]:
@@ -183,8 +183,7 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         # one set of arrival counters per channel (efa_proxy.h): channels never share a counter
         self.counters = torch.zeros(self.num_channels * self.world_size * NUM_COUNTER_SLOTS,
                                     dtype=torch.int64, pin_memory=pin)
-        self.wire = Wire(self.rank, self.world_size, cfg.max_tokens_per_rank, self.layout, self.window,
-                         self.rings, self.timeout_ms, opts.tamper)
+        self.wire = self._make_wire()
         self._broken: Optional[str] = None
         self._buffers: dict = {}  # work buffers (combine's float32, pinned staging), see _scratch
         # host arrays of the native layout / checks / reduction, allocated once
@@ -232,6 +231,13 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         return self.timeout_ms / 1000
 
     # Setup ----------------------------------------------------------------------------------
+    def _make_wire(self):
+        """The wire of this transport's window (native rounds on a host window, steps on a
+        device window)."""
+        return wire_for(self.window)(self.rank, self.world_size, self.cfg.max_tokens_per_rank,
+                                     self.layout, self.window, self.rings, self.timeout_ms,
+                                     self.options.tamper)
+
     def _start_engine(self) -> None:
         if self.provider.split(";")[0] == "shm":
             # segments of killed processes (SIGKILL skips the provider's unlink) go first
@@ -300,7 +306,7 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
             warnings.warn(f"{ex}; hmem='auto' continues with a host window (host-staged)")
             self.hmem = "off"
             self.window, self.hmem_device = alloc_window(self.window_bytes, self.hmem)
-            self.wire.set_window(self.window)
+            self.wire = self._make_wire()
             self._start_engine()
         w, nc = self.world_size, self.num_channels
         mine = [self.engine.local_info(c)[:2] for c in range(nc)]

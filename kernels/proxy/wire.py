@@ -19,11 +19,13 @@
    (known from the header), never inferring completion from order; then checks the footer. On
    the receiving side source r's planes sit at fixed offsets of its region, 16-byte aligned.
 
-Steps 1, 3, 5 and every check of a round run in one native call each on a host window
-(``kernels/native/efa_round.c``): no per-message or per-peer Python. A device window
-(``hmem='cuda'``) runs the steps in Python, with the same native header checks
-(``efa_wire_check_headers``); every problem is worded in C. CPU rows on a host window skip the
-steps altogether: ``hostop.py`` runs a whole operation in two native calls.
+Two kinds of wire run a round. :class:`Wire` (a host window) runs steps 1, 3, 5 and every
+check in one native call each (``kernels/native/efa_round.c``): no per-message or per-peer
+Python. :class:`~efa_ep.kernels.proxy.stepped_wire.SteppedWire` (a device window,
+``hmem='cuda'``) runs the same steps in Python with the same native header checks
+(``efa_wire_check_headers``); every problem is worded in C. :func:`wire_for` picks the kind.
+CPU rows on a host window skip the steps altogether: ``hostop.py`` runs a whole operation in two
+native calls.
 
 Every header field from a peer is checked against this rank's capacities before its data is used;
 a peer that breaks the protocol raises :class:`ProtocolViolation`.
@@ -44,11 +46,14 @@ from ..base import (
 from . import native
 from .options import PY_TAMPER
 from .ring import Rings, describe_messages, native_call
-from .wire_steps import MSG_MASK, PythonRoundSteps
+from .tamper import tamper_data, tamper_header
 from .window import (
     ALIGN, ERR_BYTES, H_STATUS, HDR_FIXED, OP_DISPATCH, OP_NAMES, WindowLayout, as_bytes,
     row_format,
 )
+
+
+MSG_MASK = native.IMM_MSG_MASK  # message ids as carried in the immediate data
 
 
 class GroupError(ProtocolError):
@@ -61,8 +66,9 @@ class ProtocolViolation(ProtocolError):
     inconsistent header and data, stale round tag)."""
 
 
-class Wire(PythonRoundSteps):
-    """Rounds over one window, one set of rings and one engine (see the module docstring).
+class Wire:
+    """Rounds over one host window, one set of rings and one engine, in native steps (see the
+    module docstring; a device window takes a ``SteppedWire``, :func:`wire_for`).
 
     A round is three calls, with the caller's work in between (nothing per message or per peer
     in Python on a host window: each call is one native call, ``efa_round.c``):
@@ -74,9 +80,8 @@ class Wire(PythonRoundSteps):
        its own share while the data flies;
     4. :meth:`finish`: wait for every peer's data, check its footer; :meth:`recv` views it.
 
-    A device window (``hmem='cuda'``) runs the same steps in Python (numpy, with the headers
-    staged through host memory); so does the naming of any problem the native checks detect
-    (the exact error every rank raises comes from one place, ``efa_wire_check_headers``).
+    The naming of any problem the native checks detect is the same for both kinds of wire (the
+    exact error every rank raises comes from one place, ``efa_wire_check_headers``).
 
     Args:
         rank, world: this rank and the EP group size. max_tokens_per_rank: row capacity of a slot.
@@ -85,8 +90,14 @@ class Wire(PythonRoundSteps):
         tamper: test-only fault kind (EFA_EP_PROXY_TAMPER) or "".
     """
 
+    #: the round's steps run in native code (False: in Python, ``SteppedWire``)
+    native_round = True
+
     def __init__(self, rank: int, world: int, max_tokens_per_rank: int, layout: WindowLayout,
                  window: torch.Tensor, rings: Rings, timeout_ms: int, tamper: str = ""):
+        if window.is_cuda and self.native_round:
+            raise TransportError(f"rank {rank}: a device window's rounds run as steps: create "
+                                 f"it with wire_for(window)")
         self.rank, self.world = rank, world
         self.max_tokens_per_rank = max_tokens_per_rank
         self.layout = layout
@@ -99,9 +110,7 @@ class Wire(PythonRoundSteps):
         self.seq = 0
         self.use_triton = False
         self.triton_device = None
-        # the native round (host windows); False forces the Python steps (tests compare both)
-        self.native_rounds = True
-        self._nw = None
+        self._nw = self._checks = None
         w, lay = world, layout
         self._peers = np.array([r for r in range(w) if r != rank], dtype=np.int64)
         self._wait_srcs = np.zeros(max(1, w), dtype=np.int32)
@@ -147,12 +156,6 @@ class Wire(PythonRoundSteps):
             self._hdr_is_window = True
         self._hdr_stage_i64 = self._hdr_stage[:, :lay.hdr_fields * 8].view(np.int64)
 
-    def set_window(self, window: torch.Tensor) -> None:
-        self.window = window
-        self._bind_window()
-        if self.engine is not None:
-            self._bind_native()
-
     def start(self, engine, gen: int) -> None:
         self.engine = engine
         self.gen = gen
@@ -160,8 +163,8 @@ class Wire(PythonRoundSteps):
         self._bind_native()
 
     def _bind_native(self) -> None:
-        """The native round's struct over this wire's arrays: its steps run on host windows
-        (``_nw``); its header checks on every window (``_checks``)."""
+        """The native round's struct over this wire's arrays: its steps (``_nw``) and its header
+        checks (``_checks``, the same object here; a ``SteppedWire`` uses only the checks)."""
         self._nw = self._checks = None
         if self.engine is None:
             return
@@ -183,7 +186,7 @@ class Wire(PythonRoundSteps):
         st.rows_to = self._rows_to.ctypes.data
         st.plan, st.got, st.rows_from = self._plan.ctypes.data, self._got.ctypes.data, self._rows_from.ctypes.data
         self._checks = native.NativeWire(st)
-        self._nw = None if self.window.is_cuda else self._checks
+        self._nw = self._checks
 
     def wait_seconds(self) -> float:
         """Cumulative seconds the calling thread spent blocked in the engine's waits (headers,
@@ -299,32 +302,34 @@ class Wire(PythonRoundSteps):
         if n_recv is not None:
             self._n_recv[:] = n_recv
         self._round = (seq, op, list(widths), fmt, tag, error, n_recv is not None, count_rows)
+        st = self._checks.st  # the round's inputs, for the native steps and checks
+        st.seq, st.op, st.status, st.nplanes = seq, op, STATUS_BAD_INPUT if error else STATUS_OK, len(widths)
+        st.tag, st.fmt, st.row_bytes = tag, fmt, sum(widths)
+        for i, wd in enumerate(widths):
+            st.widths[i] = wd
+        if extras is not None and not error:
+            self._extras[:, :extras.shape[1]] = extras
+            st.extras = self._extras_ptr
+        else:
+            st.extras = None
+        st.n_recv = self._n_recv_ptr if n_recv is not None else None
+        self._begin_steps(op, widths, extras, fmt, tag, error, seq)
+
+    def _begin_steps(self, op, widths, extras, fmt, tag, error, seq) -> None:
+        """Waits for the send side, posts the headers and lays out the send area (one native
+        call; error text or test-only tampering go into the headers before they are posted)."""
         tampering = (not error and op == OP_DISPATCH and self.tamper in PY_TAMPER
                      and self.tamper != "ids")
-        if self._checks is not None:  # the round's inputs, for the native steps and checks
-            st = self._checks.st
-            st.seq, st.op, st.status, st.nplanes = seq, op, STATUS_BAD_INPUT if error else STATUS_OK, len(widths)
-            st.tag, st.fmt, st.row_bytes = tag, fmt, sum(widths)
-            for i, wd in enumerate(widths):
-                st.widths[i] = wd
-            if extras is not None and not error:
-                self._extras[:, :extras.shape[1]] = extras
-                st.extras = self._extras_ptr
+        self.native(self._nw.begin, not (error or tampering))
+        self._nmsgs = self._nw.st.nmsgs
+        if error or tampering:
+            if error:
+                text = error.encode("utf-8")
+                f8 = self.layout.hdr_fields * 8
+                self._hdr_stage[:, f8:f8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
             else:
-                st.extras = None
-            st.n_recv = self._n_recv_ptr if n_recv is not None else None
-        if self._nw is not None and self.native_rounds:
-            self.native(self._nw.begin, not (error or tampering))
-            self._nmsgs = st.nmsgs
-            if error or tampering:
-                if error:
-                    f8 = self.layout.hdr_fields * 8
-                    self._hdr_stage[:, f8:f8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
-                else:
-                    self._tamper_header(op, self._hdr_stage_i64, rt, widths)
-                self.native(self._nw.post_headers)
-        else:
-            self._py_begin(op, widths, extras, fmt, tag, error, seq)
+                tamper_header(self, op, self._hdr_stage_i64, self._rows_to, widths)
+            self.native(self._nw.post_headers)
 
     def slot(self, p: int, d: int) -> torch.Tensor:
         """Writable ``[rows_to[d], widths[p]]`` uint8 view of plane ``p`` of the rows to rank
@@ -357,39 +362,31 @@ class Wire(PythonRoundSteps):
             round; every field was checked against this rank's capacities.
         """
         seq, op, widths, fmt, tag, error, has_n_recv, count_rows = self._round
-        self._tamper_data(op)
+        tamper_data(self, op)
         posted_data = False
         try:
-            if self._nw is not None and self.native_rounds:
-                rc = self.native(self._nw.exchange, not self.use_triton)
-                if rc:  # a header is not clean: every rank raises the same error
-                    self.header_error(rc, seq, op, error)
-                if self.use_triton and self._nmsgs:
-                    m = self._nmsgs
-                    self._push_triton(self._msgs[:, :m], (2 * seq + 1) & MSG_MASK)
-                posted_data = True
-            else:
-                self._py_exchange(seq, op, widths, fmt, tag, error, has_n_recv)
-                posted_data = True
+            self._exchange_steps(seq, op, widths, fmt, tag, error, has_n_recv)
+            posted_data = True
             return self._got
         finally:
             self._account(posted_data, widths, count_rows)
 
+    def _exchange_steps(self, seq, op, widths, fmt, tag, error, has_n_recv) -> None:
+        rc = self.native(self._nw.exchange, not self.use_triton)
+        if rc:  # a header is not clean: every rank raises the same error
+            self.header_error(rc, seq, op, error)
+        if self.use_triton and self._nmsgs:
+            self._push_triton(self._msgs[:, :self._nmsgs], (2 * seq + 1) & MSG_MASK)
+
+    def _push_triton(self, msgs: np.ndarray, msg: int) -> None:
+        dests, loffs, roffs, sizes = (a.tolist() for a in msgs)
+        self.rings.push_triton(dests, loffs, roffs, sizes, msg, self.layout.chunk_bytes,
+                               self.triton_device)
+
     def finish(self) -> None:
         """Waits for every chunk of every peer's data, then checks each footer against its
         header (a :class:`ProtocolViolation` names the peer)."""
-        seq, op, widths, fmt, tag, error, _, _ = self._round
-        if self._nw is not None and self.native_rounds:
-            self.native(self._nw.finish)  # a footer problem is named in C
-        else:
-            srcs = self._peers[self._rows_from[self._peers] > 0]
-            if len(srcs):
-                self.wait((2 * seq + 1) & MSG_MASK, srcs, self._data_chunks_np(self._rows_from[srcs], widths))
-            for r in srcs.tolist():
-                n = int(self._rows_from[r])
-                foot = self._footer(r, n, widths)
-                if int(foot[0]) != n or int(foot[1]) != tag:
-                    self._footer_violation(r, OP_NAMES[op], widths, tag)
+        self.native(self._nw.finish)  # a footer problem is named in C
 
     def rows_from(self, r: int) -> int:
         """Rows rank ``r`` sent this round (from its checked header; 0 for this rank)."""
@@ -435,7 +432,7 @@ class Wire(PythonRoundSteps):
     def _account(self, posted_data: bool, widths: List[int], count_rows: bool) -> None:
         """Adds what this round handed to the engine to :attr:`posted`."""
         p = self.posted
-        native_round = self._nw is not None and self.native_rounds
+        native_round = self.native_round
         if native_round:  # headers, and data posted by efa_post_messages
             st = self._nw.st
             p["writes"] += st.r_writes
@@ -571,3 +568,12 @@ class Wire(PythonRoundSteps):
                     out_b[starts[r]:starts[r] + n_recv[r], c0:c1].copy_(views[0])
         out[starts[me]:starts[me] + n_recv[me]].copy_(self_rows)
         return out
+
+
+def wire_for(window: torch.Tensor) -> type:
+    """The kind of wire that runs rounds over ``window``: :class:`Wire` for a host window, a
+    ``SteppedWire`` for a device window."""
+    if window.is_cuda:
+        from .stepped_wire import SteppedWire
+        return SteppedWire
+    return Wire

@@ -7,7 +7,7 @@ round implementations (native ``efa_round.c`` and the Python steps device window
 - ``efa_unpack_meta`` == the transport's unpacking and its refusals, each worded by
   ``efa_describe_meta``;
 - dispatch / combine / dispatch_cached / combine_topk_weights with the Python round steps forced
-  (``wire.native_rounds = False``) are bit-identical to ``torch``, as the native operations are;
+  (``SteppedWire``, the device window's rounds, over a host window) are bit-identical to ``torch``, as the native operations are;
 - a whole operation on CPU rows is two native calls (``efa_op.c``), its header errors are worded
   in C alike on every rank, its waits' deadlines name the peer, the op and the round, and idle
   channel threads block until the next operation wakes them.
@@ -171,6 +171,7 @@ def test_unpack_meta_unpacks_and_refuses_what_check_meta_refuses():
 # --------------------------------------------------------------------------------------------
 def _rounds_rank(rank, world, provider, python_rounds):
     from efa_ep.kernels import create_transport
+    from efa_ep.kernels.proxy.stepped_wire import SteppedWire
     from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
@@ -183,7 +184,8 @@ def _rounds_rank(rank, world, provider, python_rounds):
         ref = create_transport("torch", None, num_experts, hidden, 32, dtype)
         px = create_transport("proxy", None, num_experts, hidden, 32, dtype, provider=provider,
                               num_channels=2, chunk_bytes=256, timeout_s=30)
-        px.wire.native_rounds = not python_rounds
+        if python_rounds:
+            px.wire = SteppedWire.take_over(px.wire)
         for seed, kind in enumerate(("random", "dropped", "one_rank")):
             t = tokens[rank]
             idx, w = contract_route(kind, t, num_experts, topk, world, seed * 7 + rank)
@@ -201,7 +203,8 @@ def _rounds_rank(rank, world, provider, python_rounds):
             if not same(ref.combine_topk_weights(gw, r[4]), px.combine_topk_weights(gw, p[4])):
                 bad.append((hidden, seed, "combine_topk_weights"))
         # the rounds ran where asked: the native round's own wait clock moved only for it
-        assert (px.wire._nw.st.wait_ns > 0) == (not python_rounds), px.wire._nw.st.wait_ns
+        assert type(px.wire).native_round == (not python_rounds)
+        assert (px.wire._checks.st.wait_ns > 0) == (not python_rounds), px.wire._checks.st.wait_ns
         px.close()
     return bad
 

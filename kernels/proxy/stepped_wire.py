@@ -1,8 +1,8 @@
-"""The proxy round in Python steps, for what the native round does not cover: a device window
-(``hmem='cuda'``: headers staged and copied up), the Triton descriptor producer, and the
-test-only header and data tampering (``EFA_EP_PROXY_TAMPER``). Same send-area layout, messages
-and header checks (``efa_wire_check_headers``) as ``efa_round.c``. A mixin of
-:class:`~efa_ep.kernels.proxy.wire.Wire`, whose state it uses."""
+"""The proxy round in Python steps: :class:`SteppedWire`, the wire of a device window
+(``hmem='cuda'``: headers staged in host memory and copied up, the window written by kernels).
+Same send-area layout, messages and header checks (``efa_wire_check_headers``) as the native
+round of :class:`~efa_ep.kernels.proxy.wire.Wire` (``efa_round.c``); the tests run both kinds
+over one host window and compare them."""
 from __future__ import annotations
 
 from typing import List
@@ -12,17 +12,49 @@ import torch
 
 from ..base import STATUS_BAD_INPUT, STATUS_OK, TransportError, align_up
 from . import native
-from .options import PY_TAMPER
+from .tamper import tamper_header
 from .window import (
     ALIGN, FOOTER_BYTES, H_CHUNKS, H_FORMAT, H_OP, H_ROW_BYTES, H_ROWS, H_STATUS, H_TAG, HDR_FIXED,
-    OP_DISPATCH,
+    OP_NAMES,
 )
+from .wire import MSG_MASK, Wire
 
-MSG_MASK = native.IMM_MSG_MASK  # message ids as carried in the immediate data
 
+class SteppedWire(Wire):
+    """:class:`Wire`'s round as Python steps (see the module). Same constructor."""
 
-class PythonRoundSteps:
-    """:class:`Wire`'s round as Python steps (see the module)."""
+    native_round = False
+
+    @classmethod
+    def take_over(cls, wire: Wire) -> "SteppedWire":
+        """A stepped wire that continues ``wire``'s rounds from its state (use it instead of
+        ``wire`` from now on); tests run the two kinds over one host window to compare them."""
+        new = cls.__new__(cls)
+        new.__dict__.update(wire.__dict__)
+        new._nw = None
+        return new
+
+    def _bind_native(self) -> None:
+        super()._bind_native()
+        self._nw = None  # only the header checks are native here
+
+    def _begin_steps(self, op, widths, extras, fmt, tag, error, seq) -> None:
+        self._py_begin(op, widths, extras, fmt, tag, error, seq)
+
+    def _exchange_steps(self, seq, op, widths, fmt, tag, error, has_n_recv) -> None:
+        self._py_exchange(seq, op, widths, fmt, tag, error, has_n_recv)
+
+    def finish(self) -> None:
+        seq, op, widths, fmt, tag, error, _, _ = self._round
+        srcs = self._peers[self._rows_from[self._peers] > 0]
+        if len(srcs):
+            self.wait((2 * seq + 1) & MSG_MASK, srcs,
+                      self._data_chunks_np(self._rows_from[srcs], widths))
+        for r in srcs.tolist():
+            n = int(self._rows_from[r])
+            foot = self._footer(r, n, widths)
+            if int(foot[0]) != n or int(foot[1]) != tag:
+                self._footer_violation(r, OP_NAMES[op], widths, tag)
 
     def _py_plan(self, widths: List[int]) -> None:
         """The send area's layout (efa_round.c's rule): plane p of every destination in rank
@@ -79,7 +111,7 @@ class PythonRoundSteps:
             hdr[:, H_CHUNKS] = self._data_chunks_np(rt, widths)
             if extras is not None:
                 hdr[:, HDR_FIXED:HDR_FIXED + extras.shape[1]] = extras
-            self._tamper_header(op, hdr, rt, widths)
+            tamper_header(self, op, hdr, rt, widths)
             self._py_plan(widths)
         if not self._hdr_is_window:  # a device window: the header goes up from its staging buffer
             self.window_view(lay.off_hdr_send, self.world * lay.hdr_bytes).copy_(
@@ -118,45 +150,3 @@ class PythonRoundSteps:
             self._push_triton(msgs, (2 * seq + 1) & MSG_MASK)
         else:
             self.rings.post((2 * seq + 1) & MSG_MASK, *msgs, lay.chunk_bytes)
-
-    def _push_triton(self, msgs: np.ndarray, msg: int) -> None:
-        dests, loffs, roffs, sizes = (a.tolist() for a in msgs)
-        self.rings.push_triton(dests, loffs, roffs, sizes, msg, self.layout.chunk_bytes,
-                               self.triton_device)
-
-    def _tamper_header(self, op: int, hdr: np.ndarray, rows_to: np.ndarray, widths) -> None:
-        """Test-only (EFA_EP_PROXY_TAMPER): corrupts this rank's first dispatch header to a peer
-        it sends rows to, once ("ids" corrupts the data instead, see _tamper_data)."""
-        kind = self.tamper
-        if kind not in PY_TAMPER or kind == "ids" or op != OP_DISPATCH:
-            return
-        nz = np.flatnonzero(rows_to)
-        if len(nz) == 0:
-            return
-        d = int(nz[0])
-        if kind == "rows":
-            hdr[d, H_ROWS] += 3
-        elif kind == "rows_consistent":  # chunk count matching the lie: only the footer tells
-            hdr[d, H_ROWS] += 3
-            hdr[d, H_CHUNKS] = self.layout.data_chunks(int(hdr[d, H_ROWS]), widths)
-        elif kind == "capacity":
-            hdr[d, H_ROWS] = self.max_tokens_per_rank + 1
-        elif kind == "chunks":
-            hdr[d, H_CHUNKS] += 1
-        elif kind == "expert_counts":
-            hdr[d, HDR_FIXED] += 1
-        elif kind == "tag":
-            hdr[d, H_TAG] -= 2
-        self.tamper = ""
-
-    def _tamper_data(self, op: int) -> None:
-        """Test-only: "ids" puts an out-of-range expert id into the first dispatch's packed
-        routing metadata (plane 1) to a peer it sends rows to, once."""
-        if self.tamper != "ids" or op != OP_DISPATCH or self._round[5]:
-            return
-        nz = np.flatnonzero(self._rows_to)
-        if not len(nz):
-            return
-        ids = self.slot(1, int(nz[0])).view(torch.int64)  # the meta plane in the send area: ids first
-        ids[0, 0] = 999
-        self.tamper = ""
