@@ -8,8 +8,9 @@ expert-parallel ranks. Knows nothing of Megatron.
 
 The contract is written in :mod:`efa_ep.kernels.base` (its pieces live in ``core/``: errors,
 handles, routing math, input checks, the status exchange, the ``Transport`` class). Each
-transport has one home: ``torch_a2a.py``, ``hier.py``, ``gda/`` and ``proxy/`` (packages with a
-front class, window/layout, device kernels and, for the proxy, the native binding); ``native/``
+transport is a package: ``torch_a2a/``, ``hier/``, ``gda/`` and ``proxy/``, each with its front class
+in ``transport.py`` and, where it has them, window/layout, device kernels and native binding
+(the hosts each rank runs on come from ``core/hosts.py``); ``native/``
 holds the C sources, ``launch.py`` and ``native_launch.py`` the kernel launch paths. Names map
 to factories in one registry; a transport module is imported only when it is asked for or
 probed.
@@ -95,14 +96,9 @@ def resolve_transport_name(name: str) -> str:
 def ranks_per_node(group, node_size=None) -> int:
     """Ranks per host of ``group`` (collective over it); ``node_size`` (hier's option, which the
     dispatcher's settings fill from ``EFA_EP_NODE_SIZE``) emulates nodes."""
-    import socket
+    from .core.hosts import ranks_per_node as per_node
 
-    world = dist.get_world_size(group)
-    if node_size is not None and 0 < int(node_size) <= world:
-        return int(node_size)
-    hosts = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return max(hosts.count(h) for h in set(hosts))
+    return per_node(group, node_size)
 
 
 def auto_choice(world: int, ranks_per_node: int, options: dict,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import time
 from typing import Optional
 
@@ -12,6 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..core.hosts import host_id
 from ..base import (
     STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, ProtocolError, Transport,
     TransportBroken, TransportError, TransportUnavailable, align_up, describe_status,
@@ -100,7 +100,7 @@ class GdaTransport(Transport):
                                  f"off, got {gate!r}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
-        me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
+        me = (host_id(), str(getattr(props, "uuid", self.device.index)))
         peers = [None] * self.world_size
         dist.all_gather_object(peers, me, group=group)
         hosts = sorted({h for h, _ in peers})

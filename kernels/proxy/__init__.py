@@ -2,13 +2,17 @@
 
 One concern per module, read top to bottom along a token's path:
 
-- ``options.py``: the transport's options and their EFA_EP_PROXY_* environment variables;
+- ``options.py``: the transport's options, resolved once;
 - ``window.py``: the registered window's layout, header and footer formats;
 - ``ring.py``: command rings and the descriptor producers (host code, Triton kernel);
-- ``wire.py``: one round of the protocol (header exchange, data, checks);
+- ``wire.py``: one round of the protocol (header exchange, data, checks) in native steps over a
+  host window; ``stepped_wire.py`` the same round in Python steps over a device window;
+  ``tamper.py`` the test-only faults of a round;
 - ``transport.py``: :class:`ProxyTransport`, the contract methods, setup and failure state;
-- ``device.py``: the Triton kernels of CUDA inputs on a host window (combine's reduction from
-  the window; optionally the dispatch's layout, packing and receive);
+- ``round_ops.py``: the operations as wire rounds (routing, packing, reductions, the handle);
+- ``hostop.py``: a whole operation on CPU rows over a host window in two native calls;
+- ``device_path.py`` and ``device.py``: CUDA inputs on a host window (the Triton kernels of the
+  dispatch's layout, packing and receive, and of combine's reduction from the window);
 - ``native.py``: the one ctypes boundary to the C engine (``kernels/native/``).
 """
 from . import native

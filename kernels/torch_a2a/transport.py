@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import socket
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .base import (
+from ..core.hosts import gather_processes, host_id, pid_exited
+from ..base import (
     H_AUX, H_D, H_DTYPE, H_K, H_REF, H_ROWS, H_STATUS, OP_HEADER_FIELDS, STATUS_BAD_RECEIVED,
     DispatchHandle, DispatchInputError, HandleState, PeerFailure, ProtocolError, Transport,
     TransportBroken, TransportError, check_received_counts, compute_send_layout, count_sends,
@@ -62,31 +61,6 @@ class TorchHandleState(HandleState):
     k: int
 
 
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _pid_exited(pid: int) -> bool:
-    """True when ``pid`` (on this host) no longer runs: gone, or a zombie not yet reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state in ("Z", "X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-
-
 class TorchTransport(Transport):
     """Reference transport; see ``efa_ep.kernels.base`` for the contract.
 
@@ -112,23 +86,21 @@ class TorchTransport(Transport):
         self._pending_check = None
         self._group_ranks = dist.get_process_group_ranks(group)
         # Who is who, to name a dead peer when the backend only reports a socket error.
-        peers = [None] * self.world_size
-        dist.all_gather_object(peers, (_host_id(), os.getpid()), group=group)
-        self._peers = peers
+        self._peers = gather_processes(group)
 
     # Failure handling ---------------------------------------------------------------------
     def _describe_ranks(self) -> str:
         return f"EP group ranks 0..{self.world_size - 1} (global ranks {self._group_ranks})"
 
     def _dead_peers(self):
-        me = _host_id()
+        me = host_id()
         dead, unknown = [], []
         for r, (host, pid) in enumerate(self._peers):
             if r == self.rank:
                 continue
             if host != me:
                 unknown.append(r)
-            elif _pid_exited(pid):
+            elif pid_exited(pid):
                 dead.append(r)
         return dead, unknown
 

@@ -69,17 +69,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import socket
 import time
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .options import SCHEMAS
-from .torch_a2a import _host_id, _pid_exited
-from .base import (
+from ..core.hosts import gather_hosts, gather_processes, host_id, pid_exited
+from ..options import SCHEMAS
+from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
     ProtocolError,
     Transport, TransportBroken, TransportError, agree_on_input, collective_device, compute_send_layout, rows_input_error,
@@ -108,8 +106,7 @@ def node_layout(group, node_size: Optional[int] = None):
             raise TransportError(f"rank {rank}: hier node_size={g} must divide the EP group "
                                  f"size {world}")
         return world // g, g
-    hosts = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = gather_hosts(group)
     order = list(dict.fromkeys(hosts))
     g = hosts.count(order[0])
     expect = [h for h in order for _ in range(g)]
@@ -143,7 +140,7 @@ class HierDispatchState(HandleState):
 
 def _hier_option(key: str, value, where: str):
     """``value`` checked against the hier schema (kernels/options.py); one-line TransportError."""
-    from .options import ConfigError
+    from ..options import ConfigError
 
     try:
         return SCHEMAS["hier"][key].convert(value, where)
@@ -166,7 +163,7 @@ class HierTransport(Transport):
 
     def __init__(self, cfg, group):
         super().__init__(cfg, group)
-        from . import create_transport
+        from .. import create_transport
 
         opts = dict(cfg.options)
         who = f"rank {self.rank}: hier option"
@@ -179,7 +176,7 @@ class HierTransport(Transport):
         local_name = _hier_option("local", opts.get("local", "auto"), who)
         self.aggregate = _hier_option("aggregate", opts.get("aggregate", 1), who)
         if local_name == "auto":
-            from . import gda
+            from .. import gda
             local_name = "gda" if gda.availability() is None else "torch"
         ranks = [dist.get_global_rank(group, i) for i in range(self.world_size)]
         backend = dist.get_backend(group)
@@ -228,8 +225,7 @@ class HierTransport(Transport):
                            else list(range(self.local_rank, self.world_size, g)))
         self._node_ranks = list(range(self.node * g, (self.node + 1) * g))
         # Who is who, to name a dead peer when gloo only reports a socket error (as torch does).
-        self._peers = [None] * self.world_size
-        dist.all_gather_object(self._peers, (_host_id(), os.getpid()), group=group)
+        self._peers = gather_processes(group)
 
     @property
     def last_op_counts(self) -> Dict[str, NetOpCounts]:
@@ -278,11 +274,11 @@ class HierTransport(Transport):
     def _exited(self, ranks, text: str) -> str:
         """Names the peers among EP ``ranks`` whose process on this host has exited (a peer
         that closed its sockets may still be exiting: looked at for up to 0.5 s)."""
-        me = _host_id()
+        me = host_id()
         closed = any(w in text.lower() for w in ("closed", "reset", "broken pipe"))
         for attempt in range(11):
             dead = [r for r in ranks if r != self.rank and self._peers[r][0] == me
-                    and _pid_exited(self._peers[r][1])]
+                    and pid_exited(self._peers[r][1])]
             if dead or not closed or attempt == 10:
                 break
             time.sleep(0.05)
