@@ -4,7 +4,8 @@
 #   PEROP_STEPS  which steps, default "tests bench"; also: before (the same bench from the
 #                checkout in .before/, a before/after comparison), nofast (fast_launch=0),
 #                fast1 (fast_launch=1: one launch per kernel, no native programs),
-#                layer (Megatron layer at a training shape; layer_before, layer_nofast likewise),
+#                layer (Megatron layer at a training shape; layer_before, layer_nofast likewise;
+#                layers: PEROP_STARTS fresh starts of it),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds)
 #   PEROP_STARTS starts per bench (default 3)
 # Carry: .whl (megatron-core wheel for the GPU's Python), .before when a before step runs.
@@ -19,7 +20,7 @@ BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph"
 want tests && TAILN=20 step tests ${PEROP_TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
   --durations=12 \
   tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "not stress"
-want bench && TAILN=30 step bench 300 python3 scripts/gpu/gda_gpu_check.py $BENCH --starts "$N" --tag _after
+want bench && TAILN=30 step bench "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py $BENCH --starts "$N" --tag _after
 want fast1 && TAILN=12 step fast1 200 python3 scripts/gpu/gda_gpu_check.py $BENCH --starts 1 \
   --options fast_launch=1 --tag _fast1
 want nofast && TAILN=12 step nofast 200 python3 scripts/gpu/gda_gpu_check.py $BENCH --starts 1 \
@@ -32,6 +33,12 @@ if want before; then
   package_setup || exit 1
 fi
 want layer && TAILN=6 step layer 240 python3 scripts/gpu/gda_layer_host.py --world 4 --tag _after
+if want layers; then  # the layer, PEROP_STARTS fresh starts
+  for s in $(seq 1 "$N"); do
+    TAILN=3 step layer_$s "${PEROP_LAYER_S:-120}" python3 scripts/gpu/gda_layer_host.py --world 4 \
+      --steps 8 --tag "_start$s"
+  done
+fi
 want layer_nofast && TAILN=6 step layer_nofast 240 python3 scripts/gpu/gda_layer_host.py --world 4 \
   --options fast_launch=0 --tag _nofast
 want layer_before && TAILN=6 step layer_before 240 python3 scripts/gpu/gda_layer_host.py --world 4 \
