@@ -333,7 +333,7 @@ class WarmupConfig:
 
 
 @dataclasses.dataclass
-class TransportConfig:
+class DispatcherTransportConfig:
     """``efa_ep.transport``: settings of the ``efa`` dispatcher, exported as ``EFA_EP_*``
     environment variables to every rank / NeMo-RL worker (``efa_ep.dispatcher.settings``)."""
 
@@ -382,7 +382,7 @@ class EfaEpConfig:
     model: TinyMoEConfig = dataclasses.field(default_factory=TinyMoEConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
-    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+    transport: DispatcherTransportConfig = dataclasses.field(default_factory=DispatcherTransportConfig)
 
     def __post_init__(self):
         if self.trainer not in ("auto", "builtin", "nemo_rl"):
@@ -452,7 +452,7 @@ _NESTED = {
     ("PolicyConfig", "generation"): GenerationConfig, ("PolicyConfig", "megatron_cfg"): MegatronConfig,
     ("MegatronConfig", "optimizer"): OptimizerConfig,
     ("EfaEpConfig", "model"): TinyMoEConfig, ("EfaEpConfig", "task"): TaskConfig,
-    ("EfaEpConfig", "warmup"): WarmupConfig, ("EfaEpConfig", "transport"): TransportConfig,
+    ("EfaEpConfig", "warmup"): WarmupConfig, ("EfaEpConfig", "transport"): DispatcherTransportConfig,
 }
 _STRICT = {"efa_ep"}
 _NESTED_SECTIONS = {name for (owner, name) in _NESTED if owner == "TrainerConfig"}
