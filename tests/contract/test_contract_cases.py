@@ -12,8 +12,10 @@ over loopback tcp) runs every case; each test reads its case from that launch.
   (random gradients, and the received weights back to ``topk_weights``).
 - Bad input on rank 1 (wrong dtype or shape, an expert id out of range, a NaN/Inf weight, too
   many tokens, wrong rows or handle for the other operations): :class:`DispatchInputError` on
-  every rank with the same message, naming rank 1 and what it got wrong, raised through the
-  status exchange (not after a deadline); then a checked round: the transport is still usable.
+  every rank with the same message, naming rank 1 (``invalid input on rank(s) [1]``) and what it
+  got wrong (the tensor where every transport names it alike: ``topk_idx``, ``combine input
+  y``), raised through the status exchange (not after a deadline); then a checked round: the
+  transport is still usable.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def test_bad_input_raises_the_same_dispatch_input_error_on_every_rank(case, tran
     messages = {res["message"] for res in per_rank}
     assert len(messages) == 1, f"ranks raise different messages: {messages}"
     msg = messages.pop()
-    assert f"rank(s) [{cw.BAD_RANK}]" in msg and f"rank {cw.BAD_RANK}:" in msg, msg
+    assert (f"invalid input on rank(s) [{cw.BAD_RANK}]" in msg
+            and f"rank {cw.BAD_RANK}:" in msg), msg
     assert NEEDLE[case] in msg, msg
     worst = max(res["seconds"] for res in per_rank)
     assert worst < cw.DEADLINE_S, f"took {worst:.2f}s: waited out a deadline instead of refusing"

@@ -6,7 +6,11 @@ loopback (EP 4) or ``torch`` (EP 8, to keep CI short), with ``aggregate=1`` (onc
 must be bit-identical; combine bit-identical when every token has at most two destination
 ranks or all of them on one node, else equal to rounding (sums grouped). The network counts
 (``last_op_counts``) must equal a brute-force count from the routes, and with a proxy network
-the writes it reports must equal the native engine's own counter."""
+the writes it reports must equal the native engine's own counter.
+
+Bad input on one rank and a peer that exits: the contract suite (tests/contract, hier as 2 nodes
+with a proxy network). hier meets both in its own status exchange over the whole group, before
+any stage runs, so the network stage does not change them."""
 import pytest
 import torch
 
@@ -222,28 +226,6 @@ def test_hier_schema_refuses_bad_aggregate_in_the_launcher():
         validate_options("hier", {"agregate": "1"}, where="X")
 
 
-def _bad_input_worker(rank, world):
-    from efa_ep.kernels import create_transport
-
-    t = create_transport("hier", None, 8, 4, 16, torch.float32, node_size=2, network="torch")
-    x = torch.randn(3, 4)
-    idx = torch.tensor([[0, 5], [1, 7], [3, -1]])
-    if rank == 3:
-        idx = idx.clone()
-        idx[1, 0] = 42
-    try:
-        t.dispatch(x, idx, torch.ones(3, 2))
-    except Exception as e:  # every rank must raise, naming rank 3
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
-def test_hier_bad_input_raises_on_every_rank():
-    msgs = run_ranks(_bad_input_worker, 4, (), timeout_s=180)
-    assert all(m.startswith("DispatchInputError") for m in msgs), msgs
-    assert "rank 3" in msgs[3] and all("[3]" in m for m in msgs[:3]), msgs
-
-
 def _layout_worker(rank, world):
     from efa_ep.kernels import create_transport
 
@@ -333,39 +315,3 @@ def test_auto_choice_uses_hier_across_hosts_and_the_calibration_for_k():
     assert auto_choice(16, 8, {}, None) == ("hier", {}, "EP group spans 2 hosts: hier")
     one = auto_choice(8, 8, {}, cal)
     assert one[0] == resolve_transport_name("auto") and one[1] == {}
-
-
-def _lost_peer_worker(rank, world):
-    """hier over two emulated nodes (network ``torch``): one good round, then rank 1 exits
-    without closing anything; rank 0's next dispatch and the call after it."""
-    import os
-
-    import torch.distributed as dist
-
-    from efa_ep.kernels import base, create_transport
-
-    t = create_transport("hier", None, 4, 8, 16, torch.float32, node_size=1, network="torch")
-    idx = torch.tensor([[0, 3], [2, 1]], dtype=torch.int64)
-    t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))
-    dist.barrier()
-    if rank == 1:
-        os._exit(0)
-    kinds = []
-    for _ in range(2):
-        try:
-            t.dispatch(torch.ones(2, 8), idx, torch.ones(2, 2))
-            kinds.append("no error")
-        except Exception as e:
-            kinds.append([k for k in ("PeerFailure", "TransportBroken", "ProtocolError")
-                          if isinstance(e, getattr(base, k))] or type(e).__name__)
-    return kinds
-
-
-def test_hier_lost_peer_is_a_peer_failure_then_broken():
-    """The contract's error kinds through hier: a peer lost in a collective of hier's own or of a
-    stage is a PeerFailure, and every later call refuses with TransportBroken."""
-    out = run_ranks(_lost_peer_worker, 2, (), timeout_s=120, pg_timeout_s=30,
-                    raise_on_error=False)
-    ok, kinds = out[0]
-    assert ok, kinds
-    assert kinds == [["PeerFailure"], ["TransportBroken"]], kinds

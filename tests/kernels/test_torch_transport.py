@@ -52,7 +52,9 @@ def _contract_worker(rank, world, experts, hidden, topks):
     return checked
 
 
-@pytest.mark.parametrize("world,topks", [(1, (1, 8)), (2, (1, 2, 3, 8)), (4, (1, 2, 4, 8))])
+# The contract suite (tests/contract) runs EP 4 with E=16, H=8 and K 1, 2, 3, 8 on every
+# transport; here the other EP sizes, and at EP 4 only the K it does not run.
+@pytest.mark.parametrize("world,topks", [(1, (1, 8)), (2, (1, 2, 3, 8)), (4, (4,))])
 def test_torch_transport_matches_reference(world, topks):
     experts = 16
     counts = run_ranks(_contract_worker, world, (experts, 8, topks), timeout_s=120)
