@@ -1,13 +1,10 @@
-"""The proxy benchmark's wire part (``scripts/bench_proxy.py``): it runs the two wire rounds of a
-dispatch+combine alone between two rank processes and reports the bytes each op moved.
+"""The proxy benchmark's wire part (:mod:`efa_ep.tools.bench.proxy`, behind
+``scripts/bench_proxy.py``): it runs the two wire rounds of a dispatch+combine alone between two rank processes and reports the bytes each op moved.
 
 CPU, shm provider, tiny sizes (CI has 2 cores); what is checked is that the rounds really run
 (the engine counts the bytes it posted) and that the record says what was measured, not a time.
 """
 from __future__ import annotations
-
-import importlib
-import os
 
 import pytest
 
@@ -16,18 +13,10 @@ from efa_ep.kernels import proxy as proxy_mod
 pytestmark = pytest.mark.skipif(proxy_mod.availability() is not None,
                                 reason=f"proxy unavailable: {proxy_mod.availability()}")
 
-_SCRIPTS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
+def test_wire_part_moves_the_decode_rows_and_reports_them():
+    from efa_ep.tools.bench import proxy as bp
 
-def _bench_proxy(monkeypatch):
-    # imported by name (not from a path) so that the spawned rank processes can import it too;
-    # monkeypatch takes scripts/ off sys.path again after the test
-    monkeypatch.syspath_prepend(_SCRIPTS)
-    return importlib.import_module("bench_proxy")
-
-
-def test_wire_part_moves_the_decode_rows_and_reports_them(monkeypatch):
-    bp = _bench_proxy(monkeypatch)
     tokens, iters = 8, 3
     recs = bp.bench_wire("shm", tokens, iters, [1, 2])
     wires = [r for r in recs if r["kind"] == "wire"]
