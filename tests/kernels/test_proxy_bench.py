@@ -1,5 +1,6 @@
 """The proxy benchmark's wire part (:mod:`efa_ep.tools.bench.proxy`, behind
-``scripts/bench_proxy.py``): it runs the two wire rounds of a dispatch+combine alone between two rank processes and reports the bytes each op moved.
+``scripts/bench_proxy.py``): it runs the two wire rounds of a dispatch+combine alone between
+two rank processes and reports the bytes each op moved.
 
 CPU, shm provider, tiny sizes (CI has 2 cores); what is checked is that the rounds really run
 (the engine counts the bytes it posted) and that the record says what was measured, not a time.
