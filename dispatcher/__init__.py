@@ -3,7 +3,8 @@ Megatron-Core sees. Knows nothing of libfabric.
 
 - :class:`EfaTokenDispatcher`: a ``MoETokenDispatcher`` built for ``moe_token_dispatcher_type="efa"``.
 - :func:`configure` / :class:`DispatcherSettings`: which transport and knobs it uses (defaults
-  from ``EFA_EP_*`` environment variables; ``settings`` is the one module that reads them).
+  from ``EFA_EP_*`` environment variables, read through their declarations in
+  :mod:`efa_ep.kernels.core.variables`).
 - ``transport_cache``: the transports shared by every layer (one per EP group and setup).
 - ``layout`` (index math), ``autograd_functions`` (transport calls with their backward) and
   ``capacity`` (window-grow and overflow-policy helpers): pieces of the dispatcher.

@@ -1,7 +1,7 @@
 """Which transport the ``efa`` dispatcher uses, and its knobs.
 
 Every ``EFA_EP_*`` environment variable is declared once, in
-:data:`~efa_ep.dispatcher.variables.VARIABLES`, whose module holds the one reader, the
+:data:`~efa_ep.kernels.core.variables.VARIABLES`, whose module holds the one reader, the
 validation and the derived help and docs tables (re-exported here). This module builds the
 dispatcher's settings from them.
 
@@ -29,17 +29,16 @@ import dataclasses
 import os
 from typing import Mapping, Optional, Tuple
 
-from efa_ep.kernels.options import (
-    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, ConfigError, check_max_tokens_per_rank,
-    check_resolved, check_transport_name, did_you_mean, validate_options,
-)
-
-from .variables import (  # noqa: F401 (the declarations and their reader, re-exported)
+from efa_ep.kernels.core.variables import (  # noqa: F401 (the declarations and reader, re-exported)
     CAPACITY_OVERFLOW_POLICIES, ENV_CALIBRATION, ENV_CAPACITY_OVERFLOW, ENV_FALLBACK,
     ENV_GROW_MAX_TOKENS, ENV_MAX_TOKENS, ENV_OPTIONS, ENV_REPLACE_DISPATCHER, ENV_TRANSPORT,
     FALLBACK_DISPATCHERS, NATIVE_BUILD, PREFIX, VARIABLE, VARIABLES, Variable,
     _convert_option_variables, _read_option_variables, environment_options, help_lines,
     markdown_table, option_variables, parse_options, raw, read, unknown_variables, variables_set,
+)
+from efa_ep.kernels.options import (
+    DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_TRANSPORT, ConfigError, check_max_tokens_per_rank,
+    check_resolved, check_transport_name, did_you_mean, validate_options,
 )
 
 

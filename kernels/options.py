@@ -54,9 +54,9 @@ class Option:
         choices: allowed values (after conversion), or None.
         min, max: inclusive bounds for numbers, or None.
 
-    Transports read no environment. The ``EFA_EP_*`` variable that gives an option to the
-    Megatron dispatcher, if any, is declared with the other variables in
-    :data:`efa_ep.dispatcher.settings.VARIABLES`, which links it to the option here.
+    Transports read no option from the environment. The ``EFA_EP_*`` variable that gives an
+    option to the Megatron dispatcher, if any, is declared with the other variables in
+    :data:`efa_ep.kernels.core.variables.VARIABLES`, which links it to the option here.
     """
 
     key: str

@@ -1,4 +1,4 @@
-"""Every ``EFA_EP_*`` variable is declared once (``efa_ep.dispatcher.settings.VARIABLES``): the
+"""Every ``EFA_EP_*`` variable is declared once (``efa_ep.kernels.core.variables.VARIABLES``): the
 docs' tables are generated from it, the reader refuses undeclared names, per-option variables
 take their type from the transport's schema, and a bad value is one line naming the variable."""
 import os
@@ -19,7 +19,7 @@ def test_docs_table_equals_the_declarations(rel):
         text = f.read()
     assert text.count(tool_config.TABLE_START) == 1 == text.count(tool_config.TABLE_END), rel
     assert tool_config.with_settings_table(text, rel) == text, (
-        f"{rel}: the settings table differs from efa_ep.dispatcher.settings.VARIABLES; run "
+        f"{rel}: the settings table differs from efa_ep.kernels.core.variables.VARIABLES; run "
         f"python3 -m efa_ep.tools.config --settings-table --write")
 
 

@@ -396,13 +396,13 @@ def compose(group: str, config_name: str, overrides: Sequence[str] = ()) -> Dict
 
 
 # ----------------------------------------------------------------------------------------------
-# The EFA_EP_* settings table of the docs (declared in efa_ep.dispatcher.settings.VARIABLES)
+# The EFA_EP_* settings table of the docs (declared in efa_ep.kernels.core.variables.VARIABLES)
 # ----------------------------------------------------------------------------------------------
 TABLE_START = "<!-- settings-table:start -->"
 TABLE_END = "<!-- settings-table:end -->"
 #: files (relative to the checkout) holding the generated table between the two markers
 TABLE_FILES = ("README.md", "docs/cluster.md")
-_TABLE_NOTE = ("<!-- generated from efa_ep.dispatcher.settings.VARIABLES; refresh with "
+_TABLE_NOTE = ("<!-- generated from efa_ep.kernels.core.variables.VARIABLES; refresh with "
                "python3 -m efa_ep.tools.config --settings-table --write -->")
 
 

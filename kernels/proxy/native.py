@@ -10,7 +10,8 @@ Build: on first use, ``cc -O2 -std=c11 -shared -fPIC <SOURCES> -lfabric -lpthrea
 into ``$EFA_EP_CACHE_DIR`` (default ``~/.cache/efa_ep``), the file named by a hash of the sources,
 the header and the compile command, so a changed source rebuilds and one build serves every Python
 version (C ABI, no Python symbols). ``EFA_EP_PROXY_SO=/path/libefa_proxy.so`` loads a prebuilt
-library instead (hosts with the libfabric runtime but no headers, e.g. the GPU machine).
+library instead (hosts with the libfabric runtime but no headers, e.g. the GPU machine). These
+variables are read through their declarations (:mod:`efa_ep.kernels.core.variables`).
 
 Every symbol gets ``argtypes``/``restype`` here and a typed wrapper that raises
 :class:`NativeError` carrying the C side's message (verb, peer, message id). No other module
@@ -27,6 +28,8 @@ import subprocess
 import tempfile
 import threading
 from typing import Callable, Optional, Sequence, Tuple
+
+from ..core.variables import raw
 
 # The C sources live in efa_ep.kernels.native (kernels/native/), next to this package.
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
@@ -70,7 +73,7 @@ class NativeError(RuntimeError):
 
 
 def cache_dir() -> str:
-    return os.environ.get("EFA_EP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "efa_ep")
+    return raw("EFA_EP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "efa_ep")
 
 
 def compiler() -> Optional[str]:
@@ -84,7 +87,7 @@ def compiler() -> Optional[str]:
 def libfabric_header() -> Optional[str]:
     """Path of ``rdma/fabric.h`` in the compiler's default include dirs (or $EFA_EP_FI_INCLUDE /
     the EFA installer's /opt/amazon/efa/include), or None."""
-    for d in (os.environ.get("EFA_EP_FI_INCLUDE"), "/opt/amazon/efa/include", "/usr/local/include",
+    for d in (raw("EFA_EP_FI_INCLUDE"), "/opt/amazon/efa/include", "/usr/local/include",
               "/usr/include"):
         if d and os.path.isfile(os.path.join(d, "rdma", "fabric.h")):
             return os.path.join(d, "rdma", "fabric.h")
@@ -95,11 +98,11 @@ def _compile_cmd(cc: str, out: str) -> list:
     """$EFA_EP_FI_INCLUDE / $EFA_EP_FI_LIB select a libfabric install (default: the EFA
     installer's /opt/amazon/efa if present, else the system's)."""
     cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", *SOURCES, "-o", out]
-    inc = os.environ.get("EFA_EP_FI_INCLUDE") or (
+    inc = raw("EFA_EP_FI_INCLUDE") or (
         "/opt/amazon/efa/include" if os.path.isdir("/opt/amazon/efa/include") else None)
     if inc:
         cmd += ["-I", inc]
-    lib = os.environ.get("EFA_EP_FI_LIB") or (
+    lib = raw("EFA_EP_FI_LIB") or (
         "/opt/amazon/efa/lib" if os.path.isdir("/opt/amazon/efa/lib") else None)
     if lib:  # a libfabric outside the default search path: link it and find it at run time
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
@@ -108,7 +111,7 @@ def _compile_cmd(cc: str, out: str) -> list:
 
 def build_problem() -> Optional[str]:
     """None if the library can be built (or a prebuilt one is configured), else why not."""
-    pre = os.environ.get("EFA_EP_PROXY_SO")
+    pre = raw("EFA_EP_PROXY_SO")
     if pre:
         return None if os.path.isfile(pre) else f"EFA_EP_PROXY_SO={pre} does not exist"
     if compiler() is None:
@@ -133,7 +136,7 @@ def library_path(cc: str) -> str:
 def build(force: bool = False) -> str:
     """Compiles the library if needed; returns its path. Raises RuntimeError with the compiler's
     output on failure."""
-    pre = os.environ.get("EFA_EP_PROXY_SO")
+    pre = raw("EFA_EP_PROXY_SO")
     if pre:
         return pre
     problem = build_problem()

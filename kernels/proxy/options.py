@@ -2,9 +2,10 @@
 
 ``create_transport("proxy", ..., **options)``: options are explicit. The environment variable in
 parentheses is the option's name for users of the Megatron dispatcher: its settings
-(:mod:`efa_ep.dispatcher.settings`, the one place that reads ``EFA_EP_*``) pass it as the option
-when no other channel gives it (each variable is one row of that module's ``VARIABLES``; the
-option's type, default and bounds are the schema's in ``kernels/options.py``).
+(:mod:`efa_ep.dispatcher.settings`) pass it as the option when no other channel gives it (each
+variable is one row of ``VARIABLES`` in :mod:`efa_ep.kernels.core.variables`, whose reader is
+the one that reads ``EFA_EP_*``; the option's type, default and bounds are the schema's in
+``kernels/options.py``).
 
     provider (EFA_EP_PROXY_PROVIDER): ``efa`` if usable, else ``tcp``; also ``shm``.
     num_channels (EFA_EP_PROXY_CHANNELS): proxy channels (threads + endpoints), default
@@ -24,8 +25,8 @@ option's type, default and bounds are the schema's in ``kernels/options.py``).
         kernel into the pinned ring) or ``auto`` (the native host producer: every round syncs
         the stream before posting, so a kernel saves nothing and costs launches).
 
-Test-only, on one rank, never part of the agreement check (so read here, not an option):
-EFA_EP_PROXY_TAMPER=<kind>.
+Test-only, on one rank, never part of the agreement check (so read here, through the reader,
+not an option): EFA_EP_PROXY_TAMPER=<kind>.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from typing import Optional
 import torch
 
 from ..base import TransportError, align_up
+from ..core.variables import raw
 from . import native
 from .window import ALIGN
 
@@ -98,7 +100,7 @@ def resolve_options(options: dict) -> ProxyOptions:
     inject = (native.INJECT_TARGET | native.INJECT_SENDER) if inj == 1 else inj
     timeout_ms = int(1000 * _opt(o, "timeout_s", 60.0, float))
     chunk_bytes = align_up(_opt(o, "chunk_bytes", 256 << 10, int), ALIGN)
-    tamper = os.environ.get("EFA_EP_PROXY_TAMPER", "")
+    tamper = raw("EFA_EP_PROXY_TAMPER") or ""
     if tamper and tamper not in PY_TAMPER and tamper not in native.TAMPER_KINDS:
         raise TransportError(f"EFA_EP_PROXY_TAMPER={tamper!r}: expected one of "
                              f"{sorted(set(PY_TAMPER) | set(native.TAMPER_KINDS))}")

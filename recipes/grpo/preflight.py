@@ -28,15 +28,17 @@ def rank_env(cfg: TrainerConfig, environ=None):
     """What the ranks will see: ``(env, names)`` where ``env`` is the variables the launcher
     sets on top of ``environ`` (default ``os.environ``) and ``names`` maps each ``EFA_EP_*``
     variable the recipe set to its recipe key (for messages)."""
-    environ = os.environ if environ is None else environ
+    from efa_ep.dispatcher.settings import raw
+
     env = dict(cfg.efa_ep.transport.env())
     names = {var: f"efa_ep.transport.{key}" for var, key in (
         ("EFA_EP_TRANSPORT", "transport"), ("EFA_EP_MAX_TOKENS_PER_RANK", "max_tokens_per_rank"),
         ("EFA_EP_TRANSPORT_OPTIONS", "transport_options")) if var in env}
     env.setdefault("OMP_NUM_THREADS", str(cfg.efa_ep.num_threads))
-    if "EFA_EP_TRANSPORT" in environ and cfg.efa_ep.transport.transport == "auto":
+    transport = raw("EFA_EP_TRANSPORT", environ)
+    if transport is not None and cfg.efa_ep.transport.transport == "auto":
         # the recipe's default leaves the choice to the environment
-        env["EFA_EP_TRANSPORT"] = environ["EFA_EP_TRANSPORT"]
+        env["EFA_EP_TRANSPORT"] = transport
         names.pop("EFA_EP_TRANSPORT", None)
     return env, names
 

@@ -22,7 +22,7 @@ from .start import start_main
 
 def rank_env(cfg: Dict[str, Any]) -> Dict[str, str]:
     """``cfg["env"]``, the variables every rank gets, as strings; its ``EFA_EP_*`` entries
-    checked against their declarations (:data:`efa_ep.dispatcher.settings.VARIABLES`).
+    checked against their declarations (:data:`efa_ep.kernels.core.variables.VARIABLES`).
 
     Raises:
         ConfigError: an undeclared ``EFA_EP_*`` name (with the closest one) or a value its

@@ -162,9 +162,10 @@ def native_library(build_if_missing: bool = True) -> Dict[str, Any]:
                 return out
             tmp = tempfile.mkdtemp(prefix="efa-ep-doctor-")
             _TEMP_DIRS.append(tmp)
-            _PREV_CACHE_DIR.append(os.environ.get("EFA_EP_CACHE_DIR", _UNSET))
             # native.py (this process) and the self-test's ranks (children) read the build
-            # folder from the environment only, so it is set here and put back by cleanup().
+            # folder from the environment only, so it is replaced here (the earlier value kept,
+            # not read as a setting) and put back by cleanup().
+            _PREV_CACHE_DIR.append(os.environ.pop("EFA_EP_CACHE_DIR", _UNSET))
             os.environ["EFA_EP_CACHE_DIR"] = tmp
             out["temporary"] = tmp
     t0 = time.perf_counter()

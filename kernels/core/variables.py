@@ -1,13 +1,16 @@
 """Every ``EFA_EP_*`` environment variable, declared once in :data:`VARIABLES` (name, variable,
 type, default, allowed values, doc), and what is derived from that table: the reader
-(:func:`raw` and :func:`read`, the only code in ``dispatcher/`` and ``efa_ep/tools/`` that reads
-``EFA_EP_*``), the validation (:meth:`Variable.convert`: one :class:`ConfigError` line naming
-the variable and the value), the tools' help text (:func:`help_lines`) and the settings table of
-README.md and docs/cluster.md (:func:`markdown_table`; refresh them with
-``python3 -m efa_ep.tools.config --settings-table --write``). A variable that gives a transport
-option (``EFA_EP_PROXY_CHANNELS`` -> ``num_channels``) takes its type, default, bounds and doc
-from that transport's option schema (:mod:`efa_ep.kernels.options`); the table holds only the
-link. :mod:`efa_ep.dispatcher.settings` builds the dispatcher's settings from it.
+(:func:`raw` and :func:`read`, the only code of the package that reads ``EFA_EP_*`` from the
+environment: the dispatcher's settings, the tools, the native build and the proxy's tamper fault
+read through them; ``tests/test_no_environ_reads.py`` checks), the validation
+(:meth:`Variable.convert`: one :class:`ConfigError` line naming the variable and the value), the
+tools' help text (:func:`help_lines`) and the settings table of README.md and docs/cluster.md
+(:func:`markdown_table`; refresh them with ``python3 -m efa_ep.tools.config --settings-table
+--write``). A variable that gives a transport option (``EFA_EP_PROXY_CHANNELS`` ->
+``num_channels``) takes its type, default, bounds and doc from that transport's option schema
+(:mod:`efa_ep.kernels.options`); the table holds only the link. It lives in ``kernels/`` so
+that the transports read through it too; :mod:`efa_ep.dispatcher.settings` builds the
+dispatcher's settings from it and re-exports it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from efa_ep.kernels.options import (
 )
 
 PREFIX = "EFA_EP_"
-#: who reads a variable that this module does not read itself (``Variable.read_by``)
+#: the native build, which reads its variables through :func:`raw` (``Variable.read_by``)
 NATIVE_BUILD = "kernels/proxy/native.py"
 
 
@@ -46,8 +49,9 @@ class Variable:
         aliases: ``(spelling, value)`` pairs accepted for a value (``off`` for ``none``).
         allowed: how the allowed values read in the table when ``choices`` and bounds do not
             say it (``key=value,...``, ``a path``).
-        read_by: "" when this module reads it; else the module that does (variables of the
-            native build and of the tests, which are declared here for the table).
+        read_by: "" for a setting of the dispatcher (checked by ``check_environment``, listed
+            in the tools' help); else the code that uses it, for the table: the native build
+            and the proxy read theirs through :func:`raw`, the tests theirs directly.
         check: a checker ``(value, where) -> value`` used instead of the generic one, for a
             setting whose schema lives in :mod:`efa_ep.kernels.options` with its own wording.
     """
@@ -149,8 +153,8 @@ def _transport_options(value: Any, where: str) -> Any:
 
 
 #: Every ``EFA_EP_*`` variable, declared once. Dispatcher settings first, then the per-option
-#: variables, then those read elsewhere (declared so that the table and the unknown-variable
-#: check know them).
+#: variables, then those of the native build, the proxy's tamper fault and the tests (``read_by``
+#: set; declared so that the reader, the table and the unknown-variable check know them).
 VARIABLES: Tuple[Variable, ...] = (
     Variable("EFA_EP_TRANSPORT", "transport", str, DEFAULT_TRANSPORT,
              "the transport: auto = hier when the EP group spans hosts, else gda where usable, "
@@ -250,7 +254,7 @@ def raw(env: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
         KeyError: ``env`` is not declared in :data:`VARIABLES` (declare it first).
     """
     if env not in VARIABLE:
-        raise KeyError(f"{env} is not declared in efa_ep.dispatcher.settings.VARIABLES"
+        raise KeyError(f"{env} is not declared in efa_ep.kernels.core.variables.VARIABLES"
                        f"{did_you_mean(env, VARIABLE)}")
     value = (os.environ if environ is None else environ).get(env)
     value = value.strip() if value else ""
