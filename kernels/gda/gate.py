@@ -70,6 +70,12 @@ class LaunchGate:
         self._slots = memoryview(self._mm).cast("q")
         self.rank, self.world = rank, world
 
+    @property
+    def address(self) -> int:
+        """Address of the ``[world]`` int64 "issued" slots in this process (native callers
+        publish and read them with atomic stores and loads)."""
+        return self.issued.ctypes.data
+
     def publish(self, epoch: int) -> None:
         """This rank has enqueued its stores of op ``epoch`` (an aligned 8-byte store)."""
         self._slots[self.rank] = epoch

@@ -11,6 +11,13 @@ method launches its kernels on the current stream either
 * through the Python wrappers of :mod:`efa_ep.kernels.gda.launches` (``fast_launch`` 0 or 1, a
   shape seen during CUDA graph capture, a bad-input op, a misaligned user tensor).
 
+Between the two phases of an op whose second phase waits on the peers' stores (front and
+header, combine's store and reduce, cached store and gather) sits the launch gate of ranks
+sharing a GPU (:class:`~efa_ep.kernels.gda.gate.LaunchGate`). When both phases are native
+programs they run in one native call with the gate's fast path between them
+(:meth:`~efa_ep.kernels.native_launch.Program.run_gated`); a late peer hands the wait back to
+the transport's gate wait, which has the deadline and names the missing ranks.
+
 Both paths launch the same compiled kernels with the same arguments, so results are the same
 bit for bit. A program that cannot be bound (another Triton calling convention) turns native
 launching off for the transport, with the reason in :attr:`GdaPhases.native_off`; a launch
@@ -32,6 +39,9 @@ from . import launches as kern
 from ..native_launch import NativeLaunchError, Program, availability
 
 _EPOCH = ("epoch_delta",)
+#: how long one native call waits for the peers at the launch gate before the transport's own
+#: wait (deadline, failed peers) takes over; ranks in step publish within microseconds
+GATE_SPIN_NS = 200_000
 
 
 def _aligned(*tensors) -> bool:
@@ -87,6 +97,35 @@ class GdaPhases:
     def _op(self, epoch: int) -> dict:
         return self.tr._op(epoch)
 
+    def _then(self, first, epoch: int, kind: str) -> None:
+        """Launches a deferred first phase (``(program, values)``; None: already launched) and
+        passes the launch gate of op ``epoch``."""
+        if first is not None:
+            prog, values = first
+            prog.run(values, _stream(self._dev))
+        self.tr._issued(epoch, kind)
+
+    def _gated(self, first, second, values2, epoch: int, kind: str, dst: int = 0, src: int = 0,
+               nbytes: int = 0) -> float:
+        """The deferred first phase, the launch gate and the ``second`` program in one native
+        call (the transport's gate wait when a peer is late). Returns the seconds waiting for
+        the device (``nbytes`` > 0: second ends with a read, see ``Program.run_read``)."""
+        tr = self.tr
+        gate = tr._gate
+        prog, values = first
+        stream = _stream(self._dev)
+        done, sync_s, gate_s = prog.run_gated(
+            values, second, values2, stream, gate.address if gate is not None else 0,
+            tr.world_size, tr.rank, epoch, GATE_SPIN_NS, dst, src, nbytes)
+        tr.blocked_s += gate_s
+        if done:
+            return sync_s
+        tr._await_peers(epoch, kind)  # published already; raises on deadline or a failed peer
+        if nbytes:
+            return second.run_read(values2, stream, dst, src, nbytes)
+        second.run(values2, stream)
+        return 0.0
+
     # ---- dispatch ---------------------------------------------------------------------------
     def header_words(self) -> int:
         """int64 elements recv_header writes: info, then the per-source offsets."""
@@ -95,10 +134,13 @@ class GdaPhases:
         n_info = 1 + w * (2 + num_local) + w + num_local
         return kern._even(n_info) + w + 1
 
-    def front(self, x, topk_idx, topk_weights, epoch: int, bad_status: Optional[int] = None):
+    def front(self, x, topk_idx, topk_weights, epoch: int, bad_status: Optional[int] = None,
+              defer: bool = False):
         """Layout and store of a dispatch: returns (scratch, slot [T, W], send_idx [T*W]) on the
         device; the header's output region follows the layout's in ``scratch`` (pass it to
-        :meth:`header`). ``bad_status``: the status word to announce (bad input)."""
+        :meth:`header`). ``bad_status``: the status word to announce (bad input). ``defer``:
+        a native program is not run but returned as a fourth item ``(program, values)`` (None
+        when the phase was launched from Python) for :meth:`header` to run with the gate."""
         tr, cfg, w = self.tr, self.tr.cfg, self.tr.world_size
         t, k = topk_idx.shape
         small, nb, o_exp, o_rank, o_slot, o_send, o_blk, words = kern._layout_offsets(
@@ -124,15 +166,22 @@ class GdaPhases:
             key = ("front", parity, t, k, x.dtype, x.stride(0), x.shape[1])
             prog = self._program(key, launch, (x, topk_idx, topk_weights, scratch))
         if prog is None:
-            return (scratch,) + launch(None)
-        prog.run((x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
-                  scratch.data_ptr(), op["epoch"]), _stream(self._dev))
+            out = (scratch,) + launch(None)
+            return out + (None,) if defer else out
+        values = (x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), scratch.data_ptr(),
+                  op["epoch"])
         t_w = t * w  # (views cost host time: only the two the handle keeps)
-        return scratch, scratch[o_slot:o_slot + t_w].view(t, w), scratch[o_send:o_send + t_w]
+        out = scratch, scratch[o_slot:o_slot + t_w].view(t, w), scratch[o_send:o_send + t_w]
+        if defer:
+            return out + ((prog, values),)
+        prog.run(values, _stream(self._dev))
+        return out
 
-    def header(self, scratch, epoch: int) -> Tuple[list, torch.Tensor, torch.Tensor, float]:
-        """Waits for every source's header and reads the counts (the one host sync of a
-        dispatch). ``scratch``: from :meth:`front`. Returns (info as a list of ints: error bits,
+    def header(self, scratch, epoch: int, first=None) -> Tuple[list, torch.Tensor, torch.Tensor,
+                                                                float]:
+        """Passes the launch gate, waits for every source's header and reads the counts (the one
+        host sync of a dispatch). ``scratch`` and ``first`` (the deferred front): from
+        :meth:`front` with ``defer``. Returns (info as a list of ints: error bits,
         headers ``[W, 2 + L]``, rows sent per destination ``[W]``, rows per local expert
         ``[L]``; tokens_per_expert ``[L]`` int64 CPU tensor; offsets ``[W + 1]`` int64 device
         view of ``scratch``; seconds blocked)."""
@@ -158,6 +207,7 @@ class GdaPhases:
             prog = self._program(("header", parity), launch,
                                  (scratch[o_rank:o_rank + w], scratch[o_out:]))
         if prog is None:
+            self._then(first, epoch, "dispatch")
             info, _ = launch(None)
             t0 = time.perf_counter()
             info = info.cpu()
@@ -169,8 +219,14 @@ class GdaPhases:
                           .cast("B").cast("q"))
         buf, view = self._host
         base = scratch.data_ptr()
-        blocked = prog.run_read((base + 8 * o_rank, base + 8 * o_out, op["epoch"]),
-                                _stream(self._dev), buf.data_ptr(), base + 8 * o_out, n_info * 8)
+        values = (base + 8 * o_rank, base + 8 * o_out, op["epoch"])
+        if first is not None:
+            blocked = self._gated(first, prog, values, epoch, "dispatch", buf.data_ptr(),
+                                  base + 8 * o_out, n_info * 8)
+        else:
+            self._then(None, epoch, "dispatch")
+            blocked = prog.run_read(values, _stream(self._dev), buf.data_ptr(), base + 8 * o_out,
+                                    n_info * 8)
         tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
         ctypes.memmove(tokens_per_expert.data_ptr(), buf.data_ptr() + 8 * (n_info - num_local),
                        8 * num_local)
@@ -205,9 +261,11 @@ class GdaPhases:
                   n, max(1, min(n, tr.num_programs))), _stream(self._dev))
 
     # ---- combine ----------------------------------------------------------------------------
-    def combine_store(self, y, offsets, fixed: bool, epoch: int) -> None:
+    def combine_store(self, y, offsets, fixed: bool, epoch: int, defer: bool = False):
         """Returns the rows of ``y`` to their sources' windows and signals (``offsets``: the
-        dispatch's ``[W + 1]`` offsets, or with ``fixed`` its device ``num_recv [W]``)."""
+        dispatch's ``[W + 1]`` offsets, or with ``fixed`` its device ``num_recv [W]``).
+        ``defer``: returns the native program as ``(program, values)`` instead of running it
+        (None when launched from Python), for :meth:`combine_reduce`."""
         tr = self.tr
         parity = epoch % 2
         op = self._op(epoch)
@@ -225,12 +283,17 @@ class GdaPhases:
             prog = self._program(key, launch, (y, offsets), ("num_rows", "epoch_delta"), (0,))
         if prog is None:
             launch(None)
-            return
-        prog.run((y.data_ptr(), offsets.data_ptr(), n, op["epoch"],
-                  max(1, min(n if not fixed else t_max, tr.num_programs))), _stream(self._dev))
+            return None
+        values = (y.data_ptr(), offsets.data_ptr(), n, op["epoch"],
+                  max(1, min(n if not fixed else t_max, tr.num_programs)))
+        if defer:
+            return prog, values
+        prog.run(values, _stream(self._dev))
+        return None
 
-    def combine_reduce(self, slot, out, epoch: int, kind: str) -> None:
-        """Waits for every destination's partials and reduces them into ``out`` ``[T, D]``."""
+    def combine_reduce(self, slot, out, epoch: int, kind: str, first=None) -> None:
+        """Passes the launch gate, waits for every destination's partials and reduces them into
+        ``out`` ``[T, D]``. ``first``: the deferred store of :meth:`combine_store`."""
         tr = self.tr
         parity = epoch % 2
         op = self._op(epoch)
@@ -247,10 +310,15 @@ class GdaPhases:
             prog = self._program(("creduce", parity, out.shape[1], out.dtype, kind), launch,
                                  (slot, out), ("epoch_delta", "num_tokens"), (1,))
         if prog is None:
+            self._then(first, epoch, kind)
             launch(None)
             return
-        prog.run((slot.data_ptr(), out.data_ptr(), op["epoch"], t,
-                  min(t, tr.num_programs)), _stream(self._dev))
+        values = (slot.data_ptr(), out.data_ptr(), op["epoch"], t, min(t, tr.num_programs))
+        if first is not None:
+            self._gated(first, prog, values, epoch, kind)
+            return
+        self._then(None, epoch, kind)
+        prog.run(values, _stream(self._dev))
 
     # ---- cached dispatch --------------------------------------------------------------------
     def cached_store(self, x, slot, epoch: int) -> None:

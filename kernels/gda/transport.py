@@ -217,6 +217,11 @@ class GdaTransport(Transport):
         self._gate.publish(epoch)
         if self._gate.ready(epoch):
             return
+        self._await_peers(epoch, kind)
+
+    def _await_peers(self, epoch: int, kind: str) -> None:
+        """The launch gate's wait for op ``epoch`` (this rank has published it): returns once
+        every source has; a deadline or a failed peer breaks the transport and raises."""
         t0 = time.perf_counter()
         try:
             self._gate.wait(epoch, self.timeout_s, kind)
@@ -326,13 +331,13 @@ class GdaTransport(Transport):
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
         phases = self._phases
-        scratch, slot, send_idx = phases.front(
-            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
-        self._issued(epoch, "dispatch")
+        scratch, slot, send_idx, first = phases.front(
+            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT,
+            defer=True)
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
-        # the one host sync per dispatch
-        vals, tokens_per_expert, recv_offsets, blocked = phases.header(scratch, epoch)
+        # the launch gate, then the one host sync per dispatch
+        vals, tokens_per_expert, recv_offsets, blocked = phases.header(scratch, epoch, first)
         self.blocked_s += blocked
         if vals[0]:
             self.check_errors()
@@ -515,11 +520,10 @@ class GdaTransport(Transport):
             self._refuse(str(e), kind)
         epoch = self._begin_op(kind)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
-        self._phases.combine_store(y, st.num_recv_W if st.fixed else st.recv_offsets, st.fixed,
-                                   epoch)
-        self._issued(epoch, kind)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        self._phases.combine_reduce(st.slot_TW, out, epoch, kind)
+        first = self._phases.combine_store(
+            y, st.num_recv_W if st.fixed else st.recv_offsets, st.fixed, epoch, defer=True)
+        self._phases.combine_reduce(st.slot_TW, out, epoch, kind, first)  # with the gate
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)
         return out

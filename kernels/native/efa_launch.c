@@ -10,6 +10,13 @@
  * toolkit, and loads on a machine without a GPU (efa_launch_init then says why it cannot run).
  * Every record is int64 fields only, so Python views a program as one flat int64 array.
  *
+ * An op whose second phase waits on its peers' stores runs both phases in one call when ranks
+ * share a GPU: efa_launch_run_gated launches the first, publishes it on the launch gate (the
+ * ranks' shared "issued" slots) and waits briefly for every peer to publish the same op before
+ * launching the second (see kernels/gda/gate.py for why a waiting kernel may only be launched
+ * then). A peer that is late leaves the rest to the caller, whose wait has the deadline and
+ * names the missing ranks.
+ *
  * Build: cc -O2 -std=c11 -shared -fPIC efa_launch.c -ldl -o libefa_launch.so
  */
 #define _GNU_SOURCE
@@ -21,7 +28,7 @@
 #include <string.h>
 #include <time.h>
 
-#define EFA_LAUNCH_ABI 1
+#define EFA_LAUNCH_ABI 2
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -185,4 +192,63 @@ int efa_launch_run_read(efa_launch_t *prog, int n, int64_t stream, void *dst, in
         return -EIO;
     }
     return 0;
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* The launch gate's fast path: stores epoch into gate[rank] (this rank has enqueued the op's
+ * stores), then waits up to spin_ns until every gate[0..world) >= epoch. 1 when they are, 0 when
+ * the time ran out (nothing else changes: the caller's own wait takes over). *waited_ns = time
+ * spent waiting. gate is shared memory written by other processes: read with acquire loads. */
+int efa_gate_publish_wait(int64_t *gate, int world, int rank, int64_t epoch, int64_t spin_ns,
+                          int64_t *waited_ns) {
+    if (waited_ns) *waited_ns = 0;
+    if (!gate || world < 1 || rank < 0 || rank >= world) return 0;
+    __atomic_store_n(&gate[rank], epoch, __ATOMIC_RELEASE);
+    int64_t t0 = 0;
+    for (long spins = 0;; spins++) {
+        int ready = 1;
+        for (int r = 0; r < world; r++) {
+            if (__atomic_load_n(&gate[r], __ATOMIC_ACQUIRE) < epoch) {
+                ready = 0;
+                break;
+            }
+        }
+        if (ready) {
+            if (waited_ns && t0) *waited_ns = now_ns() - t0;
+            return 1;
+        }
+        int64_t t = now_ns();
+        if (!t0) t0 = t;
+        else if (t - t0 >= spin_ns) {
+            if (waited_ns) *waited_ns = t - t0;
+            return 0;
+        }
+    }
+}
+
+/* The two phases of an op in one call: launches first (n1 records), publishes epoch on the
+ * launch gate (gate == NULL: no gate, ranks on their own GPUs) and waits up to spin_ns for the
+ * peers (efa_gate_publish_wait), then launches second (n2 records) and, with bytes > 0, reads as
+ * efa_launch_run_read. Returns 0 when both phases ran; 1 when the peers had not published in
+ * spin_ns (first launched and published, second not: the caller waits with its deadline and
+ * launches it); a negative errno with the failing step in err. *sync_ns: time waiting for the
+ * device; *gate_ns: time waiting for the peers. */
+int efa_launch_run_gated(efa_launch_t *first, int n1, efa_launch_t *second, int n2,
+                         int64_t stream, int64_t *gate, int world, int rank, int64_t epoch,
+                         int64_t spin_ns, void *dst, int64_t src, int64_t bytes,
+                         int64_t *sync_ns, int64_t *gate_ns, char *err, size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    if (sync_ns) *sync_ns = 0;
+    if (gate_ns) *gate_ns = 0;
+    int rc = run(first, n1, (void *)(uintptr_t)stream, err, errlen);
+    if (rc) return rc;
+    if (gate && !efa_gate_publish_wait(gate, world, rank, epoch, spin_ns, gate_ns)) return 1;
+    if (bytes > 0)
+        return efa_launch_run_read(second, n2, stream, dst, src, bytes, sync_ns, err, errlen);
+    return run(second, n2, (void *)(uintptr_t)stream, err, errlen);
 }

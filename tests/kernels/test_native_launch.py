@@ -142,3 +142,87 @@ def test_scratch_memory_or_launch_attributes_are_refused(fake):
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(nl.NativeLaunchError, match="scratch"):
         nl.Program([nl.KernelStep(k, (1,), (x, x, x, 4, 8, 1, 128), 8)], (x,))
+
+
+# The launch gate's native fast path, for real (no driver needed) ------------------------------
+def _real_lib():
+    try:
+        nl.load()
+    except nl.NativeLaunchError as e:
+        pytest.skip(f"no C compiler here: {e}")
+
+
+def test_gate_fast_path_publishes_and_reports_whether_every_rank_has():
+    import numpy as np
+
+    _real_lib()
+    slots = np.array([7, 6, 7], dtype=np.int64)
+    ready, waited = nl.gate_publish_wait(slots.ctypes.data, 3, 1, 7, 10_000_000)
+    assert ready and slots.tolist() == [7, 7, 7]          # rank 1's publish completed the op
+    slots[:] = (8, 7, 7)
+    ready, waited = nl.gate_publish_wait(slots.ctypes.data, 3, 2, 8, 1_000_000)
+    assert not ready and slots.tolist() == [8, 7, 8]      # rank 1 has not issued op 8
+    assert waited >= 1e-3                                 # it waited its spin, no more needed
+
+
+def test_gate_fast_path_sees_a_peer_that_publishes_while_it_waits():
+    import threading
+
+    import numpy as np
+
+    _real_lib()
+    slots = np.zeros(2, dtype=np.int64)
+    seen = []
+
+    def peer():  # rank 1 answers once it sees rank 0's publish (an event, not a sleep)
+        while slots[0] != 3:
+            pass
+        seen.append(True)
+        slots[1] = 3
+
+    t = threading.Thread(target=peer)
+    t.start()
+    ready, _ = nl.gate_publish_wait(slots.ctypes.data, 2, 0, 3, 60_000_000_000)
+    t.join()
+    assert ready and seen and slots.tolist() == [3, 3]
+
+
+def test_run_gated_binds_both_programs_and_says_when_the_gate_was_not_passed(fake):
+    k, lib = fake
+    calls = []
+
+    def run_gated(p1, n1, p2, n2, stream, gate, world, rank, epoch, spin, dst, src, nbytes,
+                  sync_ns, gate_ns, err, errlen):
+        import ctypes
+        w1 = list((ctypes.c_int64 * (n1 * nl._RECORD_WORDS)).from_address(p1))
+        w2 = list((ctypes.c_int64 * (n2 * nl._RECORD_WORDS)).from_address(p2))
+        calls.append((w1, w2, stream, gate, world, rank, epoch, spin, dst, src, nbytes))
+        ctypes.c_int64.from_address(gate_ns).value = 2000
+        return lib.gated_rc
+
+    lib.efa_launch_run_gated = run_gated
+    x = torch.zeros(16, 8, dtype=torch.bfloat16)
+    scratch = torch.zeros(64, dtype=torch.int64)
+    first = nl.Program([nl.KernelStep(k, (3,), (x, scratch, scratch, 16, 8, 1, 128), 8)],
+                       (x,), ("num_rows",))
+    second = nl.Program([nl.KernelStep(k, (1,), (x, scratch, scratch[4:], 16, 8, 1, 128), 8)],
+                        (scratch,), ("num_rows",))
+    x2, s2 = torch.zeros_like(x), torch.zeros_like(scratch)
+    lib.gated_rc = 0
+    done, sync_s, gate_s = first.run_gated((x2.data_ptr(), 9), second, (s2.data_ptr(), 4),
+                                           stream=5, gate=1234, world=2, rank=1, epoch=11,
+                                           spin_ns=99, dst=4096, src=8192, nbytes=64)
+    assert done and gate_s == pytest.approx(2e-6)
+    w1, w2, *rest = calls[-1]
+    assert rest == [5, 1234, 2, 1, 11, 99, 4096, 8192, 64]
+    v1 = w1[nl._VALUES:nl._VALUES + 7]
+    v2 = w2[nl._VALUES:nl._VALUES + 7]
+    assert v1[0] == x2.data_ptr() and v1[3] == 9          # first: its own variables
+    assert v2[2] == s2.data_ptr() + 32 and v2[3] == 4     # second: its own, views followed
+    lib.gated_rc = 1
+    done, _, _ = first.run_gated((x.data_ptr(), 1), second, (scratch.data_ptr(), 1), 0, 0, 2, 0,
+                                 12, 99)
+    assert not done and calls[-1][3] is None              # no gate: NULL to the library
+    lib.gated_rc = -5
+    with pytest.raises(nl.NativeLaunchError):
+        first.run_gated((x.data_ptr(), 1), second, (scratch.data_ptr(), 1), 0, 0, 2, 0, 13, 99)
