@@ -5,5 +5,7 @@ network counters), ``routing`` (where tokens go, combine's ordered reduction, si
 (the status word, input checks raised on every rank), ``wire`` (the status exchange and the
 checks of what peers send), ``contract`` (the :class:`~efa_ep.kernels.base.Transport` base
 class). :mod:`efa_ep.kernels.base` re-exports all of it with the contract's documentation;
-import from there.
+import from there. Also here: ``hosts`` (which host each rank runs on, whether a peer process
+still runs) and ``variables`` (every ``EFA_EP_*`` environment variable, declared once, and its
+one reader).
 """

@@ -24,7 +24,7 @@ import pytest
 import contract_workers as cw
 from contract_runs import case_params, launch
 
-HIER_COMBINE = ("hier sums a token's rows per node first, then over nodes (kernels/hier.py "
+HIER_COMBINE = ("hier sums a token's rows per node first, then over nodes (kernels/hier/ "
                 "'Combine sums'), so with more than two destination ranks on several nodes its "
                 "combine equals the torch reference only to rounding (max abs diff ~5e-7 in "
                 "float32 here), not bit for bit as kernels/base.py requires")
