@@ -266,14 +266,7 @@ class TorchTransport(Transport):
         error = self.handle_error(handle) or rows_input_error(
             self.rank, "cached dispatch input x", x, handle.num_tokens,
             device=handle.topk_idx.device)
-        ok = error is None
-        header = self._header(op, seq, x.device if ok else "cpu",
-                              d=x.shape[1] if ok else -1, dtype=x.dtype if ok else None,
-                              ref=handle.state.dispatch_seq if ok else -1)
-        if ok:
-            header[:, H_ROWS] = torch.tensor(handle.num_send_per_rank)
-        send, recv = self._exchange(op, seq, header, error, agree=(H_REF, H_D, H_DTYPE))
-        self._check_rows_match(op, seq, recv, handle.num_recv_per_rank)
+        self._handle_op_status(op, seq, x, handle, error, back=False)
         send_x = x.index_select(0, handle.send_token_idx)
         recv_x = x.new_empty((handle.num_recv_tokens, x.shape[1]))
         self._all_to_all(op, seq, "the all-to-all of rows", recv_x, send_x,
@@ -302,14 +295,7 @@ class TorchTransport(Transport):
                 error = (f"rank {self.rank}: combine_topk_weights input must be "
                          f"[{handle.num_recv_tokens}, {k}] torch.float32 (K of the dispatch), "
                          f"got {list(y.shape)} {y.dtype}")
-        ok = error is None
-        header = self._header(op, seq, y.device if ok else "cpu",
-                              d=y.shape[1] if ok else -1, dtype=y.dtype if ok else None,
-                              ref=handle.state.dispatch_seq if ok else -1)
-        if ok:
-            header[:, H_ROWS] = torch.tensor(handle.num_recv_per_rank)
-        send, recv = self._exchange(op, seq, header, error, agree=(H_REF, H_D, H_DTYPE))
-        self._check_rows_match(op, seq, recv, handle.num_send_per_rank)
+        self._handle_op_status(op, seq, y, handle, error, back=True)
         if op == "combine_topk_weights":
             # Each slot is non-zero in exactly one destination row once the -1 slots are masked,
             # and 0.0 + v == v exactly, so the float32 sum returns the values unchanged.
@@ -323,6 +309,22 @@ class TorchTransport(Transport):
         return out.to(y.dtype)
 
     # Checks -------------------------------------------------------------------------------
+    def _handle_op_status(self, op, seq, rows, handle, error, back: bool) -> None:
+        """The status exchange of an op on a dispatch's handle: ``rows`` ``[n, D]`` (``error``:
+        what is wrong with them or the handle, or None) go the dispatch's way (cached dispatch)
+        or, with ``back``, the way back (the combines); the peers must announce the rows the
+        handle expects from each of them."""
+        ok = error is None
+        header = self._header(op, seq, rows.device if ok else "cpu",
+                              d=rows.shape[1] if ok else -1, dtype=rows.dtype if ok else None,
+                              ref=handle.state.dispatch_seq if ok else -1)
+        if ok:
+            out_W = handle.num_recv_per_rank if back else handle.num_send_per_rank
+            header[:, H_ROWS] = torch.tensor(out_W)
+        _, recv = self._exchange(op, seq, header, error, agree=(H_REF, H_D, H_DTYPE))
+        self._check_rows_match(op, seq, recv,
+                               handle.num_send_per_rank if back else handle.num_recv_per_rank)
+
     def _check_rows_match(self, op, seq, recv, expected_W) -> None:
         """Rows each source says it will send here must equal what the handle expects."""
         announced = recv[:, H_ROWS].tolist()
