@@ -13,7 +13,10 @@ transport has it; without it the figure includes the one count read per dispatch
 ``includes_wait``).
 
     python3 scripts/gpu/gda_layer_host.py [--world 4] [--steps 10] [--options fast_launch=0]
-        [--repo PATH]   # import efa_ep from another checkout (a before/after comparison)
+
+The code measured is the installed ``efa_ep`` (its checkout is recorded); for a before/after
+comparison install the other checkout in place first (``scripts/gpu/gpu_perop_check.sh`` step
+``layer_before`` does).
 
 Writes ``$OUT/gda_layer_host<tag>.json`` and prints one line per rank and a summary.
 """
@@ -22,7 +25,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 
 HIDDEN, EXPERTS, TOPK, FFN, TOKENS = 2048, 128, 8, 768, 4096
@@ -57,9 +59,7 @@ class _HostClock:
         return timed
 
 
-def _rank(rank, world, steps, warmup, options, repo):
-    if repo:
-        sys.path.insert(0, repo)
+def _rank(rank, world, steps, warmup, options):
     import torch
     import torch.distributed as dist
 
@@ -131,18 +131,17 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--options", default="", help="gda options k=v,...")
-    ap.add_argument("--repo", default="", help="checkout to import efa_ep from")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    repo = os.path.abspath(args.repo) if args.repo else os.path.dirname(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, repo)
     import torch
 
+    import efa_ep.dispatcher
     from efa_ep.distributed import run_ranks
 
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(efa_ep.dispatcher.__file__)))
+
     options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv)
-    res = run_ranks(_rank, args.world, (args.steps, args.warmup, options, repo), timeout_s=500,
+    res = run_ranks(_rank, args.world, (args.steps, args.warmup, options), timeout_s=500,
                     pg_timeout_s=400, env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
     step = max(r["step_ms"] for r in res)
     host = max(r["host_ms"] for r in res)

@@ -41,8 +41,11 @@ if want layers; then  # the layer, PEROP_STARTS fresh starts
 fi
 want layer_nofast && TAILN=6 step layer_nofast 240 python3 scripts/gpu/gda_layer_host.py --world 4 \
   --options fast_launch=0 --tag _nofast
-want layer_before && TAILN=6 step layer_before 240 python3 scripts/gpu/gda_layer_host.py --world 4 \
-  --repo .before --tag _before
+if want layer_before; then  # the same script over the checkout in .before, installed in place
+  (cd .before && package_setup) && TAILN=6 step layer_before 240 python3 scripts/gpu/gda_layer_host.py \
+    --world 4 --tag _before
+  package_setup || exit 1
+fi
 want profile && TAILN=40 step profile 120 python3 scripts/probes/gda_host_profile.py --world 2 --mode regular --iters 300
 want stress && TAILN=8 step stress 300 python3 scripts/gpu/gda_stress.py --worlds 2,4 --rounds ${PEROP_ROUNDS:-300} \
   --out "$OUT/gda_stress.jsonl"
