@@ -73,7 +73,7 @@ What every transport shares from here (one definition each):
 
 Where each piece lives (this module re-exports them; import from here): ``core/errors.py`` the
 error kinds, ``core/handles.py`` settings, handles and counters, ``core/routing.py`` routing math
-and sizes, ``core/checks.py`` the status word and input checks, ``core/wire.py`` the status
+and sizes, ``core/checks.py`` the status word and input checks, ``core/exchange.py`` the status
 exchange and checks of what peers send, ``core/contract.py`` the :class:`Transport` base class.
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ from .core.checks import (  # noqa: F401
     describe_status, validate_dispatch_inputs, value_error_flags, describe_value_errors, rows_input_error, too_many_tokens_message,
     parse_too_many_tokens, group_input_error, agree_on_input, check_group_agreement, collective_device,
 )
-from .core.wire import (  # noqa: F401
+from .core.exchange import (  # noqa: F401
     H_STATUS, H_OP, H_SEQ, H_K, H_D, H_DTYPE,
     H_REF, H_ROWS, H_AUX, OP_HEADER_FIELDS, OP_CODES, dtype_code,
     new_op_header, exchange_status, check_received_counts, received_metadata_errors,

@@ -2,11 +2,12 @@
 
 A token's path: :meth:`ProxyTransport.dispatch` packs rows into the registered window
 (``window.py``), a wire runs one round (header exchange, then data: ``wire.py`` natively over a
-host window, ``stepped_wire.py`` in Python steps over a device window), the rings (``ring.py``) hand descriptors to the native channel threads
-(``native.py`` -> ``kernels/native/efa_proxy.c``), which post ``fi_writedata`` into the peers'
-windows and count arrivals per (source, message). Dispatch is one round, combine one,
-dispatch_cached one; a row wider than the window's row capacity is split into column rounds.
-Rows to or from this rank itself never touch the wire (copied locally).
+host window, ``stepped_wire.py`` in Python steps over a device window), the rings (``ring.py``)
+hand descriptors to the native channel threads (``native.py`` -> ``kernels/native/efa_proxy.c``),
+which post ``fi_writedata`` into the peers' windows and count arrivals per (source, message).
+Dispatch is one round, combine one, dispatch_cached one; a row wider than the window's row capacity
+is split into column rounds. Rows to or from this rank itself never touch the wire (copied
+locally).
 
 Modules: this one holds setup, the failure state, the input checks and the contract's entry
 points; ``round_ops.py`` the operations as wire rounds, ``device_path.py`` the CUDA-input path.
@@ -17,8 +18,9 @@ checks, the round (headers, packing straight into the registered send area, the 
 checked, data, footers), the rows copied once out of the receive window, the routing rows
 checked and unpacked, combine's reduction in one pass; every check once, in C, which also words
 every error. Python checks the arguments, allocates the outputs and maps return codes to the
-contract's errors. Other inputs (GPU rows, device windows, the Triton producer, test-only
-tampering) run the round in steps (``wire.py``) with the same native pieces
+contract's errors. Other inputs (GPU rows, the Triton producer, test-only tampering) run the
+operation in Python around the wire's round (``round_ops.py``), natively stepped over a host
+window and in Python steps over a device window, with the same native pieces
 (``kernels/native/efa_round.c``, ``efa_host.c``), each matching its torch reference bit for bit.
 Buffers are allocated once.
 
