@@ -132,9 +132,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                choices=(0, 1)),
         Option("launch_gate", str, "auto", "launch waiting kernels only after every source stored "
                "(on when ranks share a GPU)", choices=("auto", "on", "off", "0", "1")),
-        Option("fast_launch", int, 2, "2 = each op phase's kernels in one native call (where the "
-               "driver allows, else 1); 1 = each kernel through its compiled launcher; 0 = "
-               "Triton's own launch path", choices=(0, 1, 2)),
+        Option("fast_launch", int, 3, "3 = as 2, and an op's two phases with the launch gate "
+               "between them in one native call; 2 = each op phase's kernels in one native call "
+               "(where the driver allows, else 1); 1 = each kernel through its compiled launcher; "
+               "0 = Triton's own launch path", choices=(0, 1, 2, 3)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

@@ -5,7 +5,7 @@ An op is a few phases separated by host steps (the launch gate, the count read):
 *gather*; a combine is *store* and *reduce*; a cached dispatch *store* and *gather*. Each phase
 method launches its kernels on the current stream either
 
-* natively (``fast_launch=2``, the default where the driver allows): a
+* natively (``fast_launch`` 2, or 3, the default where the driver allows): a
   :class:`~efa_ep.kernels.native_launch.Program` per phase and shape, bound on first use, then
   one native call per phase with only the call's addresses, op number and row counts; or
 * through the Python wrappers of :mod:`efa_ep.kernels.gda.launches` (``fast_launch`` 0 or 1, a
@@ -15,8 +15,9 @@ Between the two phases of an op whose second phase waits on the peers' stores (f
 header, combine's store and reduce, cached store and gather) sits the launch gate of ranks
 sharing a GPU (:class:`~efa_ep.kernels.gda.gate.LaunchGate`). When both phases are native
 programs they run in one native call with the gate's fast path between them
-(:meth:`~efa_ep.kernels.native_launch.Program.run_gated`); a late peer hands the wait back to
-the transport's gate wait, which has the deadline and names the missing ranks.
+(:meth:`~efa_ep.kernels.native_launch.Program.run_gated`, ``fast_launch=3``); a late peer
+hands the wait back to the transport's gate wait, which has the deadline and names the missing
+ranks. With ``fast_launch=2`` each phase is its own native call and the gate runs in Python.
 
 Both paths launch the same compiled kernels with the same arguments, so results are the same
 bit for bit. A program that cannot be bound (another Triton calling convention) turns native
@@ -56,13 +57,15 @@ def _stream(device_index: int) -> int:
 
 
 class GdaPhases:
-    """Launches the phases of ``transport``'s ops (see the module). ``fast_launch``: 2 native
-    programs (falls back to 1 with the reason in :attr:`native_off`), 1 compiled launchers,
-    0 Triton's own path."""
+    """Launches the phases of ``transport``'s ops (see the module). ``fast_launch``: 3 native
+    programs, an op's two phases and the gate in one call; 2 native programs (either falls
+    back to 1 with the reason in :attr:`native_off`); 1 compiled launchers; 0 Triton's own
+    path."""
 
     def __init__(self, transport, fast_launch: int):
         self.tr = transport
         self.fast = fast_launch >= 1
+        self.gated = fast_launch >= 3  # an op's two native phases and the gate in one call
         self.native_off: Optional[str] = None if fast_launch >= 2 else "fast_launch < 2"
         if self.native_off is None:
             self.native_off = availability()
@@ -172,10 +175,10 @@ class GdaPhases:
                   op["epoch"])
         t_w = t * w  # (views cost host time: only the two the handle keeps)
         out = scratch, scratch[o_slot:o_slot + t_w].view(t, w), scratch[o_send:o_send + t_w]
-        if defer:
+        if defer and self.gated:
             return out + ((prog, values),)
         prog.run(values, _stream(self._dev))
-        return out
+        return out + (None,) if defer else out
 
     def header(self, scratch, epoch: int, first=None) -> Tuple[list, torch.Tensor, torch.Tensor,
                                                                 float]:
@@ -286,7 +289,7 @@ class GdaPhases:
             return None
         values = (y.data_ptr(), offsets.data_ptr(), n, op["epoch"],
                   max(1, min(n if not fixed else t_max, tr.num_programs)))
-        if defer:
+        if defer and self.gated:
             return prog, values
         prog.run(values, _stream(self._dev))
         return None

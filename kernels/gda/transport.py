@@ -92,7 +92,7 @@ class GdaTransport(Transport):
         # after_backward(): one host sync per layer backward that raises deferred deadline
         # errors before the optimizer can use the gradients (0 = defer to the next dispatch)
         self.check_backward = bool(int(opts.get("check_backward", 1)))
-        self.fast_launch = int(opts.get("fast_launch", 2))
+        self.fast_launch = int(opts.get("fast_launch", 3))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):
@@ -333,7 +333,7 @@ class GdaTransport(Transport):
         phases = self._phases
         scratch, slot, send_idx, first = phases.front(
             x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT,
-            defer=True)
+            defer=True)  # run with the header in one call (fast_launch=3), or right away
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
         # the launch gate, then the one host sync per dispatch
