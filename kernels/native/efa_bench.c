@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include "efa_proxy.h"
+#include "efa_util.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -15,19 +16,6 @@
 #include <string.h>
 #include <time.h>
 
-static uint64_t bench_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void bench_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 static uint64_t make_w0(int dest, uint32_t msg, uint32_t len) {
     return ((uint64_t)dest << 52) | ((uint64_t)(msg & ((1u << EFA_MSG_BITS) - 1)) << 32) | len;
@@ -42,7 +30,7 @@ int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, in
     /* source and target both at window offset 0 / window_bytes/2: a write to ourselves */
     uint64_t half = (window_bytes / 2) & ~15ull;
     if (len > half) {
-        bench_err(err, errlen, "len %u > half the window (%llu)", len, (unsigned long long)half);
+        set_err(err, errlen, "len %u > half the window (%llu)", len, (unsigned long long)half);
         return -EINVAL;
     }
     for (int i = 0; i < iters; i++) {
@@ -50,11 +38,11 @@ int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, in
         uint64_t d[2] = {make_w0(rank, msg, len), ((uint64_t)0 << 32) | (half >> 4)};
         int32_t src = rank;
         uint64_t one = 1;
-        uint64_t t0 = bench_now_ns();
+        uint64_t t0 = now_ns();
         rc = efa_ring_push(handle, ch, d, 1, timeout_ms, err, errlen);
         if (!rc) rc = efa_wait_counters(handle, msg, 1, &src, &one, 1, timeout_ms, err, errlen);
         if (rc) return rc;
-        out_ns[i] = bench_now_ns() - t0;
+        out_ns[i] = now_ns() - t0;
     }
     return 0;
 }
@@ -107,13 +95,13 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
     int rc = efa_engine_query(handle, &rank, &num_channels, &ring_slots, &window_bytes);
     if (rc) return rc;
     if (nch < 1 || nch > num_channels) {
-        bench_err(err, errlen, "nch=%d must be in 1..%d", nch, num_channels);
+        set_err(err, errlen, "nch=%d must be in 1..%d", nch, num_channels);
         return -EINVAL;
     }
     rate_producer p[64];
     pthread_t th[64];
     int started = 0;
-    uint64_t t0 = bench_now_ns();
+    uint64_t t0 = now_ns();
     for (int c = 0; c < nch; c++) {
         memset(&p[c], 0, sizeof p[c]);
         p[c].handle = handle;
@@ -125,7 +113,7 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
         p[c].half = (window_bytes / 2) & ~15ull;
         p[c].timeout_ms = timeout_ms;
         if (pthread_create(&th[c], NULL, rate_produce, &p[c])) {
-            bench_err(err, errlen, "pthread_create for producer %d failed", c);
+            set_err(err, errlen, "pthread_create for producer %d failed", c);
             rc = -EAGAIN;
             break;
         }
@@ -134,7 +122,7 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
     for (int c = 0; c < started; c++) pthread_join(th[c], NULL);
     for (int c = 0; c < started && !rc; c++)
         if (p[c].rc) {
-            bench_err(err, errlen, "producer of channel %d: %s", c, p[c].err);
+            set_err(err, errlen, "producer of channel %d: %s", c, p[c].err);
             rc = p[c].rc;
         }
     if (rc) return rc;
@@ -142,6 +130,6 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
     int32_t src = rank;
     uint64_t expect = (uint64_t)n * (uint64_t)nch;
     rc = efa_wait_counters(handle, msg, 1, &src, &expect, 1, timeout_ms, err, errlen);
-    *out_ns = bench_now_ns() - t0;
+    *out_ns = now_ns() - t0;
     return rc;
 }

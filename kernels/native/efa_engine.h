@@ -5,6 +5,7 @@
 #ifndef EFA_ENGINE_H
 #define EFA_ENGINE_H
 #include "efa_proxy.h"
+#include "efa_util.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -155,12 +156,6 @@ typedef struct engine {
 } engine;
 
 /* ---------------------------------------------------------------------------------------- */
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static inline void sleep_us(int us) {
     struct timespec ts = {0, (long)us * 1000L};
     nanosleep(&ts, NULL);
@@ -172,14 +167,6 @@ static inline void cpu_relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
-}
-
-static inline void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
 }
 
 /* The first data-path or init failure wins; later ones are dropped (they are usually echoes).

@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include "efa_proxy.h"
+#include "efa_util.h"
 
 #include <errno.h>
 #include <math.h>
@@ -21,15 +22,6 @@
 
 enum { OP_DISPATCH = 1, OP_COMBINE = 2, OP_CACHED = 3 };
 
-static void op_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
-static inline int64_t align16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
 static int64_t data_recv_off(const efa_wire *w, int64_t src) {
     return w->off_recv + src * w->region_bytes + 2 * w->hdr_bytes;
@@ -79,7 +71,7 @@ int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen) {
     const int64_t W = w->world, me = w->rank, K = o->topk, T = o->tokens, rb = o->row_bytes;
     if (K < 1 || T < 0 || T > w->max_rows || o->cap < T * (K < W ? K : W) ||
         o->meta_rows < o->cap || o->num_experts != o->num_local * W) {
-        op_err(err, errlen, "rank %lld: dispatch of %lld tokens, top-%lld: scratch of %lld rows "
+        set_err(err, errlen, "rank %lld: dispatch of %lld tokens, top-%lld: scratch of %lld rows "
                "(capacity %lld) too small or bad geometry", (long long)me, (long long)T,
                (long long)K, (long long)o->meta_rows, (long long)o->cap);
         return -EINVAL;
@@ -88,7 +80,7 @@ int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen) {
                                  o->meta, o->cap, o->num_send, o->counts, o->scratch, &o->flags);
     if (S < 0) {
         if (S == -1) return EFA_RC_LOCAL_INPUT; /* the caller names the bad values, then the error round */
-        op_err(err, errlen, "rank %lld: the routing layout needs more than %lld rows",
+        set_err(err, errlen, "rank %lld: the routing layout needs more than %lld rows",
                (long long)me, (long long)o->cap);
         return (int)S;
     }
@@ -134,17 +126,17 @@ static void describe_meta(const efa_wire *w, int64_t src, const int64_t *m, int6
         none |= !any;
     }
     if (n && (lo < -1 || hi >= L)) {
-        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent local expert id %lld; "
+        set_err(err, errlen, "rank %lld: protocol violation: rank %lld sent local expert id %lld; "
                "expected -1 or 0 <= id < %lld (local experts)", me, s,
                (long long)(hi >= L ? hi : lo), (long long)L);
     } else if (n && none) {
-        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent a row that names none "
+        set_err(err, errlen, "rank %lld: protocol violation: rank %lld sent a row that names none "
                "of this rank's experts", me, s);
     } else if (n && wt) {
-        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent a non-zero weight in a "
+        set_err(err, errlen, "rank %lld: protocol violation: rank %lld sent a non-zero weight in a "
                "slot without an expert here", me, s);
     } else if (n && inf) {
-        op_err(err, errlen, "rank %lld: protocol violation: rank %lld sent NaN/Inf routing "
+        set_err(err, errlen, "rank %lld: protocol violation: rank %lld sent NaN/Inf routing "
                "weights", me, s);
     } else {
         /* the counts: ids are in range here, so each lands in [0, L) */
@@ -157,7 +149,7 @@ static void describe_meta(const efa_wire *w, int64_t src, const int64_t *m, int6
             pa += (size_t)snprintf(a + pa, sizeof a - pa, "%s%lld", e ? ", " : "", (long long)want[e]);
             pb += (size_t)snprintf(b + pb, sizeof b - pb, "%s%lld", e ? ", " : "", (long long)c);
         }
-        op_err(err, errlen, "rank %lld: protocol violation: rank %lld's per-expert counts [%s%s] "
+        set_err(err, errlen, "rank %lld: protocol violation: rank %lld's per-expert counts [%s%s] "
                "disagree with the expert ids of the %lld rows it sent ([%s%s])", me, s, a,
                pa >= sizeof a - 24 ? ", ..." : "", (long long)n, b, pb >= sizeof b - 24 ? ", ..." : "");
     }
@@ -206,6 +198,17 @@ int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Starts a round of one plane of row_bytes-wide rows: rows_to[d] rows to each rank, n_recv[r]
+ * expected from each (the handle's counts), the headers posted. */
+static int begin_rows_round(efa_op *o, int64_t op, const int64_t *rows_to, int64_t *n_recv,
+                            char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t rb = o->row_bytes;
+    for (int64_t d = 0; d < w->world; d++) w->rows_to[d] = rows_to[d];
+    round_setup(o, op, 1, &rb, o->fmt, NULL, n_recv);
+    return efa_wire_begin(w, 1, err, errlen);
+}
+
 int efa_op_cached_post(efa_op *o, char *err, size_t errlen) {
     efa_wire *w = o->wire;
     const int64_t W = w->world, me = w->rank, rb = o->row_bytes;
@@ -214,14 +217,12 @@ int efa_op_cached_post(efa_op *o, char *err, size_t errlen) {
     for (int64_t d = 0; d < W; d++) S += o->num_send[d];
     for (int64_t j = 0; j < S; j++) {
         if (o->send_idx[j] < 0 || o->send_idx[j] >= o->tokens) {
-            op_err(err, errlen, "rank %lld: dispatch_cached: the handle's token index %lld is "
+            set_err(err, errlen, "rank %lld: dispatch_cached: the handle's token index %lld is "
                    "outside [0, %lld)", (long long)me, (long long)o->send_idx[j], (long long)o->tokens);
             return -EINVAL;
         }
     }
-    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_send[d];
-    round_setup(o, OP_CACHED, 1, &rb, o->fmt, NULL, o->num_recv);
-    int rc = efa_wire_begin(w, 1, err, errlen);
+    int rc = begin_rows_round(o, OP_CACHED, o->num_send, o->num_recv, err, errlen);
     if (rc) return rc;
     int64_t *st = o->scratch;
     prefix(o->num_send, W, st);
@@ -252,9 +253,7 @@ int efa_op_cached_complete(efa_op *o, char *err, size_t errlen) {
 int efa_op_combine_post(efa_op *o, char *err, size_t errlen) {
     efa_wire *w = o->wire;
     const int64_t W = w->world, me = w->rank, rb = o->row_bytes;
-    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_recv[d];
-    round_setup(o, OP_COMBINE, 1, &rb, o->fmt, NULL, o->num_send);
-    int rc = efa_wire_begin(w, 1, err, errlen);
+    int rc = begin_rows_round(o, OP_COMBINE, o->num_recv, o->num_send, err, errlen);
     if (rc) return rc;
     int64_t *st = o->scratch;
     prefix(o->num_recv, W, st);
@@ -273,7 +272,7 @@ int efa_op_combine_complete(efa_op *o, char *err, size_t errlen) {
     int rc = efa_wire_finish(w, err, errlen);
     if (rc) return rc;
     if (o->slot_cap < W * T) {
-        op_err(err, errlen, "rank %lld: combine scratch of %lld slots < %lld", (long long)me,
+        set_err(err, errlen, "rank %lld: combine scratch of %lld slots < %lld", (long long)me,
                (long long)o->slot_cap, (long long)(W * T));
         return -EINVAL;
     }
@@ -286,7 +285,7 @@ int efa_op_combine_complete(efa_op *o, char *err, size_t errlen) {
     const int64_t esz = o->dtype == EFA_DT_F32 ? 4 : 2;
     rc = efa_reduce_rows(W, T, rb / esz, o->dtype, o->dtype, rows, n, ix, o->slot, o->out);
     if (rc < 0)
-        op_err(err, errlen, "rank %lld: combine: the handle's token indices are outside [0, %lld) "
+        set_err(err, errlen, "rank %lld: combine: the handle's token indices are outside [0, %lld) "
                "or repeat within a rank's rows", (long long)me, (long long)T);
     return rc;
 }

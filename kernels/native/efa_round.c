@@ -9,6 +9,7 @@
  */
 #define _GNU_SOURCE
 #include "efa_proxy.h"
+#include "efa_util.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -20,21 +21,6 @@ enum { H_STATUS, H_OP, H_ROWS, H_ROW_BYTES, H_CHUNKS, H_TAG, H_FORMAT };
 #define FOOTER_BYTES 16
 #define MSG_MASK 0xFFFFu
 
-static uint64_t round_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void round_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
-static inline int64_t align16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Descriptors of a data message of `rows` rows: each plane cut into chunks, plus the footer. */
@@ -69,10 +55,10 @@ static int wait_failed(const efa_wire *w, int rc, const char *what, char *err, s
 }
 
 static int timed_wait(efa_wire *w, uint32_t msg, int n, const char *what, char *err, size_t errlen) {
-    uint64_t t0 = round_now_ns();
+    uint64_t t0 = now_ns();
     int rc = efa_wait_counters(w->engine, msg, n, w->wait_srcs, w->wait_expected, 1,
                                (int)w->timeout_ms, err, errlen);
-    w->wait_ns += (int64_t)(round_now_ns() - t0);
+    w->wait_ns += (int64_t)(now_ns() - t0);
     return wait_failed(w, rc, what, err, errlen);
 }
 
@@ -85,7 +71,7 @@ static int64_t message_writes(const efa_wire *w, const int64_t *sizes, int64_t n
 int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
     const int64_t W = w->world, me = w->rank, F = w->hdr_fields;
     if (w->nplanes < 0 || w->nplanes > EFA_MAX_PLANES || w->max_msgs < W * (EFA_MAX_PLANES + 1)) {
-        round_err(err, errlen, "rank %lld: round with %lld planes (at most %d) or message scratch "
+        set_err(err, errlen, "rank %lld: round with %lld planes (at most %d) or message scratch "
                   "of %lld too small", (long long)me, (long long)w->nplanes, EFA_MAX_PLANES,
                   (long long)w->max_msgs);
         return -EINVAL;
@@ -94,9 +80,9 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
     w->nmsgs = 0;
     w->bad_peer = -1;
     /* our previous writes must have left the send side before it is rewritten */
-    uint64_t t0 = round_now_ns();
+    uint64_t t0 = now_ns();
     int rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
-    w->wait_ns += (int64_t)(round_now_ns() - t0);
+    w->wait_ns += (int64_t)(now_ns() - t0);
     if (rc) return wait_failed(w, rc, "send side", err, errlen);
     /* from here on, a peer's message of another round is an error */
     efa_engine_expect(w->engine, (uint32_t)w->seq);
@@ -130,7 +116,7 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
             int64_t n = w->rows_to[d];
             if (d == me || n <= 0) continue;
             if (n > w->max_rows) {
-                round_err(err, errlen, "rank %lld: %lld rows to rank %lld exceed the capacity %lld",
+                set_err(err, errlen, "rank %lld: %lld rows to rank %lld exceed the capacity %lld",
                           (long long)me, (long long)n, (long long)d, (long long)w->max_rows);
                 return -EINVAL;
             }
@@ -146,7 +132,7 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
         cur += FOOTER_BYTES;
     }
     if (cur > w->off_data_send + w->send_bytes) {
-        round_err(err, errlen, "rank %lld: a round of %lld bytes exceeds the send area of %lld bytes",
+        set_err(err, errlen, "rank %lld: a round of %lld bytes exceeds the send area of %lld bytes",
                   (long long)me, (long long)(cur - w->off_data_send), (long long)w->send_bytes);
         return -EINVAL;
     }
@@ -278,7 +264,7 @@ int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
         const int64_t *f = (const int64_t *)(w->window + off);
         if (f[0] != rows || f[1] != w->tag) {
             w->bad_peer = r;
-            round_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s data says %lld "
+            set_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s data says %lld "
                       "rows (round tag %#llx), its header %lld rows (tag %#llx)", (long long)me,
                       (long long)r, op_name(w->op), (long long)f[0], (unsigned long long)f[1],
                       (long long)rows, (unsigned long long)w->tag);
@@ -301,7 +287,7 @@ int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen) {
         if (st == EFA_STATUS_BAD_INPUT) {
             bad_input = 1;
         } else if (st != 0) {
-            round_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s header has status "
+            set_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s header has status "
                       "%lld", (long long)me, (long long)r, what, (long long)st);
             return -EPROTO;
         }
@@ -310,7 +296,7 @@ int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen) {
     for (int64_t r = 0; r < W; r++) {
         const int64_t *g = w->got + r * F;
         if (r != me && g[H_TAG] != w->tag) {
-            round_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s header carries "
+            set_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s header carries "
                       "round tag %#llx, expected %#llx (a stale or replayed header)", (long long)me,
                       (long long)r, what, (unsigned long long)g[H_TAG], (unsigned long long)w->tag);
             return -EPROTO;
@@ -324,7 +310,7 @@ int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen) {
     }
     if (!same) {
         size_t n = 0;
-        round_err(err, errlen, "proxy: ranks are in different operations or row formats: ");
+        set_err(err, errlen, "proxy: ranks are in different operations or row formats: ");
         for (int64_t r = 0; r < W && err && (n = strlen(err)) < errlen; r++) {
             const int64_t *g = w->got + r * F;
             int64_t op = r == me ? w->op : g[H_OP], rb = r == me ? w->row_bytes : g[H_ROW_BYTES],
@@ -346,13 +332,13 @@ int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen) {
         if (r == me) continue;
         const int64_t rows = g[H_ROWS], ch = g[H_CHUNKS];
         if (rows < 0 || rows > w->max_rows) {
-            round_err(err, errlen, "rank %lld: protocol violation: rank %lld declares %lld %s rows; "
+            set_err(err, errlen, "rank %lld: protocol violation: rank %lld declares %lld %s rows; "
                       "capacity is 0..%lld (max_tokens_per_rank)", (long long)me, (long long)r,
                       (long long)rows, what, (long long)w->max_rows);
             return -EPROTO;
         }
         if (ch != data_chunks(w, rows)) {
-            round_err(err, errlen, "rank %lld: protocol violation: rank %lld declares %lld %s rows in "
+            set_err(err, errlen, "rank %lld: protocol violation: rank %lld declares %lld %s rows in "
                       "%lld chunks; %lld rows of %lld bytes are %lld chunks", (long long)me,
                       (long long)r, (long long)rows, what, (long long)ch, (long long)rows,
                       (long long)w->row_bytes, (long long)data_chunks(w, rows));
@@ -375,7 +361,7 @@ int efa_wire_check_headers(efa_wire *w, char *err, size_t errlen) {
             bad = 1;
         }
         if (bad) {
-            round_err(err, errlen, "rank %lld: %s: ranks [%s] send [%s] rows, the handle expects "
+            set_err(err, errlen, "rank %lld: %s: ranks [%s] send [%s] rows, the handle expects "
                       "[%s]; handles from different dispatches?", (long long)me, what, a, b, c);
             return EFA_RC_HANDLE_MISMATCH;
         }

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..base import DispatchHandle, TransportError, describe_value_errors
+from ..base import TransportError, describe_value_errors
 from .window import OP_DISPATCH, dense
 
-from .round_ops import ProxyHandleState, _prefix
+from .round_ops import _prefix
 
 
 class DevicePath:
@@ -160,17 +160,11 @@ class DevicePath:
         msn[s_me:] = metan[e_me:]
         got = wire.exchange()
         num_recv = [num_send[me] if r == me else wire.rows_from(r) for r in range(w)]
-        rstarts = _prefix(num_recv)
-        n_recv = rstarts[-1]
         wire.finish()
         recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert = self._receive_device(
             xd, send_token_idx, num_recv, s_me, meta.data_ptr() + s_me * 16 * k, got, k)
-        handle = DispatchHandle(
-            num_tokens=t, num_recv_tokens=n_recv, topk_idx=topk_idx,
-            send_token_idx=send_token_idx[:s_all], num_send_per_rank=tuple(num_send),
-            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=None))
-        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
+            t, topk_idx, send_token_idx[:s_all], None, num_send, num_recv, recv_topk_idx)
 
     def _pinned(self, name: str, n: int, dtype) -> torch.Tensor:
         """A flat host buffer of ``n`` elements, page-locked, reused across calls (grown when too

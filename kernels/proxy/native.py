@@ -38,7 +38,8 @@ SOURCES = tuple(os.path.join(_NATIVE_DIR, f) for f in (
     "efa_proxy.c", "efa_endpoint.c", "efa_channel.c", "efa_bench.c", "efa_round.c", "efa_host.c",
     "efa_op.c"))
 HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
-HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"))  # a changed header rebuilds too
+HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"),
+           os.path.join(_NATIVE_DIR, "efa_util.h"))  # a changed header rebuilds too
 
 ABI_VERSION = 6
 ADDR_MAX = 256          # EFA_ADDR_MAX

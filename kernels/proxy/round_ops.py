@@ -61,11 +61,8 @@ class RoundOps:
             res = ops.dispatch(dense(x), dense(topk_idx), dense(topk_weights))
             if res is not None:
                 recv_x, recv_idx, recv_w, tpe, send_idx, num_send, num_recv = res
-                return recv_x, recv_idx, recv_w, tpe, DispatchHandle(
-                    num_tokens=x.shape[0], num_recv_tokens=recv_x.shape[0], topk_idx=topk_idx,
-                    send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
-                    num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
-                    state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx))
+                return recv_x, recv_idx, recv_w, tpe, self._handle(
+                    x.shape[0], topk_idx, send_idx, send_idx, num_send, num_recv, recv_idx)
             error = (describe_value_errors(cfg, me, topk_idx, topk_weights)
                      or f"rank {me}: the routing layout refused the routing values")
         route = None
@@ -120,12 +117,8 @@ class RoundOps:
             wire.finish()
             recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert = self._receive_device(
                 dense(x), send_idx, num_recv, s_me, self._meta_ptr + s_me * 16 * k, got, k)
-            handle = DispatchHandle(
-                num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
-                send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
-                num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-                state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx_cpu))
-            return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
+            return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
+                x.shape[0], topk_idx, send_idx, send_idx_cpu, num_send, num_recv, recv_topk_idx)
         # 4. this rank's own rows go straight into the output while the peers' rows fly
         recv_x = torch.empty(n_recv, H, dtype=x.dtype, device=dev)
         torch.index_select(x, 0, send_idx[s_me:e_me], out=recv_x[rstarts[me]:rstarts[me + 1]])
@@ -144,12 +137,19 @@ class RoundOps:
             recv_topk_idx = recv_topk_idx.to(dev, non_blocking=True)
             recv_topk_weights = recv_topk_weights.to(dev, non_blocking=True)
             torch.cuda.current_stream(dev).synchronize()  # the window is read before our next header
-        handle = DispatchHandle(
-            num_tokens=x.shape[0], num_recv_tokens=n_recv, topk_idx=topk_idx,
+        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
+            x.shape[0], topk_idx, send_idx, send_idx_cpu, num_send, num_recv, recv_topk_idx)
+
+    def _handle(self, num_tokens, topk_idx, send_idx, send_idx_cpu, num_send, num_recv,
+                recv_topk_idx):
+        """The dispatch's handle: rows sent per destination ``num_send [W]`` in ``send_idx``
+        order (``send_idx_cpu``: its host copy, or None), rows received per source
+        ``num_recv [W]``."""
+        return DispatchHandle(
+            num_tokens=num_tokens, num_recv_tokens=sum(num_recv), topk_idx=topk_idx,
             send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
             state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx_cpu))
-        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle
 
     def _route(self, topk_idx, topk_weights):
         """The routing layout (native, on the host: one D2H of the routing for a GPU input, never
