@@ -51,7 +51,7 @@ the same :class:`DispatchInputError`, naming the offending rank, the tensor and 
 expected, before any row moves; the transport stays usable. When every offending rank's only
 fault is more tokens than T_MAX, the error is a :class:`TooManyTokensError` carrying how many
 each passed, so a caller can enlarge the windows and replay (the efa dispatcher's ``grow``
-policy; gda's other ranks learn no text and see a plain :class:`DispatchInputError`). A
+policy). A
 deadline, a dead peer (:class:`PeerFailure`) or received data that fails validation
 (:class:`ProtocolError`) breaks the transport on the ranks that see it; later calls raise
 :class:`TransportBroken` carrying the original error. Everything received is validated

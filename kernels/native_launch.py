@@ -43,7 +43,7 @@ __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availabi
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
@@ -320,35 +320,37 @@ class Program:
         return self._sync_ns.value * 1e-9
 
     def run_gated(self, values: Sequence[int], second: "Program", values2: Sequence[int],
-                  stream: int, gate: int, world: int, rank: int, epoch: int, spin_ns: int,
+                  stream: int, gate: int, world: int, rank: int, record: int, spin_ns: int,
                   dst: int = 0, src: int = 0, nbytes: int = 0) -> Tuple[bool, float, float]:
         """This program with ``values``, then ``second`` with ``values2``, in one native call.
         Between them, with ``gate`` (the address of the launch gate's ``[world]`` int64
-        "issued" slots; 0: none) this rank publishes ``epoch`` and waits up to ``spin_ns`` for
-        every rank to have published it. With ``nbytes``, ``second`` ends with a read as
-        :meth:`run_read`.
+        "issued" slots; 0: none) this rank publishes ``record`` (``op * 8 + kind``) and waits
+        up to ``spin_ns`` for every rank to have published the same record or a later op's.
+        With ``nbytes``, ``second`` ends with a read as :meth:`run_read`.
 
         Returns:
             (both ran, seconds waiting for the device, seconds waiting for the peers). False:
-            a peer had not published in time; this program ran and ``epoch`` is published,
-            ``second`` did not run (wait for the peers, then run it).
+            a peer had not published in time, or published this op with another kind; this
+            program ran and ``record`` is published, ``second`` did not run (wait for the
+            peers, then run it).
         """
         self._set(values)
         second._set(values2)
         rc = self._lib.efa_launch_run_gated(
             self._recs_addr, self.num_steps, second._recs_addr, second.num_steps, stream,
-            gate or None, world, rank, epoch, spin_ns, dst or None, src, nbytes,
+            gate or None, world, rank, record, spin_ns, dst or None, src, nbytes,
             self._sync_ns_addr, self._gate_ns_addr, self._err_addr, _ERRLEN)
         if rc < 0:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
         return rc == 0, self._sync_ns.value * 1e-9, self._gate_ns.value * 1e-9
 
 
-def gate_publish_wait(gate: int, world: int, rank: int, epoch: int, spin_ns: int):
+def gate_publish_wait(gate: int, world: int, rank: int, record: int, spin_ns: int):
     """The launch gate's native fast path alone (see :meth:`Program.run_gated`): publishes
-    ``epoch`` at slot ``rank`` of the ``[world]`` int64 slots at address ``gate`` and waits up to
-    ``spin_ns`` for every slot to reach it. Returns (every rank published, seconds waited)."""
+    ``record`` at slot ``rank`` of the ``[world]`` int64 slots at address ``gate`` and waits up
+    to ``spin_ns`` for every slot to hold it or a later op's record. Returns (every rank agreed,
+    seconds waited)."""
     lib = load()
     waited = ctypes.c_int64(0)
-    ok = lib.efa_gate_publish_wait(gate, world, rank, epoch, spin_ns, ctypes.addressof(waited))
+    ok = lib.efa_gate_publish_wait(gate, world, rank, record, spin_ns, ctypes.addressof(waited))
     return bool(ok), waited.value * 1e-9

@@ -130,8 +130,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                choices=(0, 1)),
         Option("check_backward", int, 1, "1 = one sync per layer backward raises deferred errors",
                choices=(0, 1)),
-        Option("launch_gate", str, "auto", "launch waiting kernels only after every source stored "
-               "(on when ranks share a GPU)", choices=("auto", "on", "off", "0", "1")),
+        Option("launch_gate", str, "auto", "host board of the group's ranks: waiting kernels "
+               "launch only after every source issued its stores (needed when ranks share a "
+               "GPU), and bad input reaches every rank with its words (auto = on)",
+               choices=("auto", "on", "off", "0", "1")),
         Option("fast_launch", int, 3, "3 = as 2, and an op's two phases with the launch gate "
                "between them in one native call; 2 = each op phase's kernels in one native call "
                "(where the driver allows, else 1); 1 = each kernel through its compiled launcher; "

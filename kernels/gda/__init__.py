@@ -49,8 +49,7 @@ Never stuck, never silently wrong:
       wait spins cannot issue anything until that wait ends. A wait must therefore only ever
       wait for stores already in the peers' streams. Hence the **launch gate**: a rank launches
       a waiting kernel only after every source has *issued* (enqueued) the op's stores, told
-      through a host shared-memory board (:class:`LaunchGate`, on by default when ranks share a
-      GPU, where the ranks also compete for SMs). A wait then depends only on kernels already in
+      through a host shared-memory board (:class:`LaunchGate`, on by default). A wait then depends only on kernels already in
       streams, which complete whatever the hosts do; a peer that never issues is found on the
       host, within ``timeout_s``, and named. Pre-loading kernels is not enough: any library may
       load a module or allocate between two ops.
@@ -62,9 +61,14 @@ Never stuck, never silently wrong:
       :class:`PeerTimeoutError` naming the op, its kind, the waiting rank and the missing ranks
       at the next dispatch, ``check_errors`` or ``after_backward``. After any deadline or peer
       failure the transport refuses further calls on every rank that sees it (the group's
-      epochs no longer agree): rebuild it. Bad inputs to combine / cached dispatch make every
-      rank raise naming the offending rank (through the gate; without it the peers' waits
-      expire as above).
+      epochs no longer agree): rebuild it.
+    * Bad input raises the same :class:`DispatchInputError` on every rank, with the offending
+      rank's own words, and the transport stays usable: the offending rank posts its words on
+      the launch gate's board and still takes part in the op (a dispatch with no rows and a bad
+      status in its header; a combine or cached dispatch that moves no rows but signals and
+      waits, so every epoch stays in step); the peers read the words after the count read or
+      after the op's gate. With ``launch_gate=off`` only the dispatch's status travels: a bad
+      combine input then breaks the transport and the peers' waits expire as above.
 
 Fixed-capacity mode (:meth:`GdaTransport.dispatch_fixed`; inference and decode):
     no host sync and no receive copy: the layout, store and a one-program fixed receive

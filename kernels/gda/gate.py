@@ -11,7 +11,16 @@ import numpy as np
 
 import torch.distributed as dist
 
-from ..base import PeerFailure, TransportError
+from ..base import PeerFailure, ProtocolError, TransportError
+
+#: the kind of each op, as recorded on the launch gate and in the device error word
+OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine"}
+KIND_OF = {v: k for k, v in OP_KINDS.items()}
+
+
+def wait_record(epoch: int, kind: str) -> int:
+    """``epoch * 8 + kind``: op ``epoch`` and its kind in one int64 (gate slots, error word)."""
+    return epoch * 8 + KIND_OF[kind]
 
 
 class PeerTimeoutError(PeerFailure):
@@ -21,6 +30,10 @@ class PeerTimeoutError(PeerFailure):
 
 class PeerFailedError(PeerFailure):
     """An EP peer gave up (deadline, closed transport) before issuing this op's stores."""
+
+
+#: bytes of one rank's error text slot on the board (stamp, length, text)
+TEXT_SLOT_BYTES = 1024
 
 
 class LaunchGate:
@@ -39,6 +52,15 @@ class LaunchGate:
 
     ``failed[r]`` = ``epoch * 8 + kind`` of the op at which rank r gave up (-1: closed), so a
     waiting peer raises at once naming it instead of waiting out its own deadline.
+
+    Bad input travels on the same board, so every rank raises the same error with the offending
+    rank's own words: ``bad[e % 2] = e`` when some rank refused op ``e`` (written before that
+    rank publishes ``e``, so a peer past the gate of ``e`` sees it), and per rank and parity a
+    text slot ``[stamp int64 | length int64 | utf-8 bytes]`` stamped with the op. Parity
+    suffices because no rank gets two ops ahead of a peer: passing the gate of ``e + 1`` needs
+    every peer to have published ``e + 1``, which each does only after reading op ``e``'s board.
+    Layout: int64 ``[issued W | failed W | bad 2]``, then ``2 W`` text slots of
+    :data:`TEXT_SLOT_BYTES`.
     """
 
     def __init__(self, group, rank: int, world: int):
@@ -47,7 +69,8 @@ class LaunchGate:
             token[0] = f"/dev/shm/efa_ep_gda_{os.getpid()}_{secrets.token_hex(8)}"
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         path = token[0]
-        size = 16 * world
+        self._text_off = 8 * (2 * world + 2)
+        size = self._text_off + 2 * world * TEXT_SLOT_BYTES
         if rank == 0:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)
@@ -64,8 +87,8 @@ class LaunchGate:
         dist.barrier(group=group)
         if rank == 0:
             os.unlink(path)  # nothing left behind, even after a crash
-        arr = np.frombuffer(self._mm, dtype=np.int64)
-        self.issued, self.failed = arr[:world], arr[world:]
+        arr = np.frombuffer(self._mm, dtype=np.int64, count=2 * world + 2)
+        self.issued, self.failed = arr[:world], arr[world:2 * world]
         # the hot path reads and writes through a memoryview: Python ints, no numpy per call
         self._slots = memoryview(self._mm).cast("q")
         self.rank, self.world = rank, world
@@ -76,30 +99,85 @@ class LaunchGate:
         publish and read them with atomic stores and loads)."""
         return self.issued.ctypes.data
 
-    def publish(self, epoch: int) -> None:
-        """This rank has enqueued its stores of op ``epoch`` (an aligned 8-byte store)."""
-        self._slots[self.rank] = epoch
+    def publish(self, record: int) -> None:
+        """This rank has enqueued its stores of op ``record // 8`` of kind ``record % 8``
+        (:func:`wait_record`; an aligned 8-byte store)."""
+        self._slots[self.rank] = record
 
-    def ready(self, epoch: int) -> bool:
-        """Every rank has issued op ``epoch`` (no wait)."""
-        return min(self._slots[:self.world]) >= epoch
+    def passed(self, record: int) -> bool:
+        """Every rank has issued this op with the same kind (or is past it: it agreed). No
+        wait."""
+        nxt = (record | 7) + 1
+        return all(v == record or v >= nxt for v in self._slots[:self.world])
 
     def fail(self, record: int) -> None:
         self.failed[self.rank] = record
 
-    def wait(self, epoch: int, timeout_s: float, op: str) -> None:
-        """Returns once every rank has issued op ``epoch``; raises naming the ranks otherwise."""
-        issued, failed = self.issued, self.failed
-        if self.ready(epoch):
+    def mark_bad(self, epoch: int, text: str) -> None:
+        """This rank refuses op ``epoch`` with ``text`` (its own words): posts the text, then
+        the group's bad flag of the op. Call before publishing ``epoch``."""
+        self.post_text(epoch, text)
+        self._slots[2 * self.world + epoch % 2] = epoch
+
+    def bad_at(self, epoch: int) -> bool:
+        """Some rank refused op ``epoch`` (valid once past the gate of ``epoch``)."""
+        return self._slots[2 * self.world + epoch % 2] == epoch
+
+    def post_text(self, epoch: int, text: str) -> None:
+        """Posts this rank's error text for op ``epoch`` (cut to fit the slot)."""
+        data = text.encode("utf-8", "replace")[:TEXT_SLOT_BYTES - 16]
+        off = self._text_off + (2 * self.rank + epoch % 2) * TEXT_SLOT_BYTES
+        words = memoryview(self._mm)[off:off + TEXT_SLOT_BYTES]
+        try:
+            words[16:16 + len(data)] = data
+            stamp = words[:16].cast("q")
+            stamp[1] = len(data)
+            stamp[0] = epoch  # last: a reader that sees the stamp sees the text
+            stamp.release()
+        finally:
+            words.release()
+
+    def text_of(self, rank: int, epoch: int, timeout_s: float) -> "str | None":
+        """Rank ``rank``'s posted text for op ``epoch``, waiting up to ``timeout_s`` for it
+        (None if it never comes: that rank died or gave up first)."""
+        off = self._text_off + (2 * rank + epoch % 2) * TEXT_SLOT_BYTES
+        deadline = time.monotonic() + timeout_s
+        words = memoryview(self._mm)[off:off + TEXT_SLOT_BYTES]
+        stamp = words[:16].cast("q")
+        try:
+            while stamp[0] != epoch:
+                if self.failed[rank] != 0 or time.monotonic() > deadline:
+                    return None
+                time.sleep(2e-5)
+            n = min(max(int(stamp[1]), 0), TEXT_SLOT_BYTES - 16)  # the peer's length: bound it
+            return bytes(words[16:16 + n]).decode("utf-8", "replace")
+        finally:
+            stamp.release()
+            words.release()
+
+    def fail(self, record: int) -> None:
+        self.failed[self.rank] = record
+
+    def wait(self, record: int, timeout_s: float, op: str) -> None:
+        """Returns once every rank has issued op ``record`` (:meth:`passed`); raises naming the
+        ranks otherwise: :class:`PeerFailedError` when one gave up, :class:`PeerTimeoutError` at
+        the deadline, :class:`ProtocolError` (the same words on every rank) when every rank
+        issued the op but not all the same kind of op."""
+        if self.passed(record):
             return
+        epoch = record // 8
+        issued, failed = self.issued, self.failed
         deadline = time.monotonic() + timeout_s
         spins = 0
         while True:
-            if self.ready(epoch):
+            if self.passed(record):
                 return
+            seen = self._slots[:self.world].tolist()
+            if min(seen) >= epoch * 8:  # all issued this op: the kinds differ
+                raise ProtocolError(self._disagreement(epoch, seen))
             if failed.any():
                 gone = [int(r) for r in np.flatnonzero(failed)
-                        if r != self.rank and issued[r] < epoch]
+                        if r != self.rank and issued[r] < epoch * 8]
                 if gone:
                     raise PeerFailedError(
                         f"rank {self.rank}: gda {op} (op {epoch}): EP peer rank(s) {gone} "
@@ -108,11 +186,23 @@ class LaunchGate:
             if spins > 2000:
                 time.sleep(2e-5 if spins < 100000 else 1e-3)
             if time.monotonic() > deadline:
-                missing = [int(r) for r in np.flatnonzero(issued < epoch)]
+                missing = [int(r) for r in np.flatnonzero(issued < epoch * 8)]
                 raise PeerTimeoutError(
                     f"rank {self.rank}: gda {op} (op {epoch}) gave up after {timeout_s:g}s "
                     f"waiting for source rank(s) {missing}: they never issued their stores "
                     f"(crashed, hung, or skipped this collective call)")
+
+    @staticmethod
+    def _disagreement(epoch: int, seen) -> str:
+        """The words every rank raises when the ranks issued different kinds of op ``epoch``
+        (no rank names itself, so the text is the same everywhere)."""
+        by_kind: dict = {}
+        for r, v in enumerate(seen):
+            if v // 8 == epoch:
+                by_kind.setdefault(OP_KINDS.get(v % 8, f"op kind {v % 8}"), []).append(r)
+        calls = ", ".join(f"{kind} on rank(s) {ranks}" for kind, ranks in sorted(by_kind.items()))
+        return (f"gda op {epoch}: the EP ranks called different operations ({calls}); every "
+                f"rank must make the same sequence of dispatch / combine calls")
 
     def close(self) -> None:
         if getattr(self, "_mm", None) is not None:

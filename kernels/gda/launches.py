@@ -14,6 +14,7 @@ from .device import (
     _combine_reduce_kernel, _combine_store_kernel, _dispatch_store_kernel, _gather_rows_kernel,
     _recv_header_fixed_kernel, _recv_header_kernel, _wait_kernel, next_pow2,
 )
+from .gate import KIND_OF, OP_KINDS, wait_record  # noqa: F401  (kinds: one definition)
 from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_small_kernel
 
 __all__ = [
@@ -233,14 +234,6 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
 
 
 # Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).
-OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine"}
-KIND_OF = {v: k for k, v in OP_KINDS.items()}
-
-
-def wait_record(epoch: int, kind: str) -> int:
-    return epoch * 8 + KIND_OF[kind]
-
-
 def check_err(err: torch.Tensor) -> None:
     """The error word: ``[3]`` int64 (missing-source bits, first expired op, sources with bad
     input). Checked once by whoever makes it."""

@@ -119,7 +119,8 @@ class GdaPhases:
         stream = _stream(self._dev)
         done, sync_s, gate_s = prog.run_gated(
             values, second, values2, stream, gate.address if gate is not None else 0,
-            tr.world_size, tr.rank, epoch, GATE_SPIN_NS, dst, src, nbytes)
+            tr.world_size, tr.rank, kern.wait_record(epoch, kind), GATE_SPIN_NS, dst, src,
+            nbytes)
         tr.blocked_s += gate_s
         if done:
             return sync_s

@@ -15,7 +15,7 @@ from ..core.hosts import host_id
 from ..base import (
     STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, ProtocolError, Transport,
     TransportBroken, TransportError, TransportUnavailable, align_up, describe_status,
-    group_input_error, rows_input_error, validate_dispatch_inputs,
+    describe_value_errors, group_input_error, rows_input_error, validate_dispatch_inputs,
 )
 
 from .gate import LaunchGate, PeerTimeoutError
@@ -51,7 +51,7 @@ class GdaTransport(Transport):
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
     ``launch_gate``, ``fast_launch``). Where they need more than a line: ``check_backward``
     makes :meth:`after_backward` raise deferred deadline errors before the gradients are used;
-    ``launch_gate`` (on when ranks share a GPU) launches a waiting kernel only once every source
+    ``launch_gate`` (default on) launches a waiting kernel only once every source
     has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
     kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
     path runs, ``native_launch_off`` why not), 1 each kernel through its compiled launcher, 0
@@ -109,8 +109,9 @@ class GdaTransport(Transport):
                 f"rank {self.rank}: gda needs every EP rank on one host (symmetric memory over "
                 f"NVLink); the group spans hosts {hosts}; use transport 'proxy' across hosts")
         self.ranks_per_device = peers.count(me)
-        # auto: on when ranks share a GPU (one CUDA context under MPS; see LaunchGate)
-        self.launch_gate = (gate in ("1", "on")) or (gate == "auto" and self.ranks_per_device > 1)
+        # auto = on: ranks sharing a GPU need it (one CUDA context under MPS; see LaunchGate),
+        # and on any GPU layout it is how every rank learns a peer's bad input with its words
+        self.launch_gate = gate in ("auto", "1", "on")
         self._gate = LaunchGate(group, self.rank, self.world_size) if self.launch_gate else None
         if self.ranks_per_device > 1:
             # Several ranks on one GPU (tests, benchmarks): rendezvous refuses overlapping devices
@@ -214,17 +215,19 @@ class GdaTransport(Transport):
             # While capturing nothing is launched; a replay then issues every captured store
             # in one host call, so its waits never depend on a peer's host (see capture()).
             return
-        self._gate.publish(epoch)
-        if self._gate.ready(epoch):
+        record = self._kern.wait_record(epoch, kind)
+        self._gate.publish(record)
+        if self._gate.passed(record):
             return
         self._await_peers(epoch, kind)
 
     def _await_peers(self, epoch: int, kind: str) -> None:
-        """The launch gate's wait for op ``epoch`` (this rank has published it): returns once
-        every source has; a deadline or a failed peer breaks the transport and raises."""
+        """The launch gate's wait for op ``epoch`` of ``kind`` (this rank has published it):
+        returns once every source has; a deadline, a failed peer or ranks in different
+        operations break the transport and raise."""
         t0 = time.perf_counter()
         try:
-            self._gate.wait(epoch, self.timeout_s, kind)
+            self._gate.wait(self._kern.wait_record(epoch, kind), self.timeout_s, kind)
         except TransportError as e:
             self._break(str(e), epoch, kind)
             raise
@@ -324,6 +327,8 @@ class GdaTransport(Transport):
         error = self._host_check(x, topk_idx, topk_weights)
         epoch = self._begin_op("dispatch")
         if error is not None:  # take part with no rows and a bad status: nobody waits forever
+            if self._gate is not None:
+                self._gate.post_text(epoch, error)  # before publishing: peers read it later
             x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
             topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
             topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
@@ -346,15 +351,7 @@ class GdaTransport(Transport):
         num_send = vals[end:end + world]
         bad = {s: v for s, v in enumerate(vals[1:end:hdr_len]) if v != STATUS_OK}
         if error is not None or bad:
-            # Every rank refuses; only the offending rank knows its own words (no text travels
-            # in the window header), the others name it.
-            words = {s: None for s in bad}
-            mine = bad.get(self.rank)
-            if error is not None:
-                words[self.rank] = error
-            elif mine is not None:
-                words[self.rank] = f"rank {self.rank}: {describe_status(mine, cfg.num_experts)}"
-            raise group_input_error(f"gda dispatch (op {epoch})", words)
+            raise self._dispatch_input_error(epoch, bad, error, topk_idx, topk_weights)
         num_recv = vals[2:end:hdr_len]
         t_max = cfg.max_tokens_per_rank
         if not all(0 <= r <= t_max for r in num_recv):  # peers' counts are untrusted
@@ -385,6 +382,27 @@ class GdaTransport(Transport):
             state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
                                    epoch=epoch))
         return recv_x, recv_idx, recv_w, tokens_per_expert, handle
+
+    def _dispatch_input_error(self, epoch: int, bad: dict, error: Optional[str], topk_idx,
+                              topk_weights) -> DispatchInputError:
+        """The one error of a refused dispatch, the same on every rank: each offending rank's
+        own words, read from the launch gate's board (a value error found on the device is
+        described by its rank after the count read, then posted). Without the board, or if a
+        peer's words never come, the status word's description stands in for them."""
+        cfg, gate = self.cfg, self._gate
+        words = {}
+        if error is not None:
+            words[self.rank] = error
+        elif self.rank in bad:
+            words[self.rank] = describe_value_errors(cfg, self.rank, topk_idx, topk_weights) or \
+                f"rank {self.rank}: {describe_status(bad[self.rank], cfg.num_experts)}"
+            if gate is not None:
+                gate.post_text(epoch, words[self.rank])
+        for s in sorted(bad):
+            if s != self.rank:
+                text = gate.text_of(s, epoch, self.timeout_s) if gate is not None else None
+                words[s] = text or f"rank {s}: {describe_status(bad[s], cfg.num_experts)}"
+        return group_input_error(f"gda dispatch (op {epoch})", words)
 
     def dispatch_fixed(self, x, topk_idx, topk_weights):
         """Fixed-capacity dispatch: no host sync, no receive copy, static launch grids.
@@ -469,11 +487,13 @@ class GdaTransport(Transport):
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
             kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
                                **self._wait_args())
+            self._raise_if_refused(epoch, "cached dispatch")  # the op is whole: it waited
             rows = handle.num_recv_tokens
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
         self._phases.cached_gather(st.recv_offsets, out, epoch)
+        self._raise_if_refused(epoch, "cached dispatch")
         if self.check_every_call and not self._capturing:
             self.check_errors("dispatch_cached")
         return out
@@ -502,11 +522,51 @@ class GdaTransport(Transport):
         return self._combine(masked.contiguous(), handle, "weight combine")
 
     def _refuse(self, msg: str, kind: str) -> None:
-        """A bad input to an op without a status exchange: with the launch gate the peers learn
-        it at once (they raise naming this rank); the op's epochs no longer agree, so the
-        transport is unusable on every rank. Without the gate the peers' waits expire."""
-        self._break(msg, self._epoch + 1, kind)
-        raise DispatchInputError(msg)
+        """A bad input to an op without a status exchange in the window. With the launch gate
+        this rank still takes part in the op, moving no rows: it posts its words on the board,
+        signals every peer and waits for theirs (so every epoch stays in step), and every rank
+        raises the same :class:`DispatchInputError` after the op (:meth:`_raise_if_refused`);
+        the transport stays usable. Without the gate (or inside a capture) the peers cannot
+        learn it: the transport breaks here and the peers' waits expire."""
+        if self._gate is None or self._capturing:
+            self._break(msg, self._epoch + 1, kind)
+            raise DispatchInputError(msg)
+        kern = self._kern
+        epoch = self._begin_op(kind)
+        self._gate.mark_bad(epoch, msg)
+        offs = self._offs[epoch % 2]
+        row, nowhere = self._no_rows_input()
+        kern.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
+                            self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
+                            t_max=self.cfg.max_tokens_per_rank,
+                            num_local=self.cfg.num_local_experts, **self._op(epoch),
+                            with_meta=False, num_programs=1)
+        self._issued(epoch, kind)
+        kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind=kind,
+                              **self._wait_args())
+        self._raise_if_refused(epoch, kind)
+
+    def _raise_if_refused(self, epoch: int, kind: str) -> None:
+        """After an op without a status exchange, past its launch gate: raises the group's
+        :class:`DispatchInputError` if a rank refused op ``epoch`` (its words from the board).
+        This rank's outputs of the op are then garbage; nobody returns them."""
+        gate = self._gate
+        if gate is None or self._capturing or not gate.bad_at(epoch):
+            return
+        words = {}
+        for s in range(self.world_size):
+            text = gate.text_of(s, epoch, 0.0)  # posted before the flag: present or absent
+            if text is not None:
+                words[s] = text
+        raise group_input_error(f"gda {kind} (op {epoch})", words)
+
+    def _no_rows_input(self):
+        """One row routed nowhere (slot -1): a store launch that only signals the peers."""
+        if getattr(self, "_no_rows", None) is None:
+            self._no_rows = (torch.zeros(1, 16, dtype=torch.uint8, device=self.device),
+                             torch.full((1, self.world_size), -1, dtype=torch.int64,
+                                        device=self.device))
+        return self._no_rows
 
     def _combine(self, y, handle, kind: str):
         try:
@@ -524,6 +584,7 @@ class GdaTransport(Transport):
         first = self._phases.combine_store(
             y, st.num_recv_W if st.fixed else st.recv_offsets, st.fixed, epoch, defer=True)
         self._phases.combine_reduce(st.slot_TW, out, epoch, kind, first)  # with the gate
+        self._raise_if_refused(epoch, kind)
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)
         return out
@@ -534,11 +595,7 @@ class GdaTransport(Transport):
         kern = self._kern
         epoch = self._begin_op("combine")
         offs = self._offs[epoch % 2]
-        if getattr(self, "_no_rows", None) is None:  # one row routed nowhere (slot -1)
-            self._no_rows = (torch.zeros(1, 16, dtype=torch.uint8, device=self.device),
-                             torch.full((1, self.world_size), -1, dtype=torch.int64,
-                                        device=self.device))
-        row, nowhere = self._no_rows
+        row, nowhere = self._no_rows_input()
         kern.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
                          self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
                          t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,

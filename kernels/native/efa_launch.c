@@ -28,7 +28,7 @@
 #include <string.h>
 #include <time.h>
 
-#define EFA_LAUNCH_ABI 2
+#define EFA_LAUNCH_ABI 3
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -200,20 +200,25 @@ static int64_t now_ns(void) {
     return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* The launch gate's fast path: stores epoch into gate[rank] (this rank has enqueued the op's
- * stores), then waits up to spin_ns until every gate[0..world) >= epoch. 1 when they are, 0 when
- * the time ran out (nothing else changes: the caller's own wait takes over). *waited_ns = time
- * spent waiting. gate is shared memory written by other processes: read with acquire loads. */
-int efa_gate_publish_wait(int64_t *gate, int world, int rank, int64_t epoch, int64_t spin_ns,
+/* The launch gate's fast path: stores record = op * 8 + kind into gate[rank] (this rank has
+ * enqueued the op's stores), then waits up to spin_ns until every gate[r] holds the same record
+ * or a later op's (>= (op + 1) * 8: that peer passed this gate, so it agreed). 1 when they do, 0
+ * when the time ran out or a peer published the same op with another kind (nothing else
+ * changes: the caller's own wait takes over, with its deadline and the ranks' disagreement).
+ * *waited_ns = time spent waiting. gate is shared memory written by other processes: read with
+ * acquire loads. */
+int efa_gate_publish_wait(int64_t *gate, int world, int rank, int64_t record, int64_t spin_ns,
                           int64_t *waited_ns) {
     if (waited_ns) *waited_ns = 0;
     if (!gate || world < 1 || rank < 0 || rank >= world) return 0;
-    __atomic_store_n(&gate[rank], epoch, __ATOMIC_RELEASE);
+    __atomic_store_n(&gate[rank], record, __ATOMIC_RELEASE);
+    const int64_t next_op = (record | 7) + 1;
     int64_t t0 = 0;
     for (long spins = 0;; spins++) {
         int ready = 1;
         for (int r = 0; r < world; r++) {
-            if (__atomic_load_n(&gate[r], __ATOMIC_ACQUIRE) < epoch) {
+            int64_t v = __atomic_load_n(&gate[r], __ATOMIC_ACQUIRE);
+            if (v != record && v < next_op) {
                 ready = 0;
                 break;
             }
@@ -231,7 +236,7 @@ int efa_gate_publish_wait(int64_t *gate, int world, int rank, int64_t epoch, int
     }
 }
 
-/* The two phases of an op in one call: launches first (n1 records), publishes epoch on the
+/* The two phases of an op in one call: launches first (n1 records), publishes record on the
  * launch gate (gate == NULL: no gate, ranks on their own GPUs) and waits up to spin_ns for the
  * peers (efa_gate_publish_wait), then launches second (n2 records) and, with bytes > 0, reads as
  * efa_launch_run_read. Returns 0 when both phases ran; 1 when the peers had not published in
@@ -239,7 +244,7 @@ int efa_gate_publish_wait(int64_t *gate, int world, int rank, int64_t epoch, int
  * launches it); a negative errno with the failing step in err. *sync_ns: time waiting for the
  * device; *gate_ns: time waiting for the peers. */
 int efa_launch_run_gated(efa_launch_t *first, int n1, efa_launch_t *second, int n2,
-                         int64_t stream, int64_t *gate, int world, int rank, int64_t epoch,
+                         int64_t stream, int64_t *gate, int world, int rank, int64_t record,
                          int64_t spin_ns, void *dst, int64_t src, int64_t bytes,
                          int64_t *sync_ns, int64_t *gate_ns, char *err, size_t errlen) {
     if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
@@ -247,7 +252,7 @@ int efa_launch_run_gated(efa_launch_t *first, int n1, efa_launch_t *second, int 
     if (gate_ns) *gate_ns = 0;
     int rc = run(first, n1, (void *)(uintptr_t)stream, err, errlen);
     if (rc) return rc;
-    if (gate && !efa_gate_publish_wait(gate, world, rank, epoch, spin_ns, gate_ns)) return 1;
+    if (gate && !efa_gate_publish_wait(gate, world, rank, record, spin_ns, gate_ns)) return 1;
     if (bytes > 0)
         return efa_launch_run_read(second, n2, stream, dst, src, bytes, sync_ns, err, errlen);
     return run(second, n2, (void *)(uintptr_t)stream, err, errlen);

@@ -8,7 +8,7 @@
 #                layer (Megatron layer at a training shape; layer_before, layer_nofast likewise;
 #                layers: PEROP_STARTS fresh starts of it),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds),
-#                contract (the conformance suite's gda cases)
+#                contract (the conformance suite's gda cases; PEROP_CONTRACT_S)
 #   PEROP_STARTS starts per bench (default 3)
 # Carry: .whl (megatron-core wheel for the GPU's Python), .before when a before step runs.
 set -u
@@ -53,7 +53,7 @@ fi
 want profile && TAILN=40 step profile 120 python3 scripts/probes/gda_host_profile.py --world 2 --mode regular --iters 300
 want stress && TAILN=8 step stress 300 python3 scripts/gpu/gda_stress.py --worlds 2,4 --rounds ${PEROP_ROUNDS:-300} \
   --out "$OUT/gda_stress.jsonl"
-want contract && TAILN=30 step contract 300 python3 -m pytest -q -p no:cacheprovider -rf \
+want contract && TAILN=30 step contract ${PEROP_CONTRACT_S:-300} python3 -m pytest -q -p no:cacheprovider -rf \
   tests/contract -k gda
 mps_stop
 triton_cache_save

@@ -16,9 +16,9 @@ class _Prog:
     def __init__(self, log, name, gated=None):
         self.log, self.name, self.gated = log, name, gated
 
-    def run_gated(self, values, second, values2, stream, gate, world, rank, epoch, spin_ns,
+    def run_gated(self, values, second, values2, stream, gate, world, rank, record, spin_ns,
                   dst, src, nbytes):
-        self.log.append(("gated", self.name, second.name, gate, epoch, nbytes))
+        self.log.append(("gated", self.name, second.name, gate, record, nbytes))
         return self.gated, 0.5, 0.25
 
     def run(self, values, stream):
@@ -52,7 +52,7 @@ def test_gate_passed_in_the_native_call_launches_nothing_more():
     p, tr = _phases(log)
     first = (_Prog(log, "store", gated=True), (1,))
     waited = p._gated(first, _Prog(log, "reduce"), (2,), 7, "combine", 0, 0, 64)
-    assert log == [("gated", "store", "reduce", 4096, 7, 64)]
+    assert log == [("gated", "store", "reduce", 4096, 7 * 8 + 2, 64)]
     assert waited == 0.5 and tr.blocked_s == 0.25
 
 

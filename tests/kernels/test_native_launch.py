@@ -165,6 +165,22 @@ def test_gate_fast_path_publishes_and_reports_whether_every_rank_has():
     assert waited >= 1e-3                                 # it waited its spin, no more needed
 
 
+def test_gate_fast_path_passes_only_ranks_in_the_same_operation():
+    import numpy as np
+
+    from efa_ep.kernels.gda.gate import wait_record
+
+    _real_lib()
+    combine, cached = wait_record(5, "combine"), wait_record(5, "cached dispatch")
+    slots = np.array([0, cached, wait_record(6, "dispatch")], dtype=np.int64)
+    ready, _ = nl.gate_publish_wait(slots.ctypes.data, 3, 0, cached, 10_000_000)
+    assert ready  # rank 2 is past op 5 (it agreed), rank 1 issued the same op
+    slots[:] = (0, cached, cached)
+    ready, waited = nl.gate_publish_wait(slots.ctypes.data, 3, 0, combine, 1_000_000)
+    assert not ready and slots[0] == combine  # same op, another kind: the caller's wait decides
+    assert waited >= 1e-3
+
+
 def test_gate_fast_path_sees_a_peer_that_publishes_while_it_waits():
     import threading
 
@@ -210,7 +226,7 @@ def test_run_gated_binds_both_programs_and_says_when_the_gate_was_not_passed(fak
     x2, s2 = torch.zeros_like(x), torch.zeros_like(scratch)
     lib.gated_rc = 0
     done, sync_s, gate_s = first.run_gated((x2.data_ptr(), 9), second, (s2.data_ptr(), 4),
-                                           stream=5, gate=1234, world=2, rank=1, epoch=11,
+                                           stream=5, gate=1234, world=2, rank=1, record=11,
                                            spin_ns=99, dst=4096, src=8192, nbytes=64)
     assert done and gate_s == pytest.approx(2e-6)
     w1, w2, *rest = calls[-1]
