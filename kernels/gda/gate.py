@@ -169,11 +169,12 @@ class LaunchGate:
         issued, failed = self.issued, self.failed
         deadline = time.monotonic() + timeout_s
         spins = 0
+        nxt = (record | 7) + 1
         while True:
-            if self.passed(record):
+            seen = self._slots[:self.world].tolist()  # one snapshot for both decisions
+            if all(v == record or v >= nxt for v in seen):
                 return
-            seen = self._slots[:self.world].tolist()
-            if min(seen) >= epoch * 8:  # all issued this op: the kinds differ
+            if min(seen) >= epoch * 8:  # all issued this op, not all the same kind
                 raise ProtocolError(self._disagreement(epoch, seen))
             if failed.any():
                 gone = [int(r) for r in np.flatnonzero(failed)
