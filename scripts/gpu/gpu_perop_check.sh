@@ -9,7 +9,7 @@
 #                layers: PEROP_STARTS fresh starts of it),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds),
 #                contract (the conformance suite's gda cases; PEROP_CONTRACT_S)
-#   PEROP_STARTS starts per bench (default 3)
+#   PEROP_STARTS starts per bench (default 3); PEROP_TESTS_K the tests step's -k expression
 # Carry: .whl (megatron-core wheel for the GPU's Python), .before when a before step runs.
 set -u
 OUT=${OUT:-/tmp/gpu_perop_out}; mkdir -p "$OUT"
@@ -21,7 +21,7 @@ N=${PEROP_STARTS:-3}
 BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph"
 want tests && TAILN=20 step tests ${PEROP_TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
   --durations=12 \
-  tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "not stress"
+  tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "${PEROP_TESTS_K:-not stress}"
 want bench && TAILN=30 step bench "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py $BENCH --starts "$N" --tag _after
 want fast2 && TAILN=12 step fast2 "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py \
   $BENCH --starts "$N" --options fast_launch=2 --tag _fast2
