@@ -91,7 +91,8 @@ Package layout: ``transport`` (:class:`GdaTransport`: op sequencing, checks, err
 (:class:`LaunchGate` for ranks sharing a GPU), ``window`` (:class:`WindowLayout`, the handle
 state), ``graph`` (CUDA graph capture and replay), ``phases`` (each op phase's launches, natively
 or through the wrappers), ``launches`` (the kernels' host wrappers), ``device`` and
-``layout_kernels`` (the Triton kernels).
+``layout_kernels`` (the Triton kernels), ``refusal`` (bad input on one rank: the same error on
+every rank).
 """
 from __future__ import annotations
 

@@ -14,10 +14,11 @@ import torch.distributed as dist
 from ..core.hosts import host_id
 from ..base import (
     STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, ProtocolError, Transport,
-    TransportBroken, TransportError, TransportUnavailable, align_up, describe_status,
-    describe_value_errors, group_input_error, rows_input_error, validate_dispatch_inputs,
+    TransportBroken, TransportError, TransportUnavailable, align_up, rows_input_error,
+    validate_dispatch_inputs,
 )
 
+from . import refusal
 from .gate import LaunchGate, PeerTimeoutError
 from .graph import GdaGraph, capture
 from .window import GdaDispatchState, WindowLayout
@@ -351,7 +352,7 @@ class GdaTransport(Transport):
         num_send = vals[end:end + world]
         bad = {s: v for s, v in enumerate(vals[1:end:hdr_len]) if v != STATUS_OK}
         if error is not None or bad:
-            raise self._dispatch_input_error(epoch, bad, error, topk_idx, topk_weights)
+            raise refusal.dispatch_input_error(self, epoch, bad, error, topk_idx, topk_weights)
         num_recv = vals[2:end:hdr_len]
         t_max = cfg.max_tokens_per_rank
         if not all(0 <= r <= t_max for r in num_recv):  # peers' counts are untrusted
@@ -382,27 +383,6 @@ class GdaTransport(Transport):
             state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
                                    epoch=epoch))
         return recv_x, recv_idx, recv_w, tokens_per_expert, handle
-
-    def _dispatch_input_error(self, epoch: int, bad: dict, error: Optional[str], topk_idx,
-                              topk_weights) -> DispatchInputError:
-        """The one error of a refused dispatch, the same on every rank: each offending rank's
-        own words, read from the launch gate's board (a value error found on the device is
-        described by its rank after the count read, then posted). Without the board, or if a
-        peer's words never come, the status word's description stands in for them."""
-        cfg, gate = self.cfg, self._gate
-        words = {}
-        if error is not None:
-            words[self.rank] = error
-        elif self.rank in bad:
-            words[self.rank] = describe_value_errors(cfg, self.rank, topk_idx, topk_weights) or \
-                f"rank {self.rank}: {describe_status(bad[self.rank], cfg.num_experts)}"
-            if gate is not None:
-                gate.post_text(epoch, words[self.rank])
-        for s in sorted(bad):
-            if s != self.rank:
-                text = gate.text_of(s, epoch, self.timeout_s) if gate is not None else None
-                words[s] = text or f"rank {s}: {describe_status(bad[s], cfg.num_experts)}"
-        return group_input_error(f"gda dispatch (op {epoch})", words)
 
     def dispatch_fixed(self, x, topk_idx, topk_weights):
         """Fixed-capacity dispatch: no host sync, no receive copy, static launch grids.
@@ -477,7 +457,7 @@ class GdaTransport(Transport):
                 raise DispatchInputError(error)
             self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
         except DispatchInputError as e:
-            self._refuse(str(e), "cached dispatch")
+            refusal.refuse(self, str(e), "cached dispatch")
         kern = self._kern
         epoch = self._begin_op("dispatch_cached")
         offs = self._offs[epoch % 2]
@@ -487,13 +467,13 @@ class GdaTransport(Transport):
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
             kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
                                **self._wait_args())
-            self._raise_if_refused(epoch, "cached dispatch")  # the op is whole: it waited
+            refusal.raise_if_refused(self, epoch, "cached dispatch")  # the op is whole
             rows = handle.num_recv_tokens
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
         self._phases.cached_gather(st.recv_offsets, out, epoch)
-        self._raise_if_refused(epoch, "cached dispatch")
+        refusal.raise_if_refused(self, epoch, "cached dispatch")
         if self.check_every_call and not self._capturing:
             self.check_errors("dispatch_cached")
         return out
@@ -511,62 +491,16 @@ class GdaTransport(Transport):
             self.rank, "combine_topk_weights input", g, handle.num_recv_tokens,
             width=handle.recv_topk_idx.shape[1], device=self.device)
         if error is not None:
-            self._refuse(error, "weight combine")
+            refusal.refuse(self, error, "weight combine")
         st = handle.state
         if st.fixed and self._idx_epoch[st.epoch % 2] != st.epoch:
-            self._refuse(f"rank {self.rank}: combine_topk_weights with a fixed-capacity handle "
-                         f"of op {st.epoch}: its window ids were overwritten by a later "
-                         f"dispatch (views live until the op two calls later)", "weight combine")
+            refusal.refuse(self, f"rank {self.rank}: combine_topk_weights with a fixed-capacity "
+                           f"handle of op {st.epoch}: its window ids were overwritten by a later "
+                           f"dispatch (views live until the op two calls later)",
+                           "weight combine")
         masked = torch.where(handle.recv_topk_idx >= 0, g.float(),
                              torch.zeros((), dtype=torch.float32, device=g.device))
         return self._combine(masked.contiguous(), handle, "weight combine")
-
-    def _refuse(self, msg: str, kind: str) -> None:
-        """A bad input to an op without a status exchange in the window. With the launch gate
-        this rank still takes part in the op, moving no rows: it posts its words on the board,
-        signals every peer and waits for theirs (so every epoch stays in step), and every rank
-        raises the same :class:`DispatchInputError` after the op (:meth:`_raise_if_refused`);
-        the transport stays usable. Without the gate (or inside a capture) the peers cannot
-        learn it: the transport breaks here and the peers' waits expire."""
-        if self._gate is None or self._capturing:
-            self._break(msg, self._epoch + 1, kind)
-            raise DispatchInputError(msg)
-        kern = self._kern
-        epoch = self._begin_op(kind)
-        self._gate.mark_bad(epoch, msg)
-        offs = self._offs[epoch % 2]
-        row, nowhere = self._no_rows_input()
-        kern.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
-                            self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
-                            t_max=self.cfg.max_tokens_per_rank,
-                            num_local=self.cfg.num_local_experts, **self._op(epoch),
-                            with_meta=False, num_programs=1)
-        self._issued(epoch, kind)
-        kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind=kind,
-                              **self._wait_args())
-        self._raise_if_refused(epoch, kind)
-
-    def _raise_if_refused(self, epoch: int, kind: str) -> None:
-        """After an op without a status exchange, past its launch gate: raises the group's
-        :class:`DispatchInputError` if a rank refused op ``epoch`` (its words from the board).
-        This rank's outputs of the op are then garbage; nobody returns them."""
-        gate = self._gate
-        if gate is None or self._capturing or not gate.bad_at(epoch):
-            return
-        words = {}
-        for s in range(self.world_size):
-            text = gate.text_of(s, epoch, 0.0)  # posted before the flag: present or absent
-            if text is not None:
-                words[s] = text
-        raise group_input_error(f"gda {kind} (op {epoch})", words)
-
-    def _no_rows_input(self):
-        """One row routed nowhere (slot -1): a store launch that only signals the peers."""
-        if getattr(self, "_no_rows", None) is None:
-            self._no_rows = (torch.zeros(1, 16, dtype=torch.uint8, device=self.device),
-                             torch.full((1, self.world_size), -1, dtype=torch.int64,
-                                        device=self.device))
-        return self._no_rows
 
     def _combine(self, y, handle, kind: str):
         try:
@@ -577,14 +511,14 @@ class GdaTransport(Transport):
                 raise DispatchInputError(error)
             self._check_row_fits(y.shape[1], y.dtype, kind)
         except DispatchInputError as e:
-            self._refuse(str(e), kind)
+            refusal.refuse(self, str(e), kind)
         epoch = self._begin_op(kind)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         first = self._phases.combine_store(
             y, st.num_recv_W if st.fixed else st.recv_offsets, st.fixed, epoch, defer=True)
         self._phases.combine_reduce(st.slot_TW, out, epoch, kind, first)  # with the gate
-        self._raise_if_refused(epoch, kind)
+        refusal.raise_if_refused(self, epoch, kind)
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)
         return out
@@ -592,17 +526,7 @@ class GdaTransport(Transport):
     def _barrier_op(self) -> None:
         """An op that moves no data: every rank signals every peer and waits for all of them
         (one single-program store launch and one wait). Keeps a captured op count even."""
-        kern = self._kern
-        epoch = self._begin_op("combine")
-        offs = self._offs[epoch % 2]
-        row, nowhere = self._no_rows_input()
-        kern.dispatch_store(row, None, None, nowhere, None, None, None, self._buf_ptrs,
-                         self._sig_ptrs, self._done[0:1], **offs, me=self.rank,
-                         t_max=self.cfg.max_tokens_per_rank, num_local=self.cfg.num_local_experts,
-                         **self._op(epoch), with_meta=False, num_programs=1)
-        self._issued(epoch, "combine")
-        kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="combine",
-                           **self._wait_args())
+        refusal.signal_only_op(self, self._begin_op("combine"), "combine")
 
     def capture(self, fn, *, warmup: int = 1, pool=None) -> GdaGraph:
         """Captures ``fn()`` in a CUDA graph of this transport's ops (collective: every rank
