@@ -79,8 +79,8 @@ exchange and checks of what peers send, ``core/contract.py`` the :class:`Transpo
 from __future__ import annotations
 
 from .core.errors import (  # noqa: F401
-    TransportError, TransportUnavailable, DispatchInputError, TooManyTokensError, ProtocolError, PeerFailure,
-    TransportBroken, error_for_errno,
+    TransportError, TransportUnavailable, ConfigError, DispatchInputError, TooManyTokensError,
+    ProtocolError, PeerFailure, TransportBroken, error_for_errno,
 )
 from .core.handles import (  # noqa: F401
     TransportConfig, NetOpCounts, NetCounter, HandleState, DispatchHandle, FixedLayoutState,
@@ -105,7 +105,7 @@ from .core.contract import (  # noqa: F401
 
 __all__ = [
     "Transport", "TransportConfig", "DispatchHandle", "HandleState", "FixedLayoutState",
-    "NetOpCounts", "NetCounter", "SendLayout", "TransportError", "TransportUnavailable",
+    "NetOpCounts", "NetCounter", "SendLayout", "TransportError", "TransportUnavailable", "ConfigError",
     "DispatchInputError", "TooManyTokensError", "ProtocolError", "PeerFailure", "TransportBroken",
     "compute_send_layout", "count_sends", "validate_dispatch_inputs", "value_error_flags",
     "describe_value_errors", "rows_input_error", "group_input_error", "too_many_tokens_message",

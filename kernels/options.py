@@ -19,21 +19,14 @@ import dataclasses
 import difflib
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
+from .core.errors import ConfigError
+
 TRANSPORT_NAMES = ("auto", "torch", "gda", "proxy", "hier")
 DEFAULT_TRANSPORT = "auto"
 DEFAULT_MAX_TOKENS_PER_RANK = 16384
 # Upper bound that still leaves the fixed windows addressable (proxy descriptor offsets are 36
 # bits); a typo with extra zeros fails here in the launcher rather than as an allocation failure.
 MAX_MAX_TOKENS_PER_RANK = 1 << 24
-
-
-class ConfigError(ValueError):
-    """A setting is wrong. ``str(e)`` is one line naming where, what and the value; ``hint`` says
-    what to do (shown on its own line by the command-line tools)."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

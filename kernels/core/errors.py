@@ -12,6 +12,16 @@ class TransportUnavailable(TransportError):
     """The named transport cannot run on this machine; the message says why and what to install."""
 
 
+class ConfigError(TransportError, ValueError):
+    """A setting is wrong (an option, an environment variable, a recipe key), found before any
+    rank starts or any byte moves. ``str(e)`` is one line naming where, what and the value;
+    ``hint`` says what to do (shown on its own line by the command-line tools)."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
 class DispatchInputError(TransportError, ValueError):
     """A rank passed tensors that break the contract (shape, dtype, expert range, NaN).
 
