@@ -69,7 +69,10 @@ def init_megatron(ep_size: int, seed: int = 1234) -> None:
 
 
 def transformer_config(cfg: TinyMoEConfig, dispatcher: str, ep_size: int, **overrides):
-    """Megatron TransformerConfig for ``cfg`` with ``moe_token_dispatcher_type=dispatcher``."""
+    """Megatron TransformerConfig for ``cfg`` with ``moe_token_dispatcher_type=dispatcher``.
+    ``overrides``: TransformerConfig fields, and the efa dispatcher's settings as
+    ``efa_ep_<name>`` attributes (``efa_ep_transport="torch"``; see
+    :mod:`efa_ep.dispatcher.settings`), set on the config after it is built."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _dtype(cfg.dtype)
@@ -90,8 +93,12 @@ def transformer_config(cfg: TinyMoEConfig, dispatcher: str, ep_size: int, **over
         # an empty list means the same here (no CUDA graphs: cuda_graph_impl stays "none").
         cuda_graph_modules=[],
     )
+    efa = {k: overrides.pop(k) for k in list(overrides) if k.startswith("efa_ep_")}
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    for k, v in efa.items():
+        setattr(config, k, v)
+    return config
 
 
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")

@@ -142,11 +142,11 @@ def run_arm(arm: dict, world: int, rank: int, num_microbatches: int, device,
 
     from efa_ep.tiny_moe import TinyMoEConfig, build_gpt_moe, causal_inputs
 
-    env = {"EFA_EP_TRANSPORT": arm.get("transport") or "torch", **arm.get("env", {})}
     cfg = TinyMoEConfig(**{**MODEL, **(model or {})})
-    with _environ(env):
+    with _environ(arm.get("env", {})):
         net = build_gpt_moe(cfg, arm["dispatcher"], device=device,
                             overlap_moe_expert_parallel_comm=arm["overlap"],
+                            efa_ep_transport=arm.get("transport") or "torch",
                             **arm.get("config", {}))
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_length), generator=gen)
@@ -216,8 +216,9 @@ def schedule_worker(rank: int, world: int, arms: List[dict], num_microbatches: i
     """Per rank: sets up Megatron (TP 1, PP 1, EP ``world``) and runs every arm in order.
 
     An arm: ``{"name", "dispatcher": "efa" | "alltoall", "overlap": bool, "transport": efa
-    transport (default torch), "config": TransformerConfig overrides, "env": environment
-    variables while the arm's model is built and run}``. Each result: ``name``, the dispatcher
+    transport (default torch; the config's ``efa_ep_transport``), "config": TransformerConfig
+    overrides, "env": environment variables while the arm's model is built and run (for what
+    is read only from the environment, e.g. ``EFA_EP_REPLACE_DISPATCHER``)}``. Each result: ``name``, the dispatcher
     classes and transport names its layers used, ``losses`` (one per micro-batch, before the
     division by the number of micro-batches), ``schedule_plans`` (micro-batches whose forward
     built a schedule plan, i.e. went through the combined-1F1B schedule), ``forward_steps``,
