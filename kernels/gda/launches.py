@@ -3,6 +3,7 @@ constexprs; launch through :class:`~efa_ep.kernels.launch.FastKernel`, or append
 ``plan`` for a native program (:mod:`efa_ep.kernels.native_launch`)."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -103,8 +104,10 @@ def layout_words(t: int, num_experts: int, world: int, k: int) -> int:
     return _layout_offsets(t, num_experts, world, k)[-1]
 
 
+@functools.lru_cache(maxsize=4096)
 def _layout_offsets(t: int, num_experts: int, world: int, k: int):
-    """(small, nb, o_exp, o_rank, o_slot, o_send, o_blk, total words) of layout's scratch."""
+    """(small, nb, o_exp, o_rank, o_slot, o_send, o_blk, total words) of layout's scratch
+    (memoized: every dispatch asks, with a handful of distinct shapes)."""
     small = _pad(t) * _pad(k) * _pad(world) <= LAYOUT_SMALL_ELEMS
     nb = max(1, ceil_div(t, LAYOUT_BLOCK_T))
     tw = t * world

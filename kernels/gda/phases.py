@@ -72,6 +72,7 @@ class GdaPhases:
         self._progs = {}
         self._dev = transport.device.index
         self._host = None  # page-locked count buffer and its int64 view
+        self._header_words = None
 
     @property
     def native(self) -> bool:
@@ -133,10 +134,12 @@ class GdaPhases:
     # ---- dispatch ---------------------------------------------------------------------------
     def header_words(self) -> int:
         """int64 elements recv_header writes: info, then the per-source offsets."""
-        tr = self.tr
-        w, num_local = tr.world_size, tr.cfg.num_local_experts
-        n_info = 1 + w * (2 + num_local) + w + num_local
-        return kern._even(n_info) + w + 1
+        if self._header_words is None:
+            tr = self.tr
+            w, num_local = tr.world_size, tr.cfg.num_local_experts
+            n_info = 1 + w * (2 + num_local) + w + num_local
+            self._header_words = kern._even(n_info) + w + 1
+        return self._header_words
 
     def front(self, x, topk_idx, topk_weights, epoch: int, bad_status: Optional[int] = None,
               defer: bool = False):
