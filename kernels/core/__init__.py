@@ -6,6 +6,6 @@ network counters), ``routing`` (where tokens go, combine's ordered reduction, si
 the checks of what peers send), ``contract`` (the :class:`~efa_ep.kernels.base.Transport` base
 class). :mod:`efa_ep.kernels.base` re-exports all of it with the contract's documentation;
 import from there. Also here: ``hosts`` (which host each rank runs on, whether a peer process
-still runs) and ``variables`` (every ``EFA_EP_*`` environment variable, declared once, and its
-one reader).
+still runs), ``variables`` (every ``EFA_EP_*`` environment variable, declared once, and its
+one reader) and ``host_pool`` (large CPU outputs on blocks reused once the caller drops them).
 """

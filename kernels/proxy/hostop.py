@@ -10,7 +10,9 @@ to the contract's errors; every problem found in C is named in C.
 
 Everything the native side writes besides the outputs (routing rows, scratch, per-rank counts)
 is allocated here once and reused; the outputs and the handle's ``send_token_idx`` are new
-tensors per call (the caller keeps them).
+tensors per call (the caller keeps them), the large ones on blocks of a
+:class:`~efa_ep.kernels.core.host_pool.HostOutputPool` that come back once the caller drops them
+(a fresh megabyte-sized allocation faults in its pages on every call).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..core.host_pool import HostOutputPool
 from . import native
 from .window import OP_CACHED, OP_COMBINE, OP_DISPATCH
 from .wire import Wire
@@ -58,6 +61,7 @@ class HostOps:
         st.slot, st.slot_cap = self._slot.ctypes.data, self._slot.shape[0]
         self.st = st
         self.op = native.NativeOp(st)
+        self.pool = HostOutputPool()
 
     def bound_to(self, wire: Wire) -> bool:
         """Whether this struct still points at ``wire``'s native round (rebuilt on a new window)."""
@@ -115,7 +119,7 @@ class HostOps:
             return None
         num_recv = self.num_recv.tolist()
         n = sum(num_recv)
-        recv_x = torch.empty(n, x.shape[1], dtype=x.dtype)
+        recv_x = self.pool.empty((n, x.shape[1]), x.dtype)
         recv_idx = torch.empty(n, k, dtype=torch.int64)
         recv_w = torch.empty(n, k, dtype=torch.float32)
         tpe = torch.empty(st.num_local, dtype=torch.int64)
@@ -136,7 +140,7 @@ class HostOps:
         st.row_bytes, st.fmt, st.tokens = x.shape[1] * x.element_size(), fmt, x.shape[0]
         st.x, st.send_idx = x.data_ptr(), send_idx.data_ptr()
         self._post("cached", OP_CACHED)
-        out = torch.empty(sum(num_recv), x.shape[1], dtype=x.dtype)
+        out = self.pool.empty((sum(num_recv), x.shape[1]), x.dtype)
         st.recv_x = out.data_ptr()
         self._call("cached", "complete")
         return out
@@ -153,7 +157,7 @@ class HostOps:
         st.row_bytes, st.fmt, st.dtype, st.tokens = y.shape[1] * y.element_size(), fmt, _DTYPES[y.dtype], num_tokens
         st.x, st.send_idx = y.data_ptr(), send_idx.data_ptr()
         self._post("combine", OP_COMBINE)
-        out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype)
+        out = self.pool.empty((num_tokens, y.shape[1]), y.dtype)
         st.out = out.data_ptr()
         return out if self._call("combine", "complete") == 0 else None
 
