@@ -9,7 +9,8 @@ block until the caller's last reference (views included) is gone, then the block
 the pool for the next call. Nothing the caller holds is ever reused.
 
 Small tensors (under :data:`MIN_POOLED_BYTES`) come from ``torch.empty``: the allocator's arenas
-already reuse them.
+already reuse them. Memory held besides the outputs alive: at most :data:`MAX_FREE_PER_CLASS`
+free blocks per power-of-two size class (a block is at most twice its output).
 """
 from __future__ import annotations
 
