@@ -79,8 +79,3 @@ class HostOutputPool:
             free = self._free.setdefault(size, [])
             if len(free) < MAX_FREE_PER_CLASS:
                 free.append(block)
-
-    def clear(self) -> None:
-        """Drops the free blocks (outputs still held keep theirs until they are dropped)."""
-        with self._lock:
-            self._free.clear()

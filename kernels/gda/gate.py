@@ -32,6 +32,12 @@ class PeerFailedError(PeerFailure):
     """An EP peer gave up (deadline, closed transport) before issuing this op's stores."""
 
 
+def _agreed(slots, record: int) -> bool:
+    """Every slot holds ``record`` or a later op's record (that rank passed this gate)."""
+    nxt = (record | 7) + 1
+    return all(v == record or v >= nxt for v in slots)
+
+
 #: bytes of one rank's error text slot on the board (stamp, length, text)
 TEXT_SLOT_BYTES = 1024
 
@@ -108,8 +114,7 @@ class LaunchGate:
     def passed(self, record: int) -> bool:
         """Every rank has issued this op with the same kind (or is past it: it agreed). No
         wait."""
-        nxt = (record | 7) + 1
-        return all(v == record or v >= nxt for v in self._slots[:self.world])
+        return _agreed(self._slots[:self.world], record)
 
     def fail(self, record: int) -> None:
         self.failed[self.rank] = record
@@ -156,9 +161,6 @@ class LaunchGate:
             stamp.release()
             words.release()
 
-    def fail(self, record: int) -> None:
-        self.failed[self.rank] = record
-
     def wait(self, record: int, timeout_s: float, op: str) -> None:
         """Returns once every rank has issued op ``record`` (:meth:`passed`); raises naming the
         ranks otherwise: :class:`PeerFailedError` when one gave up, :class:`PeerTimeoutError` at
@@ -170,10 +172,9 @@ class LaunchGate:
         issued, failed = self.issued, self.failed
         deadline = time.monotonic() + timeout_s
         spins = 0
-        nxt = (record | 7) + 1
         while True:
             seen = self._slots[:self.world].tolist()  # one snapshot for both decisions
-            if all(v == record or v >= nxt for v in seen):
+            if _agreed(seen, record):
                 return
             if min(seen) >= epoch * 8:  # all issued this op, not all the same kind
                 raise ProtocolError(self._disagreement(epoch, seen))
