@@ -6,8 +6,9 @@ host; the GPU work of a decode-size op is a few microseconds. A :class:`Program`
 kernels of one op phase once per shape: the compiled kernels' function handles, grids, block
 sizes and every parameter value, in a C array. Per call Python rewrites only the *variables*
 (the addresses of the call's tensors, the op number, a row count, a grid size) and makes one
-native call, which launches every kernel with ``cuLaunchKernel`` (and, for a phase that ends
-with a count read, copies the counts to page-locked host memory and waits for the stream).
+native call, which launches every kernel with ``cuLaunchKernel`` (and, for a phase whose last
+kernel writes counts into page-locked host memory, waits for that kernel's completion word
+there: no copy, no stream synchronization).
 
 Binding a step checks the compiled kernel's parameter list against the driver's own
 (``cuFuncGetParamInfo``): count and size of every parameter. A kernel whose parameters do not
@@ -16,14 +17,16 @@ when the program is built, never a wrong launch.
 
 Variables: a tensor argument whose address lies inside one of the program's *variable tensors*
 is rewritten per call as that tensor's new address plus the same byte offset (so views of one
-allocation made per call follow it); an integer argument whose parameter name is one of the
+allocation made per call follow it; the library writes them, from the call's variables packed
+into the program's variable array: one ``struct.pack_into`` and one native call per run); an integer argument whose parameter name is one of the
 program's *variable integers* takes the call's value; a step listed in ``grid_steps`` takes the
 call's grid size. Everything else is constant: it must stay valid for the program's lifetime
 (the transport's own tables and windows). The caller keys programs by everything that changes
 a kernel's specialization (shapes, dtypes, strides, which tensors are 16-byte aligned).
 
 Synchronization: kernels go on the stream passed to :meth:`Program.run` (the current stream),
-in order, as the Python launches would; :meth:`Program.run_read` also waits for that stream.
+in order, as the Python launches would; :meth:`Program.run_wait` also waits for the host
+completion word its last kernel writes.
 :meth:`Program.run_gated` runs two programs in one call with the launch gate of ranks sharing a
 GPU between them (publish, brief wait for the peers; the caller's own wait takes over when a
 peer is late).
@@ -33,21 +36,25 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import struct
 import threading
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availability", "load",
-           "gate_publish_wait"]
+           "gate_publish_wait", "wait_flag", "RAN", "GATE_LATE", "FLAG_LATE"]
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
 _ERRLEN = 512
+#: :meth:`Program.run_gated` statuses: both programs ran; the gate was not passed in time (the
+#: second did not run); both ran but the completion word was not seen in time
+RAN, GATE_LATE, FLAG_LATE = 0, 1, 2
 
 # Triton signature type -> bytes of the kernel parameter
 _TYPE_BYTES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf16": 2,
@@ -61,6 +68,13 @@ class NativeLaunchError(RuntimeError):
 class _Record(ctypes.Structure):
     _fields_ = [("head", ctypes.c_int64 * _HEAD), ("params", ctypes.c_void_p * MAX_PARAMS),
                 ("values", ctypes.c_int64 * MAX_PARAMS)]
+
+
+class _ProgramDesc(ctypes.Structure):
+    """``efa_program_t``: a program's records and where the call's variables go."""
+    _fields_ = [("recs", ctypes.c_void_p), ("num_recs", ctypes.c_int64),
+                ("uses", ctypes.c_void_p), ("num_uses", ctypes.c_int64),
+                ("vars", ctypes.c_void_p)]
 
 
 _RECORD_WORDS = ctypes.sizeof(_Record) // 8
@@ -100,11 +114,13 @@ _SIGS = {
     "efa_launch_max_params": ([], _i32),
     "efa_launch_init": ([_cp, _sz], _i32),
     "efa_launch_param_sizes": ([_i64, _vp, _i32, _cp, _sz], _i32),
-    "efa_launch_run": ([_vp, _i32, _i64, _vp, _sz], _i32),
-    "efa_launch_run_read": ([_vp, _i32, _i64, _vp, _i64, _i64, _vp, _vp, _sz], _i32),
+    "efa_launch_bind": ([_vp], _i32),
+    "efa_launch_run": ([_vp, _i64, _vp, _sz], _i32),
+    "efa_launch_run_wait": ([_vp, _i64, _vp, _i64, _i64, _vp, _vp, _sz], _i32),
     "efa_gate_publish_wait": ([_vp, _i32, _i32, _i64, _i64, _vp], _i32),
-    "efa_launch_run_gated": ([_vp, _i32, _vp, _i32, _i64, _vp, _i32, _i32, _i64, _i64, _vp, _i64,
-                              _i64, _vp, _vp, _vp, _sz], _i32),
+    "efa_launch_wait_flag": ([_vp, _i64, _i64, _vp], _i32),
+    "efa_launch_run_gated": ([_vp, _vp, _i64, _vp, _i32, _i32, _i64, _i64, _vp, _i64, _i64, _vp,
+                              _vp, _vp, _sz], _i32),
 }
 
 
@@ -283,66 +299,75 @@ class Program:
             rec.head[_F_NPARAMS] = count
         for j, i in enumerate(grid_steps):
             uses.append((i * _RECORD_WORDS + _F_GRID_X, len(bases) + len(ints) + j, 0))
-        self._uses = tuple(uses)
+        self.num_vars = len(bases) + len(ints) + len(grid_steps)
+        flat = [v for u in uses for v in u]
+        self._uses = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+        self._vars = (ctypes.c_int64 * max(1, self.num_vars))()
+        # one pack per run: raises struct.error unless the call gives exactly num_vars values
+        self._pack = struct.Struct(f"{self.num_vars}q").pack_into
+        self._desc = _ProgramDesc(ctypes.addressof(self._recs), n, ctypes.addressof(self._uses),
+                                  len(uses), ctypes.addressof(self._vars))
         self._err = err
         # plain integers for the hot path: ctypes converts them without a from_param call
-        self._recs_addr = ctypes.addressof(self._recs)
+        self._addr = ctypes.addressof(self._desc)
         self._err_addr = ctypes.addressof(err)
         self._sync_ns = ctypes.c_int64(0)
         self._sync_ns_addr = ctypes.addressof(self._sync_ns)
         self._gate_ns = ctypes.c_int64(0)
         self._gate_ns_addr = ctypes.addressof(self._gate_ns)
-        self.num_vars = len(bases) + len(ints) + len(grid_steps)
 
-    def _set(self, values: Sequence[int]) -> None:
-        words = self._words
-        for w, j, off in self._uses:
-            words[w] = values[j] + off
+    def bound_words(self, values: Sequence[int]) -> list:
+        """The records, as one flat int64 list, that a run with ``values`` would launch (the
+        library writes the variables; no driver needed)."""
+        self._pack(self._vars, 0, *values)
+        self._lib.efa_launch_bind(self._addr)
+        return list(self._words)
 
     def run(self, values: Sequence[int], stream: int) -> None:
         """Launches the program on ``stream`` with ``values``: the variable tensors' addresses,
         then the integers, then the grid sizes (a grid of 0 skips that kernel)."""
-        self._set(values)
-        rc = self._lib.efa_launch_run(self._recs_addr, self.num_steps, stream, self._err_addr,
-                                      _ERRLEN)
+        self._pack(self._vars, 0, *values)
+        rc = self._lib.efa_launch_run(self._addr, stream, self._err_addr, _ERRLEN)
         if rc:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
 
-    def run_read(self, values: Sequence[int], stream: int, dst: int, src: int,
-                 nbytes: int) -> float:
-        """:meth:`run`, then copies ``nbytes`` from device address ``src`` to page-locked host
-        address ``dst`` and waits for the stream. Returns the seconds spent waiting."""
-        self._set(values)
-        rc = self._lib.efa_launch_run_read(self._recs_addr, self.num_steps, stream, dst, src,
-                                           nbytes, self._sync_ns_addr, self._err_addr, _ERRLEN)
-        if rc:
+    def run_wait(self, values: Sequence[int], stream: int, flag: int, value: int,
+                 wait_ns: int) -> Optional[float]:
+        """:meth:`run`, then waits until the int64 at page-locked host address ``flag`` holds
+        ``value`` (the program's last kernel writes it after what the host reads next, release
+        at system scope). Returns the seconds waited, or None when ``wait_ns`` passed first."""
+        self._pack(self._vars, 0, *values)
+        rc = self._lib.efa_launch_run_wait(self._addr, stream, flag, value, wait_ns,
+                                           self._sync_ns_addr, self._err_addr, _ERRLEN)
+        if rc < 0:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
-        return self._sync_ns.value * 1e-9
+        return None if rc else self._sync_ns.value * 1e-9
 
     def run_gated(self, values: Sequence[int], second: "Program", values2: Sequence[int],
                   stream: int, gate: int, world: int, rank: int, record: int, spin_ns: int,
-                  dst: int = 0, src: int = 0, nbytes: int = 0) -> Tuple[bool, float, float]:
+                  flag: int = 0, value: int = 0, wait_ns: int = 0) -> Tuple[int, float, float]:
         """This program with ``values``, then ``second`` with ``values2``, in one native call.
         Between them, with ``gate`` (the address of the launch gate's ``[world]`` int64
         "issued" slots; 0: none) this rank publishes ``record`` (``op * 8 + kind``) and waits
         up to ``spin_ns`` for every rank to have published the same record or a later op's.
-        With ``nbytes``, ``second`` ends with a read as :meth:`run_read`.
+        With ``flag``, ``second`` ends with a wait as :meth:`run_wait`.
 
         Returns:
-            (both ran, seconds waiting for the device, seconds waiting for the peers). False:
-            a peer had not published in time, or published this op with another kind; this
-            program ran and ``record`` is published, ``second`` did not run (wait for the
-            peers, then run it).
+            (status, seconds waiting for the device, seconds waiting for the peers). Status
+            :data:`RAN`: both ran (and the flag was seen); :data:`GATE_LATE`: a peer had not
+            published in time, or published this op with another kind: this program ran and
+            ``record`` is published, ``second`` did not run (wait for the peers, then run it);
+            :data:`FLAG_LATE`: both ran, the flag was not seen within ``wait_ns``.
         """
-        self._set(values)
-        second._set(values2)
+        self._pack(self._vars, 0, *values)
+        second._pack(second._vars, 0, *values2)
         rc = self._lib.efa_launch_run_gated(
-            self._recs_addr, self.num_steps, second._recs_addr, second.num_steps, stream,
-            gate or None, world, rank, record, spin_ns, dst or None, src, nbytes,
-            self._sync_ns_addr, self._gate_ns_addr, self._err_addr, _ERRLEN)
+            self._addr, second._addr, stream, gate or None, world, rank, record, spin_ns,
+            flag or None, value, wait_ns, self._sync_ns_addr, self._gate_ns_addr, self._err_addr,
+            _ERRLEN)
         if rc < 0:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
-        return rc == 0, self._sync_ns.value * 1e-9, self._gate_ns.value * 1e-9
+        return rc, self._sync_ns.value * 1e-9, self._gate_ns.value * 1e-9
 
 
 def gate_publish_wait(gate: int, world: int, rank: int, record: int, spin_ns: int):
@@ -354,3 +379,13 @@ def gate_publish_wait(gate: int, world: int, rank: int, record: int, spin_ns: in
     waited = ctypes.c_int64(0)
     ok = lib.efa_gate_publish_wait(gate, world, rank, record, spin_ns, ctypes.addressof(waited))
     return bool(ok), waited.value * 1e-9
+
+
+def wait_flag(flag: int, value: int, wait_ns: int):
+    """The completion-word wait alone (see :meth:`Program.run_wait`): spins until the int64 at
+    host address ``flag`` holds ``value`` or ``wait_ns`` passed. Returns (seen, seconds
+    waited)."""
+    lib = load()
+    waited = ctypes.c_int64(0)
+    seen = lib.efa_launch_wait_flag(flag, value, wait_ns, ctypes.addressof(waited))
+    return bool(seen), waited.value * 1e-9

@@ -241,18 +241,24 @@ def _recv_header_kernel(
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
     err_ptr: tl.pointer_type(tl.int64),             # [3] sticky error word (see _wait_for_sources)
     num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
-    info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W + L] for the host
+    info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W + L (+ 1)] for the host
     offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
     hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
     num_local, T_MAX, epoch_delta, kind, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+    HOST_FLAG: tl.constexpr,
 ):
     """One program: wait for every source, then copy the headers (and the error word, this
     rank's send counts and the rows received per local expert, summed over sources) into
-    ``info`` for one device-to-host copy; offsets = exclusive prefix sum of the rows each
-    source sent here. ``hw`` keeps the highest row count of this parity's
-    id region per source, so a fixed-capacity dispatch knows which stale rows to clear."""
+    ``info``; offsets = exclusive prefix sum of the rows each source sent here. ``hw`` keeps
+    the highest row count of this parity's id region per source, so a fixed-capacity dispatch
+    knows which stale rows to clear.
+
+    ``info`` is device memory the host copies, or (``HOST_FLAG``) page-locked host memory the
+    kernel writes over the bus: then the word after ``info`` receives the op's record last
+    (release, system scope), and a host that sees it there may read ``info`` (no copy, no
+    stream sync)."""
     epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
@@ -273,6 +279,10 @@ def _recv_header_kernel(
     tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
     tl.debug_barrier()
     tl.store(info_ptr, tl.atomic_add(err_ptr, 0, sem="relaxed"))
+    if HOST_FLAG:
+        tl.debug_barrier()
+        tl.atomic_xchg(info_ptr + 1 + W * hdr_len + W + num_local, record, sem="release",
+                       scope="sys")
 
 
 @triton.jit(do_not_specialize=["epoch_delta", "kind", "timeout_ns", "max_spins", "full"])

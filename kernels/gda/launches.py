@@ -248,24 +248,31 @@ def check_err(err: torch.Tensor) -> None:
 
 def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
                 max_spins, use_globaltimer, kind="dispatch", op_base=None, fast=True, out=None,
-                plan=None):
+                host=None, plan=None):
     """Waits for every source and returns (info [1 + W*(2+L) + W + L] int64, offsets [W+1]
-    int64) on the device. info = [error bits, headers (status, rows, rows per local expert) per
-    source, rows this rank sent per destination, rows received per local expert]. ``my_sig``: ``[W]`` int32; ``hdr``:
-    ``[W, 2 + L]`` int64; ``err``: ``[3]`` int64 error word (:func:`check_err`); ``hw``:
-    ``[W]`` int64 id-region high-water mark of this parity (updated). ``out``: an int64
-    buffer of at least ``info + offsets`` elements to write into (None: allocated here)."""
+    int64 on the device). info = [error bits, headers (status, rows, rows per local expert) per
+    source, rows this rank sent per destination, rows received per local expert].
+    ``my_sig``: ``[W]`` int32; ``hdr``: ``[W, 2 + L]`` int64; ``err``: ``[3]`` int64 error
+    word (:func:`check_err`); ``hw``: ``[W]`` int64 id-region high-water mark of this parity
+    (updated). ``out``: an int64 device buffer of at least ``info + offsets`` elements to write
+    into (None: allocated here). ``host``: a page-locked CPU int64 tensor of at least
+    ``len(info) + 1`` elements: info is written there instead (a host view is returned), then
+    ``host[len(info)]`` = this op's record (``epoch * 8 + kind``), last: the host waits for
+    that word instead of copying and synchronizing."""
     world = my_sig.numel()
     n_info = 1 + world * (2 + num_local) + world + num_local
     o_off = _even(n_info)
     if out is None:
         out = torch.empty(o_off + world + 1, dtype=torch.int64, device=hdr.device)
-    info = out[:n_info]
+    if host is not None and (host.dtype != torch.int64 or host.numel() < n_info + 1):
+        raise ValueError(f"host must hold {n_info + 1} int64, got {host.numel()} {host.dtype}")
+    info = out[:n_info] if host is None else host[:n_info]
     offsets = out[o_off:o_off + world + 1]
     _go(_K_RECV_HEADER, _ONE, (
         my_sig, hdr, err, num_per_rank, info, offsets, hw, _base(op_base, hdr.device),
         num_local, t_max, epoch, KIND_OF[kind], timeout_ns, max_spins,
-        world, _pad(world), _pad(2 + num_local), bool(use_globaltimer)), 4, fast, plan)
+        world, _pad(world), _pad(2 + num_local), bool(use_globaltimer), host is not None), 4,
+        fast, plan)
     return info, offsets
 
 

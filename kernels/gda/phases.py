@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import launches as kern
-from ..native_launch import NativeLaunchError, Program, availability
+from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability
 
 _EPOCH = ("epoch_delta",)
 #: how long one native call waits for the peers at the launch gate before the transport's own
@@ -70,8 +70,13 @@ class GdaPhases:
         if self.native_off is None:
             self.native_off = availability()
         self._progs = {}
+        self._plans = {}  # dispatch_head's bound plans per shape
         self._dev = transport.device.index
-        self._host = None  # page-locked count buffer and its int64 view
+        self._host = None  # (address of the page-locked count buffer, its int64 view)
+        # how long a native call waits for a completion word: the op's own wait and any
+        # waits queued before it on the stream each end at the deadline, so a GPU still
+        # silent after a few of them is stuck
+        self._flag_wait_ns = int((3 * transport.timeout_s + 10) * 1e9)
         self._header_words = None
 
     @property
@@ -109,27 +114,31 @@ class GdaPhases:
             prog.run(values, _stream(self._dev))
         self.tr._issued(epoch, kind)
 
-    def _gated(self, first, second, values2, epoch: int, kind: str, dst: int = 0, src: int = 0,
-               nbytes: int = 0) -> float:
+    def _gated(self, first, second, values2, epoch: int, kind: str, flag: int = 0) -> float:
         """The deferred first phase, the launch gate and the ``second`` program in one native
-        call (the transport's gate wait when a peer is late). Returns the seconds waiting for
-        the device (``nbytes`` > 0: second ends with a read, see ``Program.run_read``)."""
+        call (the transport's gate wait when a peer is late). ``flag``: the address of the host
+        completion word the second program's last kernel writes (the op's record); the call
+        returns once it is there. Returns the seconds waiting for the device."""
         tr = self.tr
         gate = tr._gate
         prog, values = first
         stream = _stream(self._dev)
-        done, sync_s, gate_s = prog.run_gated(
+        record = kern.wait_record(epoch, kind)
+        status, sync_s, gate_s = prog.run_gated(
             values, second, values2, stream, gate.address if gate is not None else 0,
-            tr.world_size, tr.rank, kern.wait_record(epoch, kind), GATE_SPIN_NS, dst, src,
-            nbytes)
+            tr.world_size, tr.rank, record, GATE_SPIN_NS, flag, record, self._flag_wait_ns)
         tr.blocked_s += gate_s
-        if done:
+        if status == RAN:
             return sync_s
-        tr._await_peers(epoch, kind)  # published already; raises on deadline or a failed peer
-        if nbytes:
-            return second.run_read(values2, stream, dst, src, nbytes)
-        second.run(values2, stream)
-        return 0.0
+        if status == GATE_LATE:
+            tr._await_peers(epoch, kind)  # published already; raises on deadline or a failed peer
+            if not flag:
+                second.run(values2, stream)
+                return 0.0
+            sync_s = second.run_wait(values2, stream, flag, record, self._flag_wait_ns)
+            if sync_s is not None:
+                return sync_s
+        tr._device_late(epoch, kind, self._flag_wait_ns * 1e-9)  # raises
 
     # ---- dispatch ---------------------------------------------------------------------------
     def header_words(self) -> int:
@@ -202,16 +211,17 @@ class GdaPhases:
         parity = epoch % 2
         op = self._op(epoch)
 
-        def launch(plan):
+        def launch(plan, host=None):
             return kern.recv_header(tr._my_sig, tr._hdr[parity], tr._err,
                                     scratch[o_rank:o_rank + w], tr._hw[parity],
                                     num_local=num_local, t_max=tr.cfg.max_tokens_per_rank, **op,
                                     kind="dispatch", **tr._wait_kw, out=scratch[o_out:],
-                                    plan=plan)
+                                    host=host, plan=plan)
 
         prog = self._progs.get(("header", parity))
         if prog is None and self.native:
-            prog = self._program(("header", parity), launch,
+            self._host_info(n_info)
+            prog = self._program(("header", parity), lambda steps: launch(steps, self._pinned),
                                  (scratch[o_rank:o_rank + w], scratch[o_out:]))
         if prog is None:
             self._then(first, epoch, "dispatch")
@@ -220,24 +230,95 @@ class GdaPhases:
             info = info.cpu()
             blocked = time.perf_counter() - t0
             return info.tolist(), info[n_info - num_local:], offsets, blocked
-        if self._host is None:
-            buf = torch.empty(n_info, dtype=torch.int64, pin_memory=True)
-            self._host = (buf, memoryview((ctypes.c_int64 * n_info).from_address(buf.data_ptr()))
-                          .cast("B").cast("q"))
-        buf, view = self._host
+        buf_ptr, view = self._host
         base = scratch.data_ptr()
         values = (base + 8 * o_rank, base + 8 * o_out, op["epoch"])
+        flag = buf_ptr + 8 * n_info
         if first is not None:
-            blocked = self._gated(first, prog, values, epoch, "dispatch", buf.data_ptr(),
-                                  base + 8 * o_out, n_info * 8)
+            blocked = self._gated(first, prog, values, epoch, "dispatch", flag)
         else:
             self._then(None, epoch, "dispatch")
-            blocked = prog.run_read(values, _stream(self._dev), buf.data_ptr(), base + 8 * o_out,
-                                    n_info * 8)
+            blocked = prog.run_wait(values, _stream(self._dev), flag,
+                                    kern.wait_record(epoch, "dispatch"), self._flag_wait_ns)
+            if blocked is None:
+                tr._device_late(epoch, "dispatch", self._flag_wait_ns * 1e-9)  # raises
         tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
-        ctypes.memmove(tokens_per_expert.data_ptr(), buf.data_ptr() + 8 * (n_info - num_local),
+        ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
                        8 * num_local)
         return view.tolist(), tokens_per_expert, offsets, blocked
+
+    def _host_info(self, n_info: int) -> None:
+        """Makes the page-locked buffer the header kernel writes the counts into over the bus:
+        ``[n_info]`` int64 info, then the completion word (see ``launches.recv_header``)."""
+        if self._host is None:
+            self._pinned = torch.full((n_info + 1,), -1, dtype=torch.int64, pin_memory=True)
+            addr = self._pinned.data_ptr()
+            self._host = (addr, memoryview((ctypes.c_int64 * n_info).from_address(addr))
+                          .cast("B").cast("q"))
+
+    def dispatch_head(self, x, topk_idx, topk_weights, epoch: int, bad_status=None):
+        """Front, launch gate and header of a regular dispatch (:meth:`front`, :meth:`header`):
+        with a plan bound for this shape (after the first call of it, native launching with
+        ``fast_launch=3``, 16-byte aligned inputs, good input) straight through one native call,
+        else through the two phase methods. The seconds blocked are added to the transport's
+        ``blocked_s``.
+
+        Returns:
+            (scratch (the dispatch's int64 device scratch), slot ``[T, W]`` int64 view of it,
+            word offset of the sent rows' token indices in scratch, header info as a list of
+            ints (see :meth:`header`), tokens_per_expert ``[L]`` int64 CPU, offsets ``[W + 1]``
+            int64 device view of scratch).
+        """
+        tr = self.tr
+        t, k = topk_idx.shape
+        parity = epoch & 1
+        plan = None
+        if bad_status is None and self.gated:
+            plan = self._plans.get((parity, t, k, x.dtype, x.stride(0), x.shape[1]))
+        if plan is not None:
+            xp, ip, wp = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
+            if (xp | ip | wp) & 15:
+                plan = None
+        if plan is None:
+            scratch, slot, _, first = self.front(x, topk_idx, topk_weights, epoch, bad_status,
+                                                 defer=True)
+            vals, tokens_per_expert, offsets, blocked = self.header(scratch, epoch, first)
+            tr.blocked_s += blocked
+            if first is not None and bad_status is None:
+                self._plan(parity, t, k, x)
+            o_send = kern._layout_offsets(t, tr.cfg.num_experts, tr.world_size, k)[5]
+            return scratch, slot, o_send, vals, tokens_per_expert, offsets
+        front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info = plan
+        w = tr.world_size
+        scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
+        sp = scratch.data_ptr()
+        delta = epoch - tr._dev_base
+        buf_ptr, view = self._host
+        tr.blocked_s += self._gated((front, (xp, ip, wp, sp, delta)), header,
+                                    (sp + 8 * o_rank, sp + 8 * o_out, delta), epoch, "dispatch",
+                                    buf_ptr + 8 * n_info)
+        num_local = tr.cfg.num_local_experts
+        tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
+        ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
+                       8 * num_local)
+        return (scratch, scratch.as_strided((t, w), (w, 1), o_slot), o_send, view.tolist(),
+                tokens_per_expert, scratch.as_strided((w + 1,), (1,), o_offsets))
+
+    def _plan(self, parity: int, t: int, k: int, x) -> None:
+        """Records the plan of :meth:`dispatch_head` for this shape once both of its programs
+        are bound (by the call that just ran through the phase methods)."""
+        tr = self.tr
+        front = self._progs.get(("front", parity, t, k, x.dtype, x.stride(0), x.shape[1]))
+        header = self._progs.get(("header", parity))
+        if front is None or header is None or self._host is None:
+            return
+        w, num_local = tr.world_size, tr.cfg.num_local_experts
+        _, _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(
+            t, tr.cfg.num_experts, w, k)
+        n_info = 1 + w * (2 + num_local) + w + num_local
+        self._plans[(parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
+            front, header, words + self.header_words(), o_slot, o_send, o_rank, words,
+            words + kern._even(n_info), n_info)
 
     def gather(self, offsets, recv_x, recv_idx, recv_w, epoch: int) -> None:
         """Copies the received rows (``offsets`` ``[W + 1]`` from :meth:`header`) out of the

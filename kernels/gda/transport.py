@@ -235,6 +235,16 @@ class GdaTransport(Transport):
         finally:
             self.blocked_s += time.perf_counter() - t0
 
+    def _device_late(self, epoch: int, kind: str, waited_s: float) -> None:
+        """Breaks the transport and raises: op ``epoch``'s last kernel did not write its host
+        completion word within ``waited_s`` (its kernels, or one before them on the stream,
+        never finished)."""
+        msg = (f"rank {self.rank}: gda {kind} (op {epoch}): the GPU did not finish the op's "
+               f"count read within {waited_s:g}s (a kernel on this stream never completed: the "
+               f"device hangs or another kernel holds it); the transport is unusable")
+        self._break(msg, epoch, kind)
+        raise TransportBroken(msg)
+
     def _raise_missing(self, bits: int, record: int) -> None:
         """Raises :class:`PeerTimeoutError` for the error word ``(bits, record)`` (no-op if 0)."""
         if not bits:
@@ -337,14 +347,11 @@ class GdaTransport(Transport):
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         k = topk_idx.shape[1]
         phases = self._phases
-        scratch, slot, send_idx, first = phases.front(
-            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT,
-            defer=True)  # run with the header in one call (fast_launch=3), or right away
+        # layout, stores, the launch gate, then the one host sync per dispatch
+        scratch, slot, o_send, vals, tokens_per_expert, recv_offsets = phases.dispatch_head(
+            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
-        # the launch gate, then the one host sync per dispatch
-        vals, tokens_per_expert, recv_offsets, blocked = phases.header(scratch, epoch, first)
-        self.blocked_s += blocked
         if vals[0]:
             self.check_errors()
         hdr_len = self.layout.hdr_len
@@ -375,10 +382,10 @@ class GdaTransport(Transport):
         recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
         recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
         phases.gather(recv_offsets, recv_x, recv_idx, recv_w, epoch)
-        s_total = sum(num_send)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
-            send_token_idx=send_idx[:s_total], num_send_per_rank=tuple(num_send),
+            send_token_idx=scratch.as_strided((sum(num_send),), (1,), o_send),
+            num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
             state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
                                    epoch=epoch))

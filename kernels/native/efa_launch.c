@@ -3,8 +3,9 @@
  * A program is an array of efa_launch_t records prepared once per shape by Python
  * (kernels/native_launch.py): the CUfunction of a compiled Triton kernel, its grid and block,
  * and its parameter values; a record with function 0 is an asynchronous memset. Per call Python
- * rewrites only the values that change (tensor addresses, op numbers, row counts) and calls
- * efa_launch_run once, instead of one Python launch wrapper per kernel.
+ * writes only the call's variables (tensor addresses, op numbers, row counts) into the
+ * program's variable array and calls efa_launch_run once, instead of one Python launch wrapper
+ * per kernel; the library writes them into the records (efa_program_t.uses says where).
  *
  * The driver API comes from libcuda.so.1 at run time (dlopen): the library builds without a CUDA
  * toolkit, and loads on a machine without a GPU (efa_launch_init then says why it cannot run).
@@ -28,7 +29,7 @@
 #include <string.h>
 #include <time.h>
 
-#define EFA_LAUNCH_ABI 3
+#define EFA_LAUNCH_ABI 4
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -51,8 +52,6 @@ typedef int (*cu_launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsig
                            unsigned, void *, void **, void **);
 typedef int (*cu_param_info_t)(void *, size_t, size_t *, size_t *);
 typedef int (*cu_memset_t)(uint64_t, unsigned char, size_t, void *);
-typedef int (*cu_copy_t)(void *, uint64_t, size_t, void *);
-typedef int (*cu_sync_t)(void *);
 typedef int (*cu_errstr_t)(int, const char **);
 
 static struct {
@@ -61,8 +60,6 @@ static struct {
     cu_launch_t launch;
     cu_param_info_t param_info;
     cu_memset_t memset;
-    cu_copy_t copy;
-    cu_sync_t sync;
     cu_errstr_t errstr;
 } cu;
 
@@ -104,10 +101,8 @@ int efa_launch_init(char *err, size_t errlen) {
     cu.launch = (cu_launch_t)dlsym(h, "cuLaunchKernel");
     cu.param_info = (cu_param_info_t)dlsym(h, "cuFuncGetParamInfo");
     cu.memset = (cu_memset_t)dlsym(h, "cuMemsetD8Async");
-    cu.copy = (cu_copy_t)dlsym(h, "cuMemcpyDtoHAsync_v2");
-    cu.sync = (cu_sync_t)dlsym(h, "cuStreamSynchronize");
     cu.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
-    if (!cu.launch || !cu.param_info || !cu.memset || !cu.copy || !cu.sync) {
+    if (!cu.launch || !cu.param_info || !cu.memset) {
         snprintf(cu.why, sizeof cu.why,
                  "the NVIDIA driver lacks %s (CUDA 12.4 or newer driver needed)",
                  !cu.param_info ? "cuFuncGetParamInfo" : "a launch entry point");
@@ -135,9 +130,37 @@ int efa_launch_param_sizes(int64_t function, int64_t *sizes, int max, char *err,
     }
 }
 
-static int run(efa_launch_t *prog, int n, void *stream, char *err, size_t errlen) {
+/* A bound program: n records, and where the call's variables go. uses holds num_uses triples
+ * (word, variable, byte offset): before a run, word `word` of the records (viewed as one flat
+ * int64 array) becomes vars[variable] + offset. vars is written by the caller per call. */
+typedef struct {
+    efa_launch_t *recs;
+    int64_t num_recs;
+    const int64_t *uses;
+    int64_t num_uses;
+    const int64_t *vars;
+} efa_program_t;
+
+/* Writes the call's variables into the program's records. */
+static void bind(const efa_program_t *p) {
+    int64_t *words = (int64_t *)p->recs;
+    for (int64_t i = 0; i < p->num_uses; i++) {
+        const int64_t *u = &p->uses[3 * i];
+        words[u[0]] = p->vars[u[1]] + u[2];
+    }
+}
+
+/* bind() alone, no driver needed: lets a caller see the records a run would launch. */
+int efa_launch_bind(const efa_program_t *p) {
+    bind(p);
+    return 0;
+}
+
+static int run(const efa_program_t *p, void *stream, char *err, size_t errlen) {
+    bind(p);
+    const int n = (int)p->num_recs;
     for (int i = 0; i < n; i++) {
-        efa_launch_t *r = &prog[i];
+        efa_launch_t *r = &p->recs[i];
         int rc;
         if (r->function == 0) {
             rc = cu.memset((uint64_t)r->values[0], 0, (size_t)r->values[1], stream);
@@ -161,37 +184,11 @@ static int run(efa_launch_t *prog, int n, void *stream, char *err, size_t errlen
     return 0;
 }
 
-/* Launches the n records of prog on stream, in order. 0 or -EIO with the failing step in err. */
-int efa_launch_run(efa_launch_t *prog, int n, int64_t stream, char *err, size_t errlen) {
+/* Binds prog's variables and launches its records on stream, in order. 0 or -EIO with the
+ * failing step in err. */
+int efa_launch_run(const efa_program_t *prog, int64_t stream, char *err, size_t errlen) {
     if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
-    return run(prog, n, (void *)(uintptr_t)stream, err, errlen);
-}
-
-/* As efa_launch_run, then copies bytes from device address src to host dst (page-locked for an
- * asynchronous copy) and waits for the stream: the host reads dst when this returns.
- * *sync_ns = nanoseconds spent waiting for the device. */
-int efa_launch_run_read(efa_launch_t *prog, int n, int64_t stream, void *dst, int64_t src,
-                        int64_t bytes, int64_t *sync_ns, char *err, size_t errlen) {
-    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
-    void *s = (void *)(uintptr_t)stream;
-    int rc = run(prog, n, s, err, errlen);
-    if (rc) return rc;
-    rc = cu.copy(dst, (uint64_t)src, (size_t)bytes, s);
-    if (rc) {
-        set_err(err, errlen, "cuMemcpyDtoHAsync (%lld bytes) failed: %s", (long long)bytes,
-                cu_name(rc));
-        return -EIO;
-    }
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    rc = cu.sync(s);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    if (sync_ns) *sync_ns = (b.tv_sec - a.tv_sec) * 1000000000LL + (b.tv_nsec - a.tv_nsec);
-    if (rc) {
-        set_err(err, errlen, "cuStreamSynchronize after the launches failed: %s", cu_name(rc));
-        return -EIO;
-    }
-    return 0;
+    return run(prog, (void *)(uintptr_t)stream, err, errlen);
 }
 
 static int64_t now_ns(void) {
@@ -199,6 +196,45 @@ static int64_t now_ns(void) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
+
+/* Spins until *flag holds value or wait_ns passed: 1 when seen, 0 when the time ran out.
+ * *waited_ns = time spun. flag is page-locked host memory a kernel writes last, with a release
+ * store at system scope, after the data the caller reads next: read with acquire loads. */
+int efa_launch_wait_flag(const int64_t *flag, int64_t value, int64_t wait_ns,
+                         int64_t *waited_ns) {
+    int64_t t0 = now_ns(), t = t0;
+    int seen;
+    for (long spins = 0;; spins++) {
+        seen = __atomic_load_n(flag, __ATOMIC_ACQUIRE) == value;
+        if (seen) break;
+        if ((spins & 63) == 0) {
+            t = now_ns();
+            if (t - t0 >= wait_ns) break;
+        }
+    }
+    if (waited_ns) *waited_ns = (seen ? now_ns() : t) - t0;
+    return seen;
+}
+
+/* As efa_launch_run, then waits until the host word *flag holds value (the program's last
+ * kernel writes it, see efa_launch_wait_flag): the host may read what that kernel wrote before it when this
+ * returns 0. 2 when wait_ns passed first (err says so); a negative errno when a launch failed.
+ * *waited_ns = nanoseconds spent waiting. No stream synchronization: only the flag. */
+int efa_launch_run_wait(const efa_program_t *prog, int64_t stream, const int64_t *flag,
+                        int64_t value, int64_t wait_ns, int64_t *waited_ns, char *err,
+                        size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    if (waited_ns) *waited_ns = 0;
+    int rc = run(prog, (void *)(uintptr_t)stream, err, errlen);
+    if (rc) return rc;
+    if (!efa_launch_wait_flag(flag, value, wait_ns, waited_ns)) {
+        set_err(err, errlen, "the program's completion word was not written within %lld ns",
+                (long long)wait_ns);
+        return 2;
+    }
+    return 0;
+}
+
 
 /* The launch gate's fast path: stores record = op * 8 + kind into gate[rank] (this rank has
  * enqueued the op's stores), then waits up to spin_ns until every gate[r] holds the same record
@@ -236,24 +272,24 @@ int efa_gate_publish_wait(int64_t *gate, int world, int rank, int64_t record, in
     }
 }
 
-/* The two phases of an op in one call: launches first (n1 records), publishes record on the
+/* The two phases of an op in one call: launches first (its records), publishes record on the
  * launch gate (gate == NULL: no gate, ranks on their own GPUs) and waits up to spin_ns for the
- * peers (efa_gate_publish_wait), then launches second (n2 records) and, with bytes > 0, reads as
- * efa_launch_run_read. Returns 0 when both phases ran; 1 when the peers had not published in
- * spin_ns (first launched and published, second not: the caller waits with its deadline and
- * launches it); a negative errno with the failing step in err. *sync_ns: time waiting for the
- * device; *gate_ns: time waiting for the peers. */
-int efa_launch_run_gated(efa_launch_t *first, int n1, efa_launch_t *second, int n2,
+ * peers (efa_gate_publish_wait), then launches second (its records) and, with flag != NULL,
+ * waits for it as efa_launch_run_wait. Returns 0 when both phases ran (and the flag was seen);
+ * 1 when the peers had not published in spin_ns (first launched and published, second not: the
+ * caller waits with its deadline and launches it); 2 when the flag was not seen in wait_ns; a
+ * negative errno with the failing step in err. *sync_ns: time waiting for the device;
+ * *gate_ns: time waiting for the peers. */
+int efa_launch_run_gated(const efa_program_t *first, const efa_program_t *second,
                          int64_t stream, int64_t *gate, int world, int rank, int64_t record,
-                         int64_t spin_ns, void *dst, int64_t src, int64_t bytes,
+                         int64_t spin_ns, const int64_t *flag, int64_t value, int64_t wait_ns,
                          int64_t *sync_ns, int64_t *gate_ns, char *err, size_t errlen) {
     if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
     if (sync_ns) *sync_ns = 0;
     if (gate_ns) *gate_ns = 0;
-    int rc = run(first, n1, (void *)(uintptr_t)stream, err, errlen);
+    int rc = run(first, (void *)(uintptr_t)stream, err, errlen);
     if (rc) return rc;
     if (gate && !efa_gate_publish_wait(gate, world, rank, record, spin_ns, gate_ns)) return 1;
-    if (bytes > 0)
-        return efa_launch_run_read(second, n2, stream, dst, src, bytes, sync_ns, err, errlen);
-    return run(second, n2, (void *)(uintptr_t)stream, err, errlen);
+    if (flag) return efa_launch_run_wait(second, stream, flag, value, wait_ns, sync_ns, err, errlen);
+    return run(second, (void *)(uintptr_t)stream, err, errlen);
 }

@@ -170,10 +170,17 @@ def _run_dispatch_combine(row_dtype_name):
         recv = []
         for me in range(world):
             assert peers.sigs[me].tolist() == [epoch] * world
+            hl = 2 + num_local
+            n_info = 1 + world * hl + world + num_local
+            # odd ranks: info over the bus into host memory, the op's record written after it
+            host = torch.full((n_info + 1,), -9, dtype=torch.int64) if me % 2 else None
             info, offsets = kern.recv_header(peers.sigs[me], peers.hdr(me, offs["hdr_off"]),
                                           peers.errs[me], lays[me][2], peers.hws[me][1],
-                                          num_local=num_local, t_max=t_max, epoch=epoch, **WAIT)
-            hl = 2 + num_local
+                                          num_local=num_local, t_max=t_max, epoch=epoch,
+                                          host=host, **WAIT)
+            if host is not None:
+                assert info.data_ptr() == host.data_ptr() and info.numel() == n_info
+                assert int(host[n_info]) == kern.wait_record(epoch, "dispatch")
             assert int(info[0]) == 0
             hdr = info[1:1 + world * hl].view(world, hl)
             assert hdr[:, 0].tolist() == [0] * world

@@ -1,10 +1,12 @@
 """Native kernel programs (``efa_ep.kernels.native_launch``) on the CPU machine.
 
 No GPU here: the library is built and loaded for real (and says why it cannot launch), and the
-binding logic runs against a stand-in driver that records the launch records it is given. The
-records are what ``cuLaunchKernel`` would receive, so these tests pin the rule that matters:
+binding logic runs against a stand-in driver that records the launch records it is given, after
+the real library has written the call's variables into them. The records are what
+``cuLaunchKernel`` would receive, so these tests pin the rule that matters:
 per call exactly the variable parameters change, each to the call's address plus the bound
 offset, and a kernel whose parameter list differs from its signature is refused."""
+import struct
 import types
 
 import pytest
@@ -24,12 +26,22 @@ def test_library_builds_and_says_why_it_cannot_launch_without_a_driver():
     assert "libcuda" in why or "driver" in why
 
 
+def _records(real, addr):
+    """The flat int64 records of the program at ``addr`` after the real library bound them."""
+    import ctypes
+    real.efa_launch_bind(addr)
+    desc = nl._ProgramDesc.from_address(addr)
+    return desc.num_recs, list((ctypes.c_int64 * (desc.num_recs * nl._RECORD_WORDS))
+                               .from_address(desc.recs))
+
+
 class _FakeLib:
     """The library's entry points over a stand-in driver: parameter sizes per function handle;
-    every run keeps a copy of the records it was asked to launch."""
+    every run keeps a copy of the records it was asked to launch, bound by the real library."""
 
-    def __init__(self, sizes):
-        self.sizes, self.runs = sizes, []
+    def __init__(self, sizes, real):
+        self.sizes, self.runs, self.real = sizes, [], real
+        self.efa_launch_bind = real.efa_launch_bind
 
     def efa_launch_init(self, err, errlen):
         return 0
@@ -40,9 +52,8 @@ class _FakeLib:
             out[i] = s
         return len(got)
 
-    def efa_launch_run(self, recs, n, stream, err, errlen):
-        import ctypes
-        words = list((ctypes.c_int64 * (n * nl._RECORD_WORDS)).from_address(recs))
+    def efa_launch_run(self, prog, stream, err, errlen):
+        n, words = _records(self.real, prog)
         self.runs.append((stream, n, words))
         return 0
 
@@ -82,7 +93,11 @@ def fake(monkeypatch):
            "D": "i32", "one": "constexpr", "BLOCK": "constexpr"}
     k = _FakeKernel("k", ("x_ptr", "table", "out_ptr", "num_rows", "D", "one"), sig, 0xABC,
                     num_warps=8, shared=1024)
-    lib = _FakeLib({0xABC: [8, 8, 8, 4, 4, 8, 8]})  # + Triton's two scratch pointers
+    try:
+        real = nl.load()
+    except nl.NativeLaunchError as e:
+        pytest.skip(f"the native library cannot be built here: {e}")
+    lib = _FakeLib({0xABC: [8, 8, 8, 4, 4, 8, 8]}, real)  # + Triton's two scratch pointers
     monkeypatch.setattr(nl, "load", lambda: lib)
     return k, lib
 
@@ -122,6 +137,11 @@ def test_only_variables_change_and_follow_their_tensor(fake):
     head, _, values = _words(lib.runs[-1], 1)
     assert head[1] == 0                              # grid 0: the launcher skips the step
     assert values[0] == x.data_ptr() and values[3] == -1  # i32 reads the low half: still -1
+
+    launched = len(lib.runs)
+    with pytest.raises(struct.error):  # one variable short: refused before anything launches
+        prog.run((x.data_ptr(), scratch.data_ptr(), 5), stream=79)
+    assert len(lib.runs) == launched
 
 
 def test_a_parameter_list_that_differs_from_the_signature_is_refused(fake, monkeypatch):
@@ -207,12 +227,12 @@ def test_run_gated_binds_both_programs_and_says_when_the_gate_was_not_passed(fak
     k, lib = fake
     calls = []
 
-    def run_gated(p1, n1, p2, n2, stream, gate, world, rank, epoch, spin, dst, src, nbytes,
+    def run_gated(p1, p2, stream, gate, world, rank, epoch, spin, flag, value, wait_ns,
                   sync_ns, gate_ns, err, errlen):
         import ctypes
-        w1 = list((ctypes.c_int64 * (n1 * nl._RECORD_WORDS)).from_address(p1))
-        w2 = list((ctypes.c_int64 * (n2 * nl._RECORD_WORDS)).from_address(p2))
-        calls.append((w1, w2, stream, gate, world, rank, epoch, spin, dst, src, nbytes))
+        _, w1 = _records(lib.real, p1)
+        _, w2 = _records(lib.real, p2)
+        calls.append((w1, w2, stream, gate, world, rank, epoch, spin, flag, value, wait_ns))
         ctypes.c_int64.from_address(gate_ns).value = 2000
         return lib.gated_rc
 
@@ -224,21 +244,49 @@ def test_run_gated_binds_both_programs_and_says_when_the_gate_was_not_passed(fak
     second = nl.Program([nl.KernelStep(k, (1,), (x, scratch, scratch[4:], 16, 8, 1, 128), 8)],
                         (scratch,), ("num_rows",))
     x2, s2 = torch.zeros_like(x), torch.zeros_like(scratch)
-    lib.gated_rc = 0
-    done, sync_s, gate_s = first.run_gated((x2.data_ptr(), 9), second, (s2.data_ptr(), 4),
-                                           stream=5, gate=1234, world=2, rank=1, record=11,
-                                           spin_ns=99, dst=4096, src=8192, nbytes=64)
-    assert done and gate_s == pytest.approx(2e-6)
+    lib.gated_rc = nl.RAN
+    status, sync_s, gate_s = first.run_gated((x2.data_ptr(), 9), second, (s2.data_ptr(), 4),
+                                             stream=5, gate=1234, world=2, rank=1, record=11,
+                                             spin_ns=99, flag=4096, value=11, wait_ns=64)
+    assert status == nl.RAN and gate_s == pytest.approx(2e-6)
     w1, w2, *rest = calls[-1]
-    assert rest == [5, 1234, 2, 1, 11, 99, 4096, 8192, 64]
+    assert rest == [5, 1234, 2, 1, 11, 99, 4096, 11, 64]
     v1 = w1[nl._VALUES:nl._VALUES + 7]
     v2 = w2[nl._VALUES:nl._VALUES + 7]
     assert v1[0] == x2.data_ptr() and v1[3] == 9          # first: its own variables
     assert v2[2] == s2.data_ptr() + 32 and v2[3] == 4     # second: its own, views followed
-    lib.gated_rc = 1
-    done, _, _ = first.run_gated((x.data_ptr(), 1), second, (scratch.data_ptr(), 1), 0, 0, 2, 0,
-                                 12, 99)
-    assert not done and calls[-1][3] is None              # no gate: NULL to the library
+    lib.gated_rc = nl.GATE_LATE
+    status, _, _ = first.run_gated((x.data_ptr(), 1), second, (scratch.data_ptr(), 1), 0, 0, 2,
+                                   0, 12, 99)
+    assert status == nl.GATE_LATE and calls[-1][3] is None  # no gate: NULL to the library
+    assert calls[-1][8] is None                             # no completion word: NULL
     lib.gated_rc = -5
     with pytest.raises(nl.NativeLaunchError):
         first.run_gated((x.data_ptr(), 1), second, (scratch.data_ptr(), 1), 0, 0, 2, 0, 13, 99)
+
+
+def test_completion_word_wait_sees_the_value_or_gives_up_at_its_deadline():
+    import ctypes
+    import threading
+    try:
+        nl.load()
+    except nl.NativeLaunchError as e:
+        pytest.skip(f"the native library cannot be built here: {e}")
+    word = ctypes.c_int64(5)
+    addr = ctypes.addressof(word)
+    seen, _ = nl.wait_flag(addr, 5, 10**9)
+    assert seen
+    seen, waited = nl.wait_flag(addr, 6, 2_000_000)  # another op's value: not seen
+    assert not seen and waited >= 0.002
+    started = threading.Event()
+
+    def writer():
+        started.wait()
+        word.value = 7
+
+    t = threading.Thread(target=writer)
+    t.start()
+    started.set()
+    seen, _ = nl.wait_flag(addr, 7, 60 * 10**9)  # written while it waits
+    t.join()
+    assert seen
