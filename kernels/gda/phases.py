@@ -70,7 +70,7 @@ class GdaPhases:
         if self.native_off is None:
             self.native_off = availability()
         self._progs = {}
-        self._plans = {}  # dispatch_head's bound plans per shape
+        self._plans = {}  # bound plans of dispatch_head and combine, per op kind and shape
         self._dev = transport.device.index
         self._host = None  # (address of the page-locked count buffer, its int64 view)
         # how long a native call waits for a completion word: the op's own wait and any
@@ -274,7 +274,7 @@ class GdaPhases:
         parity = epoch & 1
         plan = None
         if bad_status is None and self.gated:
-            plan = self._plans.get((parity, t, k, x.dtype, x.stride(0), x.shape[1]))
+            plan = self._plans.get(("dispatch", parity, t, k, x.dtype, x.stride(0), x.shape[1]))
         if plan is not None:
             xp, ip, wp = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
             if (xp | ip | wp) & 15:
@@ -316,7 +316,7 @@ class GdaPhases:
         _, _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(
             t, tr.cfg.num_experts, w, k)
         n_info = 1 + w * (2 + num_local) + w + num_local
-        self._plans[(parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
+        self._plans[("dispatch", parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
             front, header, words + self.header_words(), o_slot, o_send, o_rank, words,
             words + kern._even(n_info), n_info)
 
@@ -328,27 +328,59 @@ class GdaPhases:
         if n == 0:
             return
         parity = epoch % 2
-        op = self._op(epoch)
-        offs = tr._offs[parity]
+        key = ("gather", parity, recv_idx.shape[1], recv_x.shape[1], recv_x.dtype)
+        prog = self._progs.get(key)
+        if prog is None:  # first call of this shape: bind the program, or launch from Python
+            op = self._op(epoch)
+            offs = tr._offs[parity]
 
-        def launch(plan):
-            kern.gather_rows(tr._win_ptr, offsets, recv_x, recv_idx, recv_w, tr._my_sig, tr._err,
-                             data_off=offs["data_off"], idx_off=offs["idx_off"],
-                             w_off=offs["w_off"], t_max=tr.cfg.max_tokens_per_rank, **op,
-                             wait=False, num_programs=tr.num_programs, plan=plan, **tr._wait_kw)
+            def launch(plan):
+                kern.gather_rows(tr._win_ptr, offsets, recv_x, recv_idx, recv_w, tr._my_sig,
+                                 tr._err, data_off=offs["data_off"], idx_off=offs["idx_off"],
+                                 w_off=offs["w_off"], t_max=tr.cfg.max_tokens_per_rank, **op,
+                                 wait=False, num_programs=tr.num_programs, plan=plan,
+                                 **tr._wait_kw)
 
-        prog = None
-        if self.native:
-            key = ("gather", parity, recv_idx.shape[1], recv_x.shape[1], recv_x.dtype)
-            prog = self._program(key, launch, (offsets, recv_x, recv_idx, recv_w),
-                                 ("num_rows",), (0,))
-        if prog is None:
-            launch(None)
-            return
+            if self.native:
+                prog = self._program(key, launch, (offsets, recv_x, recv_idx, recv_w),
+                                     ("num_rows",), (0,))
+            if prog is None:
+                launch(None)
+                return
         prog.run((offsets.data_ptr(), recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(),
-                  n, max(1, min(n, tr.num_programs))), _stream(self._dev))
+                  n, min(n, tr.num_programs)), _stream(self._dev))
 
     # ---- combine ----------------------------------------------------------------------------
+    def combine(self, y, state, out, epoch: int, kind: str) -> None:
+        """Store, launch gate and reduce of a combine (:meth:`combine_store`,
+        :meth:`combine_reduce`) of ``y`` ``[N, D]`` along the dispatch state ``state`` into
+        ``out`` ``[T, D]``: with a plan bound for this shape (after the first call of it,
+        ``fast_launch=3``, 16-byte aligned ``y``) straight through one native call."""
+        tr = self.tr
+        fixed = state.fixed
+        offsets = state.num_recv_W if fixed else state.recv_offsets
+        parity = epoch & 1
+        key = ("combine", parity, y.shape[1], y.dtype, y.stride(0), fixed, kind)
+        plan = self._plans.get(key)
+        yp = y.data_ptr()
+        t = out.shape[0]
+        if plan is None or yp & 15 or not t:
+            first = self.combine_store(y, offsets, fixed, epoch, defer=True)
+            self.combine_reduce(state.slot_TW, out, epoch, kind, first)
+            store = self._progs.get(("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed))
+            reduce = self._progs.get(("creduce", parity, out.shape[1], out.dtype, kind))
+            if first is not None and store is not None and reduce is not None:
+                self._plans[key] = (store, reduce)
+            return
+        store, reduce = plan
+        n = y.shape[0]
+        delta = epoch - tr._dev_base
+        programs = tr.num_programs
+        self._gated((store, (yp, offsets.data_ptr(), n, delta,
+                             max(1, min(tr.cfg.max_tokens_per_rank if fixed else n, programs)))),
+                    reduce, (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, programs)),
+                    epoch, kind)
+
     def combine_store(self, y, offsets, fixed: bool, epoch: int, defer: bool = False):
         """Returns the rows of ``y`` to their sources' windows and signals (``offsets``: the
         dispatch's ``[W + 1]`` offsets, or with ``fixed`` its device ``num_recv [W]``).

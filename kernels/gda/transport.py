@@ -357,26 +357,26 @@ class GdaTransport(Transport):
         hdr_len = self.layout.hdr_len
         end = 1 + world * hdr_len
         num_send = vals[end:end + world]
-        bad = {s: v for s, v in enumerate(vals[1:end:hdr_len]) if v != STATUS_OK}
-        if error is not None or bad:
+        statuses = vals[1:end:hdr_len]
+        if error is not None or any(statuses):
+            bad = {s: v for s, v in enumerate(statuses) if v != STATUS_OK}
             raise refusal.dispatch_input_error(self, epoch, bad, error, topk_idx, topk_weights)
         num_recv = vals[2:end:hdr_len]
         t_max = cfg.max_tokens_per_rank
-        if not all(0 <= r <= t_max for r in num_recv):  # peers' counts are untrusted
+        if min(num_recv) < 0 or max(num_recv) > t_max:  # peers' counts are untrusted
             msg = (f"rank {self.rank}: gda dispatch (op {epoch}): source rank(s) "
                    f"{[s for s, r in enumerate(num_recv) if not 0 <= r <= t_max]} announced row "
                    f"counts {num_recv} outside [0, max_tokens_per_rank={t_max}]")
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
         per_expert = vals[end + world:]
+        n = sum(num_recv)
         # (row, local expert) pairs: at most k per received row
-        if per_expert and (min(per_expert) < 0 or sum(per_expert) > sum(num_recv) * k):
+        if per_expert and (min(per_expert) < 0 or sum(per_expert) > n * k):
             msg = (f"rank {self.rank}: gda dispatch (op {epoch}): the sources' rows per local "
-                   f"expert {per_expert} are not counts of the {sum(num_recv)} rows received "
-                   f"with top-{k}")
+                   f"expert {per_expert} are not counts of the {n} rows received with top-{k}")
             self._break(msg, epoch, "dispatch")
             raise ProtocolError(msg)
-        n = sum(num_recv)
         dev = self.device
         recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
         recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
@@ -522,9 +522,7 @@ class GdaTransport(Transport):
         epoch = self._begin_op(kind)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        first = self._phases.combine_store(
-            y, st.num_recv_W if st.fixed else st.recv_offsets, st.fixed, epoch, defer=True)
-        self._phases.combine_reduce(st.slot_TW, out, epoch, kind, first)  # with the gate
+        self._phases.combine(y, st, out, epoch, kind)  # with the launch gate
         refusal.raise_if_refused(self, epoch, kind)
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)

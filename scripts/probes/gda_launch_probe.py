@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Host cost of the pieces of a gda op, one process on the GPU (no peers): a Triton launch
 through ``kernel[grid]`` and through :class:`efa_ep.kernels.launch.FastKernel` (1 and 30
-arguments), ``torch.empty`` on the device, a small device-to-host copy, and the gda wait
-wrapper. Median of ``--iters`` host-timed calls each, microseconds; the stream is synchronized
-between groups, never inside one.
+arguments), a native program (:class:`efa_ep.kernels.native_launch.Program`) of 1 and 3 empty
+kernels, ``torch.empty`` on the device, a small device-to-host copy, and the gda wait wrapper.
+Median of ``--iters`` host-timed calls each, microseconds; the stream is synchronized between
+groups, never inside one. Run several at once (MPS on) to see what launches cost when ranks
+share the GPU.
 
     python3 scripts/probes/gda_launch_probe.py [--iters 2000] [--threads N]
 """
@@ -62,14 +64,24 @@ def main():
     ts = [torch.zeros(16, dtype=torch.int64, device=dev) for _ in range(10)]
     args30 = tuple(ts) + tuple(range(3, 13)) + tuple(range(10))
     f1, f30 = FastKernel(_empty1), FastKernel(_empty30)
+    from efa_ep.kernels import native_launch as nl
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    native = {}
+    if nl.availability() is None:
+        for n in (1, 3):
+            prog = nl.Program([nl.KernelStep(f1, (1,), (t,), 4)] * n, (t,))
+            native[f"native_{n}x1arg"] = _time(lambda: prog.run((t.data_ptr(),), stream),
+                                               a.iters)
     sig = torch.zeros(4, dtype=torch.int32, device=dev) + 5
     err = torch.zeros(3, dtype=torch.int64, device=dev)
     res = dict(
+        mps="CUDA_MPS_PIPE_DIRECTORY" in os.environ, pid=os.getpid(),
         torch_threads=torch.get_num_threads(), fast_enabled=f1.enabled,
         jit_1arg=_time(lambda: _empty1[(1,)](t), a.iters),
         fast_1arg=_time(lambda: f1.launch((1,), (t,), 4), a.iters),
         jit_30arg=_time(lambda: _empty30[(1,)](*args30), a.iters),
         fast_30arg=_time(lambda: f30.launch((1,), args30, 4), a.iters),
+        **native,
         torch_empty=_time(lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device=dev),
                           a.iters),
         d2h_small=_time(lambda: t.cpu(), a.iters // 4),
