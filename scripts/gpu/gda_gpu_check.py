@@ -100,7 +100,30 @@ def _time_graph(graph, n, dist):
                 steady_us=s0.elapsed_time(s1) * 1e3 / n, host_us=statistics.median(host))
 
 
-def _bench_rank(rank, world, routes, modes=("regular",), options=None):
+def _pin(rank):
+    """Binds this rank's process to a physical core of its own (its first hardware thread; the
+    first core is left to the system and the MPS server), so host timings do not depend on
+    where the scheduler puts the ranks. Returns the CPU, or None where there are too few."""
+    firsts, seen = [], set()
+    for c in sorted(os.sched_getaffinity(0)):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                core = f.read().strip()
+        except OSError:
+            core = str(c)
+        if core not in seen:
+            seen.add(core)
+            firsts.append(c)
+    if len(firsts) < 2:
+        return None
+    cpu = firsts[1 + rank % (len(firsts) - 1)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
+def _bench_rank(rank, world, routes, modes=("regular",), options=None, pin=False):
+    if pin:
+        _pin(rank)
     out = {}
     for mode in modes:
         for key, v in _bench_mode(rank, world, routes, mode, options or {}).items():
@@ -248,6 +271,8 @@ def main():
     ap.add_argument("--options", default="",
                     help="gda transport options, k=v,... (e.g. fast_launch=0)")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
+    ap.add_argument("--pin", action="store_true",
+                    help="bind each rank to a physical core of its own (recorded as 'pinned')")
     args = ap.parse_args()
     options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv)
     out_dir = os.environ.get("OUT", os.path.join(REPO, "outputs"))
@@ -256,7 +281,7 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         torch=torch.__version__, mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
-        starts=args.starts, options=options,
+        starts=args.starts, options=options, pinned=args.pin,
         shape=dict(hidden=HIDDEN, experts=EXPERTS, topk=TOPK, dtype="bf16", t_max=T_MAX),
         copy_ceiling_tbps=COPY_CEILING_BPS / 1e12)
     try:
@@ -280,7 +305,8 @@ def main():
     for world, start in [(int(w), s) for s in range(args.starts) for w in args.worlds.split(",")]:
         t0 = time.time()
         try:
-            res = run_ranks(_bench_rank, world, (routes, tuple(args.modes.split(",")), options),
+            res = run_ranks(_bench_rank, world,
+                            (routes, tuple(args.modes.split(",")), options, args.pin),
                             timeout_s=300, pg_timeout_s=250,
                             env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
         except Exception as e:  # record and go on with the next size
@@ -295,7 +321,8 @@ def main():
             c = max(p["combine_us"] for p in per)
             tot = max(p["total_us"] for p in per)
             cells.append(dict(
-                world=world, start=start, cell=key, ok=all(p["ok"] for p in per), bytes_moved=moved,
+                world=world, start=start, cell=key, ok=all(p["ok"] for p in per),
+                tokens=per[0]["tokens"], bytes_moved=moved,
                 dispatch_us=d, combine_us=c, total_us=tot,
                 total_p10_us=max(p["total_p10_us"] for p in per),
                 total_p90_us=max(p["total_p90_us"] for p in per),

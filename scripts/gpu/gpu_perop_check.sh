@@ -9,7 +9,8 @@
 #                layers: PEROP_STARTS fresh starts of it),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds),
 #                contract (the conformance suite's gda cases; PEROP_CONTRACT_S)
-#   PEROP_STARTS starts per bench (default 3); PEROP_TESTS_K the tests step's -k expression
+#   PEROP_STARTS starts per bench (default 3); PEROP_TESTS_K the tests step's -k expression;
+#   PEROP_BENCH_ARGS more arguments of every bench (e.g. --pin: one physical core per rank)
 # Carry: .whl (megatron-core wheel for the GPU's Python), .before when a before step runs.
 set -u
 OUT=${OUT:-/tmp/gpu_perop_out}; mkdir -p "$OUT"
@@ -18,7 +19,7 @@ gpu_setup || exit 1
 mps_start
 want() { case " ${PEROP_STEPS:-tests bench} " in *" $1 "*) return 0;; esac; return 1; }
 N=${PEROP_STARTS:-3}
-BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph"
+BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph ${PEROP_BENCH_ARGS:-}"
 want tests && TAILN=20 step tests ${PEROP_TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
   --durations=12 \
   tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "${PEROP_TESTS_K:-not stress}"

@@ -7,7 +7,10 @@ Inputs (any mix; the format is recognised per file):
 - ``scripts/bench_proxy.py`` output (``{"meta": ..., "records": [...]}``): proxy descriptor
   rates per channel count (``rate``) and GPU descriptor round trips (``gpu_roundtrip``);
 - planner records (``efa_ep.plan.record/1`` lines): figures measured by this project that no
-  bench file holds (e.g. the two-GPU NVLink runs, ``results/plan/measured_h200x2.jsonl``).
+  bench file holds (e.g. the two-GPU NVLink runs, ``results/plan/measured_h200x2.jsonl``);
+- ``scripts/gpu/gda_gpu_check.py`` output (``gda_gpu_check*.json``: ranks as processes on one
+  GPU): its regular (eager, dropless) dispatch+combine cells, the median over starts per EP size
+  and profile.
 
 Every dispatch+combine observation becomes ``(group, shape, bytes, us)`` where ``group`` is the
 arm on one kind of link (``gda@nvlink``, ``gda@hbm`` = ranks sharing one GPU, ``proxy:k2@hbm``,
@@ -135,6 +138,8 @@ def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
             docs = [json.loads(ln) for ln in lines]
         if isinstance(doc, dict) and "records" in doc and "meta" in doc:
             out += _from_bench_proxy(doc, name)
+        elif isinstance(doc, dict) and "copy_ceiling_tbps" in doc and "cells" in doc:
+            out += _from_gda_check(doc, name)
         elif isinstance(doc, dict) and str(doc.get("schema", "")).endswith("-summary"):
             out += _from_bench_summary(doc, name)
         elif docs is not None or isinstance(doc, dict):
@@ -180,6 +185,34 @@ def _from_bench_summary(doc, name) -> List[Dict[str, Any]]:
                         c["topk"], c["ep_size"], c["dtype"], st["median"],
                         f"{name} ({date}, {gpu}, EP {c['ep_size']}, n={st.get('n')} starts, "
                         f"{c['profile']}/{c['route']})", lo=st.get("min"), hi=st.get("max"), date=date))
+    return out
+
+
+def _from_gda_check(doc, name) -> List[Dict[str, Any]]:
+    """The regular-mode cells of a ``gda_gpu_check`` run (every rank on one GPU: ``gda@hbm``):
+    per EP size and cell, the median over starts of the slowest rank's median D+C. Cells that
+    failed their bitwise check or their run are left out."""
+    shape = doc["shape"]
+    date = str(doc.get("date", "?"))[:10]
+    by: Dict[Tuple[int, str], List[Dict[str, Any]]] = {}
+    for c in doc["cells"]:
+        if "error" in c or not c.get("ok") or c["cell"].count("/") != 1:  # route/profile only
+            continue
+        by.setdefault((c["world"], c["cell"]), []).append(c)
+    out = []
+    for (world, cell), cs in sorted(by.items()):
+        tot = [c["total_us"] for c in cs]
+        tokens = cs[0].get("tokens") or cs[0]["per_rank"][0]["tokens"]
+        host = statistics.median(c.get("host_dispatch_us", 0.0) + c.get("host_combine_us", 0.0)
+                                 for c in cs)
+        out.append(_obs("gda@hbm", f"H{shape['hidden']}/E{shape['experts']}/k{shape['topk']}", tokens,
+                        shape["hidden"], shape["experts"], shape["topk"], world, shape["dtype"],
+                        statistics.median(tot),
+                        f"{name} ({date}, {doc.get('device')}, EP {world} as processes on one GPU, "
+                        f"n={len(tot)} starts, {cell}, eager regular mode; host time per D+C "
+                        f"{host:.0f} us)", lo=min(tot), hi=max(tot), date=date))
+    if not out:
+        raise ValueError(f"{name}: no passing regular-mode cells in this gda_gpu_check run")
     return out
 
 
