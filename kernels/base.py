@@ -64,7 +64,8 @@ What every transport shares from here (one definition each):
 - the one error every rank raises for a group's bad input (:func:`group_input_error`, and
   :func:`agree_on_input` for a transport without a status exchange of its own);
 - the host-side check of a ``[rows, D]`` operand of ``combine`` / ``dispatch_cached`` /
-  ``combine_topk_weights`` (:func:`rows_input_error`);
+  ``combine_topk_weights`` (:func:`rows_input_error`), and the rows a weight combine sends
+  back (:func:`local_weight_grads`);
 - the handle's owner: every transport's ``DispatchHandle.state`` is a :class:`HandleState`
   dataclass naming the transport object that made it, checked by
   :meth:`Transport.handle_error` (a handle of another transport object is refused);
@@ -100,7 +101,7 @@ from .core.exchange import (  # noqa: F401
     new_op_header, exchange_status, check_received_counts, received_metadata_errors,
 )
 from .core.contract import (  # noqa: F401
-    Transport,
+    Transport, local_weight_grads,
 )
 
 __all__ = [
@@ -116,5 +117,5 @@ __all__ = [
     "H_DTYPE", "H_REF", "H_ROWS", "H_AUX", "STATUS_OK", "STATUS_BAD_EXPERT_ID",
     "STATUS_NON_FINITE_WEIGHT", "STATUS_BAD_INPUT", "STATUS_BAD_RECEIVED", "STATUS_INPUT_BITS",
     "describe_status", "float_bits_to_int64", "int64_to_float_bits", "ceil_div", "align_up",
-    "nbytes_of", "error_for_errno",
+    "nbytes_of", "error_for_errno", "local_weight_grads",
 ]

@@ -38,6 +38,19 @@ def _accept_fixed_layout(name: str, fn):
     return method
 
 
+def local_weight_grads(grad_recv_topk_weights: torch.Tensor,
+                       recv_topk_idx: torch.Tensor) -> torch.Tensor:
+    """The rows a weight combine sends back: ``[N, K]`` -> ``[N, K]`` float32, contiguous, on
+    the same device, with every slot whose received id is -1 (an expert on another rank) set to
+    0, so each (token, slot) is non-zero in exactly one destination's row. Row-major strides
+    even when empty (``torch.where`` can return stride 0 there, which a byte view refuses). The
+    zero is a host scalar: two kernels (mask, select), no fill of a device zero."""
+    out = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights.float(), 0.0)
+    if out.numel() and out.is_contiguous() and out.stride(-1) == 1:
+        return out
+    return torch.empty(tuple(out.shape), dtype=out.dtype, device=out.device).copy_(out)
+
+
 class Transport(abc.ABC):
     """Base class of every transport. Subclasses implement ``dispatch``, ``combine`` and
     ``dispatch_cached``; see the module docstring for the contract. ``dispatch_fixed`` has a
@@ -156,9 +169,8 @@ class Transport(abc.ABC):
         Each slot is non-zero in exactly one destination row once the -1 slots are masked, and
         0.0 + v == v exactly, so a float32 combine returns the values unchanged.
         """
-        masked = torch.where(handle.recv_topk_idx >= 0, grad_recv_topk_weights.float(),
-                             torch.zeros((), dtype=torch.float32, device=grad_recv_topk_weights.device))
-        return self.combine(masked.contiguous(), handle)
+        return self.combine(local_weight_grads(grad_recv_topk_weights, handle.recv_topk_idx),
+                            handle)
 
     def after_backward(self) -> None:
         """Called by the dispatcher once its backward ops of a layer have been issued (the last

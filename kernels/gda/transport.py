@@ -14,8 +14,8 @@ import torch.distributed as dist
 from ..core.hosts import host_id
 from ..base import (
     STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, ProtocolError, Transport,
-    TransportBroken, TransportError, TransportUnavailable, align_up, rows_input_error,
-    validate_dispatch_inputs,
+    TransportBroken, TransportError, TransportUnavailable, align_up, local_weight_grads,
+    rows_input_error, validate_dispatch_inputs,
 )
 
 from . import refusal
@@ -505,9 +505,8 @@ class GdaTransport(Transport):
                            f"handle of op {st.epoch}: its window ids were overwritten by a later "
                            f"dispatch (views live until the op two calls later)",
                            "weight combine")
-        masked = torch.where(handle.recv_topk_idx >= 0, g.float(),
-                             torch.zeros((), dtype=torch.float32, device=g.device))
-        return self._combine(masked.contiguous(), handle, "weight combine")
+        return self._combine(local_weight_grads(g, handle.recv_topk_idx), handle,
+                             "weight combine")
 
     def _combine(self, y, handle, kind: str):
         try:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ..base import (
-    DispatchHandle, HandleState, TransportError, describe_value_errors, reduce_rows_by_rank,
+    DispatchHandle, HandleState, TransportError, describe_value_errors, local_weight_grads,
+    reduce_rows_by_rank,
 )
 from . import native
 from .hostop import HostOps
@@ -442,6 +443,5 @@ class RoundOps:
         error = self._checked("combine_topk_weights", check)
         if error is not None:
             self.wire.round(OP_COMBINE, {}, [0], None, None, error)
-        masked = torch.where(handle.recv_topk_idx >= 0, g.float(),
-                             torch.zeros((), dtype=torch.float32, device=g.device))
-        return self._combine(dense(masked), handle, "combine_topk_weights grad_recv_topk_weights")
+        return self._combine(local_weight_grads(g, handle.recv_topk_idx), handle,
+                             "combine_topk_weights grad_recv_topk_weights")

@@ -34,7 +34,7 @@ from ..base import (
     DispatchHandle, DispatchInputError, HandleState, PeerFailure, ProtocolError, Transport,
     TransportBroken, TransportError, check_received_counts, compute_send_layout, count_sends,
     describe_value_errors, exchange_status, float_bits_to_int64, int64_to_float_bits,
-    new_op_header, ranks_in_mask, received_metadata_errors, reduce_rows_by_rank,
+    local_weight_grads, new_op_header, ranks_in_mask, received_metadata_errors, reduce_rows_by_rank,
     rows_input_error, validate_dispatch_inputs, value_error_flags,
 )
 
@@ -235,8 +235,7 @@ class TorchTransport(Transport):
         self._all_to_all(op, seq, "the all-to-all of rows", recv_x, send_x, num_recv, num_send)
         # Weights travel as exact float32 bit patterns beside the ids: one collective, lossless.
         send_w = torch.where(layout.send_topk_idx_SK >= 0,
-                             topk_weights.index_select(0, layout.send_token_idx_S),
-                             torch.zeros((), dtype=torch.float32, device=x.device))
+                             topk_weights.index_select(0, layout.send_token_idx_S), 0.0)
         send_meta = torch.cat([layout.send_topk_idx_SK, float_bits_to_int64(send_w)], dim=1)
         recv_meta = send_meta.new_empty((n_recv, 2 * k))
         self._all_to_all(op, seq, "the all-to-all of routing metadata", recv_meta,
@@ -299,8 +298,7 @@ class TorchTransport(Transport):
         if op == "combine_topk_weights":
             # Each slot is non-zero in exactly one destination row once the -1 slots are masked,
             # and 0.0 + v == v exactly, so the float32 sum returns the values unchanged.
-            y = torch.where(handle.recv_topk_idx >= 0, y,
-                            torch.zeros((), dtype=torch.float32, device=y.device))
+            y = local_weight_grads(y, handle.recv_topk_idx)
         back = y.new_empty((sum(handle.num_send_per_rank), y.shape[1]))
         self._all_to_all(op, seq, "the all-to-all of rows", back, y.contiguous(),
                          list(handle.num_send_per_rank), list(handle.num_recv_per_rank))
