@@ -211,6 +211,14 @@ def test_gda_fixed_cost_from_the_newest_records_link_efficiency_from_nvlink(tmp_
     assert "gda@hbm 2026-02-01" in p["gda_fixed_us"]["source"] and "hbm.jsonl" in p["gda_fixed_us"]["source"]
     assert math.isclose(p["gda_link_eff"]["value"], 100.0 / cal_mod.NVLINK4_GBPS, rel_tol=1e-3)
     assert "nv.jsonl" in p["gda_link_eff"]["source"] and "gda@nvlink" in p["gda_link_eff"]["source"]
+    # the proxy's fixed cost: measured from its own D+C records where the files have them ...
+    assert p["proxy_fixed_us"]["tag"] == "measured" and "proxy@shm" in p["proxy_fixed_us"]["source"]
+    # ... else derived from gda's (same host work) plus the descriptor round trip
+    doc_px = json.load(open(proxy))
+    doc_px["records"] = [r for r in doc_px["records"] if r["kind"] != "a2a"]
+    (tmp_path / "px.json").write_text(json.dumps(doc_px))
+    p = cal_mod.calibrate(files + [str(tmp_path / "px.json")])["params"]
+    assert p["proxy_fixed_us"]["tag"] == "derived"
     assert p["proxy_fixed_us"]["value"] > 200.0 and "gda_fixed_us 200.0" in p["proxy_fixed_us"]["source"]
     # one shape at two EP sizes: held out by EP size (exact here: the records are on the line)
     rows = [r for r in doc["validation"]["rows"] if r["group"] == "gda@hbm 2026-02-01"]
@@ -221,31 +229,36 @@ def test_gda_fixed_cost_from_the_newest_records_link_efficiency_from_nvlink(tmp_
     assert cal_mod.newest_group({"gda@hbm": {"date": "d"}, "gda@nvlink": {"date": "d"}}, "gda") == "gda@nvlink"
 
 
-def test_shipped_gda_records_match_the_raw_run():
-    """results/plan/measured_h200_gda_eager.jsonl: the planner-record form of the two one-H200
-    runs of the current code (results/gda_perop/gda_gpu_check_native_*n3.json, 3 starts each),
-    same keys as the two-GPU records, and the shipped calibration takes gda's fixed cost from it."""
+def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
+    """The shipped calibration takes gda's fixed cost from the one-H200 gda_gpu_check runs of the
+    current code (their regular cells, the median over starts per EP size and profile) and the
+    proxy's from its own D+C of CUDA inputs on the same host."""
     import statistics
 
-    recs = [json.loads(ln) for ln in open(os.path.join(ROOT, "results", "plan", "measured_h200_gda_eager.jsonl"))]
-    ref = [json.loads(ln) for ln in open(os.path.join(ROOT, "results", "plan", "measured_h200x2.jsonl"))]
-    assert all(list(r) == list(ref[0]) for r in recs)
-    raw = {"cells": []}
-    for name in ("gda_gpu_check_native_n3.json", "gda_gpu_check_native_run2_n3.json"):
-        raw["cells"] += json.load(open(os.path.join(ROOT, "results", "gda_perop", name)))["cells"]
-    assert {(r["ep_size"], r["profile"]) for r in recs} == {(2, "decode"), (2, "prefill"), (4, "decode"), (4, "prefill")}
-    for r in recs:
-        cells = [c for c in raw["cells"] if c["world"] == r["ep_size"] and c["cell"] == f"random/{r['profile']}"]
-        tot = [c["total_us"] for c in cells]
-        assert all(c["launch"] == "native" for c in cells)
-        assert r["dc_us"] == {"n": 6, "min": round(min(tot)), "max": round(max(tot)), "median": round(statistics.median(tot))}
-        assert r["d_us"] == round(statistics.median(c["dispatch_us"] for c in cells))
-        assert r["c_us"] == round(statistics.median(c["combine_us"] for c in cells))
-        assert (r["arm"], r["link"], r["date"]) == ("gda", "hbm", "2026-12-02") and all(c["ok"] for c in cells)
-        assert "scripts/gpu/gda_gpu_check.py" in r["source"] and "#" not in r["source"]
+    names = ("gda_gpu_check_zerocopy_lease2_n2.json", "gda_gpu_check_zerocopy_pinned_n3.json")
+    paths = [os.path.join(ROOT, "results", "gda_perop", n) for n in names]
+    obs = cal_mod.load(paths)
+    assert {(o["ep_size"], o["tokens_per_rank"]) for o in obs} == {(2, 128), (2, 4096), (4, 128), (4, 4096)}
+    for path, name in zip(paths, names):
+        raw = json.load(open(path))
+        mine = [o for o in obs if name in o["source"]]
+        assert len(mine) == 4 and all(o["group"] == "gda@hbm" for o in mine)
+        for o in mine:
+            prof = "decode" if o["tokens_per_rank"] == 128 else "prefill"
+            cells = [c for c in raw["cells"] if c["world"] == o["ep_size"] and c["cell"] == f"random/{prof}"]
+            assert cells and all(c["ok"] for c in cells)
+            assert o["us"] == statistics.median(c["total_us"] for c in cells)
+            assert (o["min_us"], o["max_us"]) == (min(c["total_us"] for c in cells), max(c["total_us"] for c in cells))
+            assert f"n={len(cells)} starts" in o["source"]
+    # a failed cell or a mode other than regular is not a record
+    raw = json.load(open(paths[1]))
+    raw["cells"] = [dict(c, ok=False) if c["cell"] == "random/decode" else c for c in raw["cells"]]
+    assert not any(o["tokens_per_rank"] == 128 for o in cal_mod._from_gda_check(raw, "x"))
     shipped = cal_mod.read(SHIPPED)
     assert shipped["gda_fixed_us"].tag == "measured"
-    assert "results/plan/measured_h200_gda_eager.jsonl" in shipped["gda_fixed_us"].source
+    assert all(f"results/gda_perop/{n}" in shipped["gda_fixed_us"].source for n in names)
+    assert shipped["proxy_fixed_us"].tag == "measured"
+    assert "results/h200/bench_proxy_cuda_2026-12-02.json" in shipped["proxy_fixed_us"].source
     assert "results/plan/measured_h200x2.jsonl" in shipped["gda_link_eff"].source
 
 
@@ -289,7 +302,13 @@ def _so_gbps(inp, cal, k):
 
 
 def test_deepep_efa_prefill_k1_and_k8_within_tolerance():
-    cal = cal_mod.read(SHIPPED)
+    """The model's channel scaling against the study's proxy (DeepEP's). Its per-op host work is
+    not ours: the check takes a proxy whose fixed cost per op is gda's (launches and one count
+    read, no host staging). With efa-ep's own measured proxy fixed cost (its GPU path stages
+    through host memory) K=8 lands below the study's range: that prediction is for efa-ep."""
+    shipped = cal_mod.read(SHIPPED)
+    cal = dict(shipped)
+    cal["proxy_fixed_us"] = Fig(shipped["gda_fixed_us"].value, "us", "derived", "gda's host work")
     study = deepep_efa_figures()
     inp = _qwen_ep16_case(4096)
     lo1, hi1 = study["k1_prefill_dispatch_gbps"].value
@@ -300,6 +319,8 @@ def test_deepep_efa_prefill_k1_and_k8_within_tolerance():
     assert lo8 * (1 - K8_TOL) <= g8 <= hi8 * (1 + K8_TOL), g8
     # Both are issue-bound: the proxy's post path, not the wire, sets the time.
     assert terms1["issue"] > terms1["wire"] and terms8["issue"] > terms8["wire"]
+    assert shipped["proxy_fixed_us"].value > cal["proxy_fixed_us"].value
+    assert _so_gbps(inp, shipped, 8)[0] < g8
 
 
 def test_deepep_efa_decode_is_issue_bound_with_the_nic_mostly_idle():

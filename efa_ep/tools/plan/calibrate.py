@@ -238,6 +238,16 @@ def _from_bench_proxy(doc, name) -> List[Dict[str, Any]]:
         elif r["kind"] == "gpu_roundtrip":
             out.append({"kind": "gpu_roundtrip", "provider": r["provider"], "bytes": r["bytes"],
                         "us": r["us_per_op"]["median"], "file": name, "source": src})
+        elif r["kind"] == "a2a" and r.get("bit_identical_to_torch") and r.get("device") == "cuda":
+            # D+C of CUDA inputs staged through host memory: the host work per op of the GPU path
+            starts = r.get("proxy_start_medians_ms") or [r["proxy_ms"]["median"]]
+            date = str(meta.get("date", "?"))[:10]
+            out.append(_obs(f"proxy@{r['provider']}", f"H{r['hidden']}/E{r['experts']}/k{r['topk']}",
+                            r["tokens_per_rank"], r["hidden"], r["experts"], r["topk"], r["ranks"],
+                            r["dtype"], 1e3 * r["proxy_ms"]["median"],
+                            f"{src}: {r['profile']} D+C of CUDA inputs, {r.get('num_channels')} "
+                            f"channels, {r.get('starts', 1)} starts x {r.get('iters_per_start')}",
+                            lo=1e3 * min(starts), hi=1e3 * max(starts), date=date))
     return out
 
 
@@ -386,13 +396,22 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
     params["proxy_post_us"] = Fig(round(post, 4), "us", "measured",
                                   f"1 / rate at K=1, {provider} {desc_bytes} B writes (median over files; "
                                   f"{provider}, not efa: a lower bound for EFA): {rsrc}")
-    rts = [o for o in obs if o["kind"] == "gpu_roundtrip" and o["provider"] == provider]
-    rt = statistics.median(o["us"] for o in rts) if rts else 3.2
-    rt_src = ("median GPU descriptor round trip " + "; ".join(sorted({o["source"] for o in rts}))) if rts else \
-        "floor 3.2 us: a bare C thread's round trip on the H200 host (no round-trip records given)"
-    params["proxy_fixed_us"] = Fig(round(gda["fixed_us"] + rt, 2), "us", "derived",
-                                   f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
-                                   f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
+    px_name = newest_group(fits, "proxy", (provider,))
+    if px_name is not None:
+        px = fits[px_name]
+        params["proxy_fixed_us"] = Fig(round(px["fixed_us"], 2), "us", "measured",
+                                       f"fit of {px_name} D+C = 2 x fixed + bytes / rate (n={px['n']}, "
+                                       f"{provider} wire, CUDA inputs staged through host memory: "
+                                       f"the host work of the GPU path per op): "
+                                       + "; ".join(px["sources"]))
+    else:
+        rts = [o for o in obs if o["kind"] == "gpu_roundtrip" and o["provider"] == provider]
+        rt = statistics.median(o["us"] for o in rts) if rts else 3.2
+        rt_src = ("median GPU descriptor round trip " + "; ".join(sorted({o["source"] for o in rts}))) \
+            if rts else "floor 3.2 us: a bare C thread's round trip on the H200 host (no round-trip records given)"
+        params["proxy_fixed_us"] = Fig(round(gda["fixed_us"] + rt, 2), "us", "derived",
+                                       f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
+                                       f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
     params["proxy_channel_gbps"] = study["proxy_channel_gbps_efa"]
     doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "inputs": [_rel(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
@@ -489,7 +508,9 @@ def default_record_files(root: str) -> List[str]:
     """The record files in ``results/`` the shipped calibration is built from."""
     cands = ["results/h200/bench_ep4/bench_summary.json", "results/h200/bench_proxy.json",
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
-             "results/plan/measured_h200_gda_eager.jsonl"]
+             "results/gda_perop/gda_gpu_check_zerocopy_lease2_n2.json",
+             "results/gda_perop/gda_gpu_check_zerocopy_pinned_n3.json",
+             "results/h200/bench_proxy_cuda_2026-12-02.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
 
 
