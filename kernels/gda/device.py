@@ -411,17 +411,20 @@ def _gather_rows_kernel(
 @triton.jit(do_not_specialize=["me", "num_rows", "epoch_delta"])
 def _combine_store_kernel(
     y_ptr,                                          # [N, D] expert outputs, row stride stride_y
+    ids_ptr: tl.pointer_type(tl.int64),             # [N, D] received ids (MASK), contiguous
     offsets_ptr: tl.pointer_type(tl.int64),         # [W + 1] of the matching dispatch
     buf_ptrs: tl.pointer_type(tl.int64), sig_ptrs: tl.pointer_type(tl.int64),
     done_ptr: tl.pointer_type(tl.int32),
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
     data_off, me, num_rows, stride_y, D, T_MAX, epoch_delta,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    FIXED: tl.constexpr,
+    FIXED: tl.constexpr, MASK: tl.constexpr,
 ):
     """Row i (the j-th row received from source s) -> source s's window row me * T_MAX + j.
     FIXED: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets_ptr`` holds the device
-    counts ``num_recv [W]``: row s * T_MAX + j is returned for j < num_recv[s] only."""
+    counts ``num_recv [W]``: row s * T_MAX + j is returned for j < num_recv[s] only.
+    MASK (a weight combine): element (i, d) is returned as 0 where ``ids[i, d] < 0`` (a slot of
+    an expert on another rank), so each (token, slot) is non-zero in one destination only."""
     elt = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -439,7 +442,11 @@ def _combine_store_kernel(
                 for d0 in range(0, D, BLOCK_D):
                     cols = d0 + offs
                     cm = cols < D
-                    tl.store(dst + cols, tl.load(src + cols, mask=cm), mask=cm)
+                    v = tl.load(src + cols, mask=cm)
+                    if MASK:
+                        ids = tl.load(ids_ptr + (s * T_MAX + j) * D + cols, mask=cm, other=-1)
+                        v = tl.where(ids >= 0, v, tl.zeros_like(v))
+                    tl.store(dst + cols, v, mask=cm)
     else:
         for i in range(pid, num_rows, nprog):
             i64 = tl.cast(i, tl.int64)
@@ -451,7 +458,11 @@ def _combine_store_kernel(
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + offs
                 cm = cols < D
-                tl.store(dst + cols, tl.load(y_ptr + i64 * stride_y + cols, mask=cm), mask=cm)
+                v = tl.load(y_ptr + i64 * stride_y + cols, mask=cm)
+                if MASK:
+                    ids = tl.load(ids_ptr + i64 * D + cols, mask=cm, other=-1)
+                    v = tl.where(ids >= 0, v, tl.zeros_like(v))
+                tl.store(dst + cols, v, mask=cm)
     epoch, _ = _op_epoch(op_base_ptr, epoch_delta, 0)
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 

@@ -337,22 +337,28 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
-                  num_programs, fixed=False, op_base=None, fast=True, plan=None):
+                  num_programs, fixed=False, ids=None, op_base=None, fast=True, plan=None):
     """Returns row i of ``y`` ``[N, D]`` to its source's window, then signals every rank.
     ``fixed``: ``y`` is ``[W * T_MAX, D]`` in window layout and ``offsets`` is the device count
-    ``num_recv [W]``; only rows j < num_recv[s] of each source block are returned."""
+    ``num_recv [W]``; only rows j < num_recv[s] of each source block are returned. ``ids``: a
+    contiguous int64 tensor of ``y``'s shape (a weight combine's received ids): elements whose
+    id is -1 are returned as 0."""
     if y.dim() != 2 or (y.shape[1] > 1 and y.stride(1) != 1):
         raise ValueError(f"y must be [N, D] with unit column stride, got {tuple(y.shape)}")
+    if ids is not None and (ids.dtype != torch.int64 or ids.shape != y.shape or
+                            not ids.is_contiguous()):
+        raise ValueError(f"ids must be contiguous int64 {tuple(y.shape)}, got "
+                         f"{tuple(ids.shape)} {ids.dtype}")
     world = buf_ptrs.numel()
     n, d = y.shape
     elem = y.element_size()
     bd = _block_d(d, elem)
     stride = max(1, y.stride(0))
     _go(_K_COMBINE_STORE, (max(1, min(n if not fixed else t_max, num_programs)),), (
-        y, offsets, buf_ptrs, sig_ptrs, done, _base(op_base, y.device), data_off, me, n,
-        stride, d, t_max, epoch,
-        world, _pad(world), bd, _aligned16(d, elem, stride, data_off), bool(fixed)),
-        _warps(bd, elem), fast, plan)
+        y, offsets if ids is None else ids, offsets, buf_ptrs, sig_ptrs, done,
+        _base(op_base, y.device), data_off, me, n, stride, d, t_max, epoch,
+        world, _pad(world), bd, _aligned16(d, elem, stride, data_off), bool(fixed),
+        ids is not None), _warps(bd, elem), fast, plan)
 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,

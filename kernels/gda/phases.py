@@ -351,23 +351,26 @@ class GdaPhases:
                   n, min(n, tr.num_programs)), _stream(self._dev))
 
     # ---- combine ----------------------------------------------------------------------------
-    def combine(self, y, state, out, epoch: int, kind: str) -> None:
+    def combine(self, y, state, out, epoch: int, kind: str, ids=None) -> None:
         """Store, launch gate and reduce of a combine (:meth:`combine_store`,
         :meth:`combine_reduce`) of ``y`` ``[N, D]`` along the dispatch state ``state`` into
-        ``out`` ``[T, D]``: with a plan bound for this shape (after the first call of it,
-        ``fast_launch=3``, 16-byte aligned ``y``) straight through one native call."""
+        ``out`` ``[T, D]`` (``ids``: see :meth:`combine_store`): with a plan bound for this
+        shape (after the first call of it, ``fast_launch=3``, 16-byte aligned ``y``) straight
+        through one native call."""
         tr = self.tr
         fixed = state.fixed
         offsets = state.num_recv_W if fixed else state.recv_offsets
         parity = epoch & 1
-        key = ("combine", parity, y.shape[1], y.dtype, y.stride(0), fixed, kind)
+        masked = ids is not None
+        key = ("combine", parity, y.shape[1], y.dtype, y.stride(0), fixed, kind, masked)
         plan = self._plans.get(key)
         yp = y.data_ptr()
         t = out.shape[0]
         if plan is None or yp & 15 or not t:
-            first = self.combine_store(y, offsets, fixed, epoch, defer=True)
+            first = self.combine_store(y, offsets, fixed, epoch, defer=True, ids=ids)
             self.combine_reduce(state.slot_TW, out, epoch, kind, first)
-            store = self._progs.get(("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed))
+            store = self._progs.get(("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed,
+                                     masked))
             reduce = self._progs.get(("creduce", parity, out.shape[1], out.dtype, kind))
             if first is not None and store is not None and reduce is not None:
                 self._plans[key] = (store, reduce)
@@ -375,17 +378,20 @@ class GdaPhases:
         store, reduce = plan
         n = y.shape[0]
         delta = epoch - tr._dev_base
-        programs = tr.num_programs
-        self._gated((store, (yp, offsets.data_ptr(), n, delta,
-                             max(1, min(tr.cfg.max_tokens_per_rank if fixed else n, programs)))),
-                    reduce, (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, programs)),
+        grid = max(1, min(tr.cfg.max_tokens_per_rank if fixed else n, tr.num_programs))
+        values = (yp, offsets.data_ptr(), n, delta, grid) if not masked else \
+            (yp, offsets.data_ptr(), ids.data_ptr(), n, delta, grid)
+        self._gated((store, values), reduce,
+                    (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, tr.num_programs)),
                     epoch, kind)
 
-    def combine_store(self, y, offsets, fixed: bool, epoch: int, defer: bool = False):
+    def combine_store(self, y, offsets, fixed: bool, epoch: int, defer: bool = False, ids=None):
         """Returns the rows of ``y`` to their sources' windows and signals (``offsets``: the
-        dispatch's ``[W + 1]`` offsets, or with ``fixed`` its device ``num_recv [W]``).
-        ``defer``: returns the native program as ``(program, values)`` instead of running it
-        (None when launched from Python), for :meth:`combine_reduce`."""
+        dispatch's ``[W + 1]`` offsets, or with ``fixed`` its device ``num_recv [W]``;
+        ``ids``: a weight combine's received ids, ``y``'s shape, contiguous int64: elements
+        with id -1 go back as 0). ``defer``: returns the native program as ``(program,
+        values)`` instead of running it (None when launched from Python), for
+        :meth:`combine_reduce`."""
         tr = self.tr
         parity = epoch % 2
         op = self._op(epoch)
@@ -394,18 +400,20 @@ class GdaPhases:
         def launch(plan):
             kern.combine_store(y, offsets, tr._buf_ptrs, tr._sig_ptrs, tr._done[1:2],
                                data_off=tr._offs[parity]["data_off"], me=tr.rank, t_max=t_max,
-                               **op, num_programs=tr.num_programs, fixed=fixed, plan=plan)
+                               **op, num_programs=tr.num_programs, fixed=fixed, ids=ids,
+                               plan=plan)
 
         prog = None
         n = y.shape[0]
+        tensors = (y, offsets) if ids is None else (y, offsets, ids)
         if self.native and _aligned(y):
-            key = ("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed)
-            prog = self._program(key, launch, (y, offsets), ("num_rows", "epoch_delta"), (0,))
+            key = ("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed, ids is not None)
+            prog = self._program(key, launch, tensors, ("num_rows", "epoch_delta"), (0,))
         if prog is None:
             launch(None)
             return None
-        values = (y.data_ptr(), offsets.data_ptr(), n, op["epoch"],
-                  max(1, min(n if not fixed else t_max, tr.num_programs)))
+        values = tuple(a.data_ptr() for a in tensors) + (
+            n, op["epoch"], max(1, min(n if not fixed else t_max, tr.num_programs)))
         if defer and self.gated:
             return prog, values
         prog.run(values, _stream(self._dev))

@@ -505,10 +505,13 @@ class GdaTransport(Transport):
                            f"handle of op {st.epoch}: its window ids were overwritten by a later "
                            f"dispatch (views live until the op two calls later)",
                            "weight combine")
-        return self._combine(local_weight_grads(g, handle.recv_topk_idx), handle,
-                             "weight combine")
+        ids = handle.recv_topk_idx
+        if g.dtype == torch.float32 and g.stride() == (g.shape[1], 1) and ids.is_contiguous():
+            # the store kernel returns the slots of experts elsewhere as 0: no mask kernels
+            return self._combine(g, handle, "weight combine", ids=ids)
+        return self._combine(local_weight_grads(g, ids), handle, "weight combine")
 
-    def _combine(self, y, handle, kind: str):
+    def _combine(self, y, handle, kind: str, ids=None):
         try:
             st = self.handle_state(handle)
             error = rows_input_error(self.rank, "combine input y", y, handle.num_recv_tokens,
@@ -521,7 +524,7 @@ class GdaTransport(Transport):
         epoch = self._begin_op(kind)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        self._phases.combine(y, st, out, epoch, kind)  # with the launch gate
+        self._phases.combine(y, st, out, epoch, kind, ids)  # with the launch gate
         refusal.raise_if_refused(self, epoch, kind)
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)

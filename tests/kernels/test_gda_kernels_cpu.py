@@ -198,10 +198,10 @@ def _run_dispatch_combine(row_dtype_name):
                                ref_x.view(torch.int16 if dtype != torch.float32 else torch.int32))
             assert torch.equal(ri, ref_i) and torch.equal(rw.view(torch.int32), ref_w.view(torch.int32))
             assert torch.equal(hdr[:, 2:].sum(0), ref_tpe)
-            recv.append((n, offsets))
+            recv.append((n, offsets, ri))
         # ---- combine (epoch 2, parity 0) ----
         epoch, offs = 2, peers.layout.offsets(0)
-        ys = [torch.randn(n, hidden, generator=g).to(dtype) for n, _ in recv]
+        ys = [torch.randn(n, hidden, generator=g).to(dtype) for n, _, _ in recv]
         for d in range(world):
             kern.combine_store(ys[d], recv[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
                             data_off=offs["data_off"], me=d, t_max=t_max, epoch=epoch,
@@ -215,6 +215,23 @@ def _run_dispatch_combine(row_dtype_name):
             assert peers.errs[s].tolist() == [0, 0, 0]
             iv = torch.int16 if dtype != torch.float32 else torch.int32
             assert torch.equal(out.view(iv), ref_out[s].view(iv)), (world, kind, s)
+        # ---- a weight combine (epoch 12, parity 0 again: it overwrites the rows above):
+        # float32 [N, K], the slots of experts on other ranks masked by the store kernel ----
+        gws = [torch.randn(n, topk, generator=g) for n, _, _ in recv]
+        for d in range(world):
+            gws[d][recv[d][2] < 0] = float("nan")  # what a masked slot holds must not leak
+        for d in range(world):
+            kern.combine_store(gws[d], recv[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
+                               data_off=offs["data_off"], me=d, t_max=t_max, epoch=12,
+                               num_programs=progs, ids=recv[d][2])
+        masked = [torch.where(recv[d][2] >= 0, gws[d], 0.0) for d in range(world)]
+        ref_w = reference_combine(masked, [r[4] for r in ref], ts)
+        for s in range(world):
+            out = torch.full((ts[s], topk), float("nan"))
+            kern.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
+                                data_off=offs["data_off"], t_max=t_max, epoch=12, wait=True,
+                                num_programs=progs, **WAIT)
+            assert torch.equal(out.view(torch.int32), ref_w[s].view(torch.int32)), (world, s)
         # ---- dispatch_cached of float32 rows of another width (epoch 3, parity 1) ----
         epoch, offs = 3, peers.layout.offsets(1)
         d2 = max(1, hidden * torch.empty((), dtype=dtype).element_size() // 4 - 1)
