@@ -29,11 +29,15 @@ One dispatch (collective, current stream; kernels in order):
        into every destination (the count exchange); the grid's last program raises the
        per-source signal (release, system scope).
     4. ``recv_header`` (1 program): waits (acquire, bounded) for all W sources, gathers headers
-       and the error word into one small tensor; the host copies it: **the one host sync per
-       dispatch** (Megatron needs ``tokens_per_expert`` on the CPU, as in its alltoall dispatcher).
+       and the error word into one small array and writes it over the bus into page-locked host
+       memory, then the op's record after it (release, system scope); the host waits for that
+       word (natively launched ops; the Python launch path copies and synchronizes instead):
+       **the one host sync per dispatch** (Megatron needs ``tokens_per_expert`` on the CPU, as
+       in its alltoall dispatcher).
     5. ``gather_rows``: the receive permutation, window -> compact ``recv_x [N, H]`` in
        (source, token) order, with ids and weights.
-Combine: ``combine_store`` returns row i to its source's window at ``me * T_MAX + j`` and signals;
+Combine: ``combine_store`` returns row i to its source's window at ``me * T_MAX + j`` and signals
+(a weight combine's gradient goes back with the slots of experts on other ranks as 0);
 a one-program wait kernel waits (bounded) for every source; ``combine_reduce`` then sums the
 partials in ascending rank order in float32 from +0.0, rounding once: bit-equal to ``torch``.
 No host sync; a deadline expiry is recorded in the error word and raised at the next dispatch
