@@ -26,6 +26,13 @@ gpu_setup() {
   export TRITON_CACHE_DIR=$PWD/.triton_cache
 }
 triton_cache_save() { tar -C "$PWD" -czf "$OUT/triton_cache.tgz" .triton_cache 2>/dev/null; }
+# The device returns at most 8 files from $OUT: out_pack NAME packs every other file there
+# (logs, JSON, PNG, subfolders) into $OUT/NAME.tgz, so none is left behind.
+out_pack() {
+  (cd "$OUT" && ls -A | grep -v -e '\.tgz$' >/tmp/out_pack.list &&
+   [ -s /tmp/out_pack.list ] && tar -czf "$1.tgz" -T /tmp/out_pack.list &&
+   xargs -d '\n' rm -rf </tmp/out_pack.list)
+}
 package_setup() {
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . \
     >/tmp/package_setup.log 2>&1 || { tail -n 5 /tmp/package_setup.log; return 1; }

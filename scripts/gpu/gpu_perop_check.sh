@@ -12,6 +12,7 @@
 #   PEROP_STARTS starts per bench (default 3); PEROP_TESTS_K the tests step's -k expression;
 #   PEROP_BENCH_ARGS more arguments of every bench (e.g. --pin: one physical core per rank)
 # Carry: .whl (megatron-core wheel for the GPU's Python), .before when a before step runs.
+# Returns $OUT/perop.tgz (every log and record) and $OUT/triton_cache.tgz.
 set -u
 OUT=${OUT:-/tmp/gpu_perop_out}; mkdir -p "$OUT"
 source scripts/gpu/gpu_common.sh
@@ -57,4 +58,5 @@ want stress && TAILN=8 step stress 300 python3 scripts/gpu/gda_stress.py --world
 want contract && TAILN=30 step contract ${PEROP_CONTRACT_S:-300} python3 -m pytest -q -p no:cacheprovider -rf \
   tests/contract -k gda
 mps_stop
+out_pack perop   # every log and record in one file (the device returns 8 files at most)
 triton_cache_save

@@ -26,3 +26,4 @@ want bench && TAILN=12 step bench 420 python3 scripts/bench_proxy.py --out "$OUT
   --rate-n 20000 --rate-repeats 3
 grep -h '"rate"' "$OUT/bench.log" 2>/dev/null | cut -c1-800 | head -4
 mps_stop
+out_pack proxy   # every log and record in one file (the device returns 8 files at most)
