@@ -16,6 +16,8 @@ build inputs and check results; nothing in the dispatcher or the transports impo
   contract (every rank's expected outputs from every rank's inputs, by loops).
 - :mod:`efa_ep.testing.transports`: probes of transport creation (the error a ``proxy`` with
   given options gives).
+- :mod:`efa_ep.testing.gda_host`: a ``gda`` transport on CPU tensors with a stand-in for its
+  native library, for its host code (the tests of its bound plans, the Python-cost probe).
 
 Importing ``efa_ep.testing`` or its modules needs only torch: Megatron and the transports are
 imported inside the functions that use them.

@@ -1,0 +1,94 @@
+"""A bound plan of ``gda`` (a regular dispatch's front, gate and header; a combine's store,
+gate and reduce; a weight combine with its ids) hands the native library exactly what the phase
+methods hand it on the call that binds it: the call's tensors' addresses at the same offsets of
+the dispatch's scratch, the op's number, the row counts and grids. The transport runs its real
+host code over a stand-in library (:mod:`efa_ep.testing.gda_host`: no GPU); the GPU tests check
+what the kernels then do with these arguments."""
+import pytest
+import torch
+
+from efa_ep.kernels.gda import launches as kern
+from efa_ep.testing.gda_host import header_info, host_only_transport, last_completion, stand_in_library
+
+W, E, H, T_MAX, K, T = 2, 16, 64, 32, 2, 8
+L = E // W
+
+
+@pytest.fixture
+def tr(tmp_path, monkeypatch):
+    try:
+        lib = stand_in_library(str(tmp_path))
+    except (OSError, FileNotFoundError) as e:
+        pytest.skip(f"no C compiler here: {e}")
+    info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
+    t = host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX, info=info,
+                            patch=monkeypatch.setattr)
+    t.stand_in = lib
+    return t
+
+
+def _vars(prog):
+    return list(prog._vars)
+
+
+def _dispatch(tr, x, idx, w):
+    out = tr.dispatch(x, idx, w)
+    ph = tr._phases
+    parity = tr._epoch % 2
+    front = ph._progs[("front", parity, T, K, x.dtype, x.stride(0), H)]
+    header = ph._progs[("header", parity)]
+    return out, _vars(front), _vars(header), last_completion(tr.stand_in)
+
+
+def test_dispatch_plan_passes_what_the_phase_methods_pass(tr):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(T, E, W, K)[1:]
+    n_info = 1 + W * (2 + L) + W + L
+    o_offsets = words + kern._even(n_info)
+    plans = []
+    for call in range(4):  # calls 0, 1 bind (one per parity); 2, 3 run the bound plans
+        (recv_x, recv_idx, recv_w, tpe, h), front, header, (flag, value) = _dispatch(tr, x, idx, w)
+        epoch = tr._epoch
+        base = h.state.slot_TW.data_ptr() - 8 * o_slot  # the call's scratch
+        assert front == [x.data_ptr(), idx.data_ptr(), w.data_ptr(), base, epoch]
+        assert header == [base + 8 * o_rank, base + 8 * words, epoch]
+        assert h.state.recv_offsets.data_ptr() == base + 8 * o_offsets
+        assert h.send_token_idx.data_ptr() == base + 8 * o_send and h.send_token_idx.numel() == T + 6
+        assert (flag, value) == (tr._phases._host[0] + 8 * n_info, kern.wait_record(epoch, "dispatch"))
+        # the counts the header gave
+        assert h.num_recv_per_rank == (T, 5) and h.num_send_per_rank == (T, 6)
+        assert recv_x.shape == (T + 5, H) and recv_idx.shape == recv_w.shape == (T + 5, K)
+        assert tpe.tolist() == [2] * L
+        plans.append(sum(k[0] == "dispatch" for k in tr._phases._plans))
+    assert plans == [1, 2, 2, 2]  # both parities' plans bound, then reused
+
+
+def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    ph = tr._phases
+    for call in range(4):  # the dispatch, its combine and weight combine on alternating parities
+        recv_x, recv_idx, recv_w, _, h = tr.dispatch(x, idx, w)
+        n = recv_x.shape[0]
+        y = torch.randn(n, H, generator=g).to(torch.bfloat16)
+        out = tr.combine(y, h)
+        parity = tr._epoch % 2
+        store = ph._progs[("cstore", parity, H, y.dtype, y.stride(0), False, False)]
+        reduce = ph._progs[("creduce", parity, H, out.dtype, "combine")]
+        grid = min(n, tr.num_programs)
+        assert _vars(store) == [y.data_ptr(), h.state.recv_offsets.data_ptr(), n, tr._epoch, grid]
+        assert _vars(reduce) == [h.state.slot_TW.data_ptr(), out.data_ptr(), tr._epoch, T,
+                                 min(T, tr.num_programs)]
+        gw = torch.randn(n, K, generator=g)
+        back = tr.combine_topk_weights(gw, h)
+        parity = tr._epoch % 2
+        store = ph._progs[("cstore", parity, K, torch.float32, K, False, True)]
+        assert _vars(store) == [gw.data_ptr(), h.state.recv_offsets.data_ptr(),
+                                h.recv_topk_idx.data_ptr(), n, tr._epoch, grid]
+        assert back.shape == (T, K) and back.dtype == torch.float32
+    assert {k[-1] for k in ph._plans if k[0] == "combine"} == {False, True}
