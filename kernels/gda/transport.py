@@ -63,7 +63,8 @@ class GdaTransport(Transport):
     time minus its growth of ``blocked_s`` is the host time the call itself costs.
 
     Synchronization: all kernels run on the current stream. ``dispatch`` blocks the CPU once
-    (device-to-host copy of the counts), so it is not CUDA-graph capturable; ``combine`` and
+    (until its header kernel has written the counts to host memory), so it is not CUDA-graph
+    capturable; ``combine`` and
     ``dispatch_cached`` do not block. Calls are collective: every rank must make the same
     sequence of calls.
 
