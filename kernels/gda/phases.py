@@ -449,6 +449,33 @@ class GdaPhases:
         prog.run(values, _stream(self._dev))
 
     # ---- cached dispatch --------------------------------------------------------------------
+    def cached(self, x, state, out, epoch: int) -> None:
+        """Store, launch gate and gather of a cached dispatch (:meth:`cached_store`, the gate,
+        :meth:`cached_gather`) of ``x`` ``[T, D]`` along the regular dispatch state ``state``
+        into ``out`` ``[N, D]``: with a plan bound for this shape (after the first call of it,
+        ``fast_launch=3``, 16-byte aligned ``x``, rows both ways) straight through one native
+        call."""
+        tr = self.tr
+        parity = epoch & 1
+        t, n = x.shape[0], out.shape[0]
+        key = ("cached", parity, t, x.shape[1], x.dtype, x.stride(0))
+        plan = self._plans.get(key)
+        xp = x.data_ptr()
+        if plan is None or xp & 15 or not n:
+            self.cached_store(x, state.slot_TW, epoch)
+            tr._issued(epoch, "cached dispatch")
+            self.cached_gather(state.recv_offsets, out, epoch)
+            store = self._progs.get(("cstore_x", parity, t, x.shape[1], x.dtype, x.stride(0)))
+            gather = self._progs.get(("cgather", parity, out.shape[1], out.dtype))
+            if self.gated and store is not None and gather is not None and t:
+                self._plans[key] = (store, gather)
+            return
+        store, gather = plan
+        delta = epoch - tr._dev_base
+        self._gated((store, (xp, state.slot_TW.data_ptr(), delta)), gather,
+                    (state.recv_offsets.data_ptr(), out.data_ptr(), delta, n,
+                     min(n, tr.num_programs)), epoch, "cached dispatch")
+
     def cached_store(self, x, slot, epoch: int) -> None:
         """Stores ``x``'s rows along a dispatch's layout ``slot`` (no ids, no header)."""
         tr = self.tr

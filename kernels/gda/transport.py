@@ -470,9 +470,9 @@ class GdaTransport(Transport):
         epoch = self._begin_op("dispatch_cached")
         offs = self._offs[epoch % 2]
         x = x.contiguous() if (x.shape[1] > 1 and x.stride(1) != 1) else x
-        self._phases.cached_store(x, st.slot_TW, epoch)
-        self._issued(epoch, "cached dispatch")
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
+            self._phases.cached_store(x, st.slot_TW, epoch)
+            self._issued(epoch, "cached dispatch")
             kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
                                **self._wait_args())
             refusal.raise_if_refused(self, epoch, "cached dispatch")  # the op is whole
@@ -480,7 +480,7 @@ class GdaTransport(Transport):
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
         out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
-        self._phases.cached_gather(st.recv_offsets, out, epoch)
+        self._phases.cached(x, st, out, epoch)  # store, the launch gate, gather
         refusal.raise_if_refused(self, epoch, "cached dispatch")
         if self.check_every_call and not self._capturing:
             self.check_errors("dispatch_cached")

@@ -92,3 +92,25 @@ def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
                                 h.recv_topk_idx.data_ptr(), n, tr._epoch, grid]
         assert back.shape == (T, K) and back.dtype == torch.float32
     assert {k[-1] for k in ph._plans if k[0] == "combine"} == {False, True}
+
+
+def test_cached_dispatch_plan_passes_its_tensors(tr):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    ph = tr._phases
+    *_, h = tr.dispatch(x, idx, w)
+    for call in range(4):  # alternating parities: two calls bind, two run the plans
+        x2 = torch.randn(T, H // 2, generator=g)  # float32 rows of the window's row bytes
+        out = tr.dispatch_cached(x2, h)
+        parity = tr._epoch % 2
+        store = ph._progs[("cstore_x", parity, T, H // 2, x2.dtype, x2.stride(0))]
+        gather = ph._progs[("cgather", parity, H // 2, x2.dtype)]
+        n = h.num_recv_tokens
+        assert out.shape == (n, H // 2) and out.dtype == torch.float32
+        assert _vars(store) == [x2.data_ptr(), h.state.slot_TW.data_ptr(), tr._epoch]
+        assert _vars(gather) == [h.state.recv_offsets.data_ptr(), out.data_ptr(), tr._epoch, n,
+                                 min(n, tr.num_programs)]
+        assert tr._gate.issued[0] == kern.wait_record(tr._epoch, "cached dispatch")
+    assert sum(k[0] == "cached" for k in ph._plans) == 2
