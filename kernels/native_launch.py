@@ -316,13 +316,6 @@ class Program:
         self._gate_ns = ctypes.c_int64(0)
         self._gate_ns_addr = ctypes.addressof(self._gate_ns)
 
-    def bound_words(self, values: Sequence[int]) -> list:
-        """The records, as one flat int64 list, that a run with ``values`` would launch (the
-        library writes the variables; no driver needed)."""
-        self._pack(self._vars, 0, *values)
-        self._lib.efa_launch_bind(self._addr)
-        return list(self._words)
-
     def run(self, values: Sequence[int], stream: int) -> None:
         """Launches the program on ``stream`` with ``values``: the variable tensors' addresses,
         then the integers, then the grid sizes (a grid of 0 skips that kernel)."""

@@ -135,10 +135,18 @@ class GdaPhases:
             if not flag:
                 second.run(values2, stream)
                 return 0.0
-            sync_s = second.run_wait(values2, stream, flag, record, self._flag_wait_ns)
-            if sync_s is not None:
-                return sync_s
+            return self._run_wait(second, values2, stream, flag, epoch, kind)
         tr._device_late(epoch, kind, self._flag_wait_ns * 1e-9)  # raises
+
+    def _run_wait(self, prog, values, stream, flag: int, epoch: int, kind: str) -> float:
+        """``prog`` with ``values``, then the wait for its completion word at ``flag`` (the
+        record of op ``epoch`` of ``kind``). Returns the seconds waited; a word that does not
+        come breaks the transport and raises."""
+        waited = prog.run_wait(values, stream, flag, kern.wait_record(epoch, kind),
+                               self._flag_wait_ns)
+        if waited is None:
+            self.tr._device_late(epoch, kind, self._flag_wait_ns * 1e-9)  # raises
+        return waited
 
     # ---- dispatch ---------------------------------------------------------------------------
     def header_words(self) -> int:
@@ -238,10 +246,7 @@ class GdaPhases:
             blocked = self._gated(first, prog, values, epoch, "dispatch", flag)
         else:
             self._then(None, epoch, "dispatch")
-            blocked = prog.run_wait(values, _stream(self._dev), flag,
-                                    kern.wait_record(epoch, "dispatch"), self._flag_wait_ns)
-            if blocked is None:
-                tr._device_late(epoch, "dispatch", self._flag_wait_ns * 1e-9)  # raises
+            blocked = self._run_wait(prog, values, _stream(self._dev), flag, epoch, "dispatch")
         tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
         ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
                        8 * num_local)

@@ -27,6 +27,13 @@ def tr(tmp_path, monkeypatch):
     return t
 
 
+def _inputs(seed):
+    """(generator, x [T, H] bf16, topk_idx [T, K], topk_weights [T, K]) of one seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    return g, x, torch.randint(0, E, (T, K), generator=g), torch.rand(T, K, generator=g)
+
+
 def _vars(prog):
     return list(prog._vars)
 
@@ -41,10 +48,7 @@ def _dispatch(tr, x, idx, w):
 
 
 def test_dispatch_plan_passes_what_the_phase_methods_pass(tr):
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    idx = torch.randint(0, E, (T, K), generator=g)
-    w = torch.rand(T, K, generator=g)
+    _, x, idx, w = _inputs(3)
     _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(T, E, W, K)[1:]
     n_info = 1 + W * (2 + L) + W + L
     o_offsets = words + kern._even(n_info)
@@ -67,10 +71,7 @@ def test_dispatch_plan_passes_what_the_phase_methods_pass(tr):
 
 
 def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    idx = torch.randint(0, E, (T, K), generator=g)
-    w = torch.rand(T, K, generator=g)
+    g, x, idx, w = _inputs(4)
     ph = tr._phases
     for call in range(4):  # the dispatch, its combine and weight combine on alternating parities
         recv_x, recv_idx, recv_w, _, h = tr.dispatch(x, idx, w)
@@ -95,10 +96,7 @@ def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
 
 
 def test_cached_dispatch_plan_passes_its_tensors(tr):
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    idx = torch.randint(0, E, (T, K), generator=g)
-    w = torch.rand(T, K, generator=g)
+    g, x, idx, w = _inputs(5)
     ph = tr._phases
     *_, h = tr.dispatch(x, idx, w)
     for call in range(4):  # alternating parities: two calls bind, two run the plans
