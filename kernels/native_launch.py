@@ -222,6 +222,13 @@ class Program:
         self._recs = (_Record * max(1, n))()
         self._words = memoryview(self._recs).cast("B").cast("q")
         bases = [(t.data_ptr(), max(1, t.numel() * t.element_size())) for t in tensors]
+        for j, (b, size) in enumerate(bases):
+            for b2, size2 in bases[:j]:
+                if b < b2 + size2 and b2 < b + size:
+                    raise NativeLaunchError(
+                        f"variable tensors {j} and another share addresses ({b:#x}, {b2:#x}): "
+                        f"an argument inside them could not be told apart (bind from a call "
+                        f"whose variable tensors are distinct, non-empty allocations)")
         int_index = {name: len(bases) + j for j, name in enumerate(ints)}
         uses = []  # (word index, variable index, byte offset)
 

@@ -93,6 +93,10 @@ class GdaPhases:
         if prog is None and self.native:
             if self.tr._capturing:
                 return None  # programs are bound from eager calls only
+            if any(t.numel() == 0 for t in tensors):
+                # an empty tensor's address says nothing (often 0, shared with other empty
+                # ones): a program bound from it would rewrite the wrong arguments later
+                return None
             steps = []
             launch(steps)
             try:

@@ -112,3 +112,17 @@ def test_cached_dispatch_plan_passes_its_tensors(tr):
                                  min(n, tr.num_programs)]
         assert tr._gate.issued[0] == kern.wait_record(tr._epoch, "cached dispatch")
     assert sum(k[0] == "cached" for k in ph._plans) == 2
+
+
+def test_no_program_is_bound_from_a_call_with_an_empty_tensor():
+    # (an empty tensor's address, 0 for every one of them, would bind the wrong argument:
+    # a weight combine of zero rows once bound its ids as its gradient)
+    from efa_ep.kernels.gda import phases
+
+    ph = object.__new__(phases.GdaPhases)
+    ph.tr = type("Tr", (), {"_capturing": False})()
+    ph.native_off, ph._progs, ph.fast = None, {}, True
+    launched = []
+    empty = torch.empty(0, K, dtype=torch.float32)
+    assert ph._program(("k",), launched.append, (empty, torch.zeros(3))) is None
+    assert launched == [] and ph._progs == {} and ph.native_off is None

@@ -144,6 +144,23 @@ def test_only_variables_change_and_follow_their_tensor(fake):
     assert len(lib.runs) == launched
 
 
+def test_variable_tensors_that_share_addresses_are_refused(fake):
+    # Two empty tensors (address 0 or one shared block) or a view of another variable would
+    # make an argument inside them ambiguous: it could be rewritten as the wrong one.
+    k, _ = fake
+    x = torch.zeros(16, 8, dtype=torch.bfloat16)
+    table = torch.zeros(4, dtype=torch.int64)
+    scratch = torch.zeros(64, dtype=torch.int64)
+    steps = [nl.KernelStep(k, (3,), (x, table, scratch, 16, 8, 1, 128), 8)]
+    with pytest.raises(nl.NativeLaunchError, match="share addresses"):
+        nl.Program(steps, (x, scratch, scratch[8:16]), ("num_rows",))
+    e1, e2 = torch.empty(0, 8, dtype=torch.bfloat16), torch.empty(0, dtype=torch.int64)
+    if e1.data_ptr() == e2.data_ptr():  # (torch gives empty CPU tensors address 0)
+        with pytest.raises(nl.NativeLaunchError, match="share addresses"):
+            nl.Program([nl.KernelStep(k, (3,), (e1, table, e2, 0, 8, 1, 128), 8)], (e1, e2),
+                       ("num_rows",))
+
+
 def test_a_parameter_list_that_differs_from_the_signature_is_refused(fake, monkeypatch):
     k, lib = fake
     lib.sizes[0xABC] = [8, 8, 8, 8, 4, 8, 8]  # num_rows compiled as 64-bit: not this layout
