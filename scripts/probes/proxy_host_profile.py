@@ -41,7 +41,7 @@ def _wrap(owner, name, acc):
 def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"):
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.gda import launches as gda_kernels
-    from efa_ep.kernels.proxy import device, native, wire, transport
+    from efa_ep.kernels.proxy import device as device_kernels, native, wire, transport
     from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
@@ -74,11 +74,12 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
             acc[f"NativeOp.{kind}.{step}"] += time.perf_counter() - t0
     native.NativeOp.call = timed_call
     for owner, names in ((gda_kernels, ["layout"]),
-                         (device, ["pack_dispatch", "gather_dispatch", "reduce_combine"]),
+                         (device_kernels, ["pack_dispatch", "gather_dispatch", "reduce_combine"]),
                          (native, ["unpack_meta", "route_layout"]),
                          (wire.Wire, ["quiesce", "begin", "exchange", "finish"]),
                          (transport.ProxyTransport, ["_sync", "_wait_reads", "_pack_rows", "_route",
-                                                     "_reduce_torch", "_gather_into"]),
+                                                     "_reduce_torch", "_gather_into", "_checked",
+                                                     "_receive_device", "_unpack_meta"]),
                          (torch.cuda, ["synchronize"])):
         for n in names:
             _wrap(owner, n, acc)
@@ -124,7 +125,8 @@ def main():
                                       args.device),
                     timeout_s=600, env=env)
     for rank, (wall, steps, prof) in enumerate(res):
-        print(f"== rank {rank}: {args.staging} staging, {args.provider}, D+C {wall:.1f} us per iteration")
+        print(f"== rank {rank}: {args.device} inputs, {args.staging} staging, {args.provider}, "
+              f"D+C {wall:.1f} us per iteration")
         for k, v in sorted(steps.items(), key=lambda kv: -kv[1]):
             print(f"   {k:45s} {v:9.1f} us")
         print(f"   {'(sum of wrapped steps, nested ones twice)':45s} {sum(steps.values()):9.1f} us")
