@@ -282,7 +282,7 @@ class Program:
                 if name in int_index:
                     uses.append((word, int_index[name], 0))
                     rec.values[p] = int(a)
-                elif isinstance(a, torch.Tensor):
+                elif hasattr(a, "data_ptr"):  # a tensor, or a page-locked host address
                     ptr = a.data_ptr()
                     v = var_of(ptr)
                     if v is None:

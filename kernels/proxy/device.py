@@ -35,19 +35,33 @@ import triton.language as tl
 from ..gda import launches as kern
 from ..gda.device import _round_f32_to, _source_of_row, next_pow2
 from ..launch import FastKernel
+from ..native_launch import KernelStep
 from .ring import HostPtr
 
 __all__ = ["pack_dispatch", "gather_dispatch", "reduce_combine", "host_arg"]
 
 
+_HOST_TENSORS = None  # whether host buffers go to kernels as tensors (interpreter, no GPU)
+
+
 def host_arg(t: torch.Tensor, dtype: torch.dtype = None):
     """A host tensor as a kernel argument: its pinned address on a GPU (UVA), the tensor itself
     under the interpreter. ``dtype`` reinterprets the bytes (the window is uint8)."""
+    global _HOST_TENSORS
     if dtype is not None and t.dtype != dtype:
         t = t.view(dtype)
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return t
-    return HostPtr(t)
+    if _HOST_TENSORS is None:
+        _HOST_TENSORS = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+    return t if _HOST_TENSORS else HostPtr(t)
+
+
+def _go(kernel: FastKernel, grid, args, num_warps: int, plan) -> None:
+    """Launches ``kernel`` now, or with ``plan`` (a list) appends the launch to it instead (a
+    :class:`~efa_ep.kernels.native_launch.Program` is bound from it)."""
+    if plan is None:
+        kernel.launch(grid, args, num_warps)
+    else:
+        plan.append(KernelStep(kernel, grid, args, num_warps))
 
 
 @triton.jit
@@ -221,7 +235,7 @@ def _aligned(d: int, elem: int, stride: int) -> bool:
 
 
 def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, counts, *,
-                  num_programs: int) -> None:
+                  num_programs: int, plan=None) -> None:
     """Stores a dispatch's send side (asynchronous, on the current stream).
 
     Args:
@@ -231,6 +245,7 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
         plane: host ``[>= (S - S_me) * D * elem]`` uint8, the window's send plane 0 (pinned).
         meta: host ``[>= S * 2K]`` int64 (pinned). counts: host ``[1 + W + E]`` int64 (pinned):
             status word, rows per rank, (token, expert) pairs per expert.
+        plan: a list: append the launch instead of making it (the same for the wrappers below).
     The caller synchronizes the stream before it reads the host buffers.
     """
     slot, send_token_idx, num_per_rank, num_per_expert, status = layout
@@ -240,16 +255,16 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
     num_experts = num_per_expert.numel()
     elem = x.element_size()
     bd = kern._block_d(d, elem)
-    _PACK.launch(_grid(t * min(world, k), num_programs), (
+    _go(_PACK, _grid(t * min(world, k), num_programs), (
         x, topk_idx, topk_weights, send_token_idx, num_per_rank, num_per_expert, status,
         host_arg(plane, x.dtype), host_arg(meta), host_arg(counts),
         me, k, num_experts // world, num_experts, d, max(1, x.stride(0)),
         world, max(2, next_pow2(world)), max(2, next_pow2(k)), max(2, next_pow2(num_experts)),
-        bd, _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem))
+        bd, _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem), plan)
 
 
 def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, out_idx, out_w, *,
-                    me: int, own_start: int, num_programs: int) -> None:
+                    me: int, own_start: int, num_programs: int, plan=None) -> None:
     """Builds a dispatch's outputs (asynchronous, on the current stream).
 
     Args:
@@ -267,15 +282,15 @@ def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, 
     world = src_ptrs.numel()
     elem = out_x.element_size()
     bd = kern._block_d(d, elem)
-    _GATHER.launch(_grid(n, num_programs), (
+    _go(_GATHER, _grid(n, num_programs), (
         x, send_token_idx, src_ptrs, host_arg(recv_off), host_arg(in_idx), host_arg(in_w),
         out_x, out_idx, out_w, me, own_start, n, k, d, max(1, x.stride(0)),
         world, max(2, next_pow2(world)), max(2, next_pow2(k)), bd,
-        _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem))
+        _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem), plan)
 
 
 def reduce_combine(y, send_token_idx, send_off, src_ptrs, out, *, me: int, own_start: int,
-                   num_programs: int) -> None:
+                   num_programs: int, plan=None) -> None:
     """``out`` ``[T, D]`` = combine's reduction (asynchronous, on the current stream).
 
     Args:
@@ -292,7 +307,7 @@ def reduce_combine(y, send_token_idx, send_off, src_ptrs, out, *, me: int, own_s
     world = src_ptrs.numel()
     elem = out.element_size()
     bd = kern._block_d(d, elem)
-    _REDUCE.launch(_grid(t, num_programs), (
+    _go(_REDUCE, _grid(t, num_programs), (
         y, send_token_idx, host_arg(send_off), src_ptrs, out, me, own_start, t, d,
         max(1, y.stride(0)), world, max(1, (t + 1).bit_length()), bd,
-        _aligned(d, elem, max(1, y.stride(0)))), kern._warps(bd, elem))
+        _aligned(d, elem, max(1, y.stride(0)))), kern._warps(bd, elem), plan)

@@ -10,13 +10,18 @@ import numpy as np
 import torch
 
 from ..base import TransportError, describe_value_errors
+from ..native_launch import NativeLaunchError, Program
 from .window import OP_DISPATCH, dense
 
 from .round_ops import _prefix
 
 
 class DevicePath:
-    """:class:`ProxyTransport`'s CUDA-input path (see the module)."""
+    """:class:`ProxyTransport`'s CUDA-input path (see the module).
+
+    Its kernels go through native programs (``native_launch``): one native call per launch
+    site instead of Triton's Python launcher, bound once per shape. ``_programs`` holds them;
+    ``_native_off`` says why they are off here (None: on)."""
 
     def _receive_device(self, x, send_token_idx, num_recv, own_start: int, own_meta_address: int,
                         got, k: int):
@@ -48,13 +53,50 @@ class DevicePath:
         recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
         recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
         recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
-        dk.gather_dispatch(x, send_token_idx, self._src_ptrs(dev), recv_off,
-                           in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
-                           in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
-                           recv_x, recv_topk_idx, recv_topk_weights, me=me,
-                           own_start=own_start, num_programs=self._num_programs(dev))
+        src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+        outs = (recv_x, recv_topk_idx, recv_topk_weights)
+
+        def launch(plan):
+            dk.gather_dispatch(x, send_token_idx, src_ptrs, recv_off,
+                               in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
+                               in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
+                               *outs, me=me, own_start=own_start, num_programs=nprog, plan=plan)
+
+        # one native launch, bound per shape and host buffers (the received row count varies)
+        key = ("gather", dev.index, k, x.shape[1], x.dtype, x.stride(0), src_ptrs.data_ptr(),
+               recv_off.data_ptr(), in_idx.data_ptr(), in_w.data_ptr())
+        tensors = (x, send_token_idx) + outs
+        prog = self._device_program(key, launch, tensors, ("own_start", "num_rows"), (0,)) \
+            if n_recv else None
+        if prog is None:
+            launch(None)
+        else:
+            prog.run(tuple(a.data_ptr() for a in tensors) + (own_start, n_recv, min(n_recv, nprog)),
+                     self._cuda_stream(dev))
         self._record_reads(dev)
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert
+
+    def _device_program(self, key, launch, tensors, ints=(), grid_steps=()):
+        """The native program bound under ``key`` (:class:`~efa_ep.kernels.native_launch.Program`:
+        the launches ``launch(plan)`` appends, made in one native call), bound from this call
+        when new; None where this call launches from Python: no native launch library or
+        driver here (:attr:`native_off` says why), CPU tensors, or a variable tensor empty or
+        not 16-byte aligned (a program is compiled for aligned ones). Constant arguments (the
+        window, pinned buffers, address tables) are part of ``key``."""
+        if self._native_off is not None or not tensors[0].is_cuda or \
+                any(t.data_ptr() & 15 or not t.numel() for t in tensors):
+            return None
+        prog = self._programs.get(key)
+        if prog is None:
+            steps = []
+            launch(steps)
+            try:
+                prog = Program(steps, tensors, ints, grid_steps)
+            except NativeLaunchError as e:
+                self._native_off = f"a kernel could not be bound for native launch: {e}"
+                return None
+            self._programs[key] = prog
+        return prog
 
     def _device_path(self, x) -> bool:
         """Whether a dispatch runs as the kernels of ``device.py`` (layout and packing on the
@@ -76,6 +118,11 @@ class DevicePath:
         if self._reads_done is not None:
             self._reads_done.synchronize()
             self._reads_done = None
+
+    @staticmethod
+    def _cuda_stream(dev: torch.device) -> int:
+        """The current CUDA stream of ``dev`` as the raw handle a native launch takes."""
+        return torch._C._cuda_getCurrentRawStream(dev.index)
 
     @staticmethod
     def _sync(dev: torch.device) -> None:
@@ -128,14 +175,29 @@ class DevicePath:
         t, k = topk_idx.shape
         H, L, E = cfg.hidden, cfg.num_local_experts, cfg.num_experts
         xd, idx, wts = dense(x), topk_idx.contiguous(), topk_weights.contiguous()
-        lay = kern.layout(idx, wts, E, w)
-        send_token_idx = lay[1]
         meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
         counts = self._pinned("counts", 1 + w + E, torch.int64)
         nsm = self._num_programs(dev)
+        o_send, words = kern._layout_offsets(t, E, w, k)[5::2]
+        scratch = torch.empty(words, dtype=torch.int64, device=dev)  # the handle keeps a view
+        plane = self.window[self.layout.off_data_send:self.layout.off_recv]
+
+        def launch(plan):
+            lay = kern.layout(idx, wts, E, w, scratch=scratch, plan=plan)
+            dk.pack_dispatch(xd, idx, wts, lay, me, plane, meta, counts, num_programs=nsm,
+                             plan=plan)
+
+        # layout and packing in one native launch, bound per shape and host buffers
+        key = ("front", dev.index, t, k, H, xd.dtype, xd.stride(0), meta.data_ptr(),
+               counts.data_ptr(), plane.data_ptr())
+        prog = self._device_program(key, launch, (xd, idx, wts, scratch)) if t else None
         wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
-        dk.pack_dispatch(xd, idx, wts, lay, me, self.window[self.layout.off_data_send:self.layout.off_recv],
-                         meta, counts, num_programs=nsm)
+        if prog is None:
+            launch(None)
+        else:
+            prog.run((xd.data_ptr(), idx.data_ptr(), wts.data_ptr(), scratch.data_ptr()),
+                     self._cuda_stream(dev))
+        send_token_idx = scratch[o_send:o_send + max(1, t * w)]
         self._sync(dev)  # the rows, routing rows and counts are in host memory
         cn = counts.numpy()
         if cn[0]:  # a bad expert id or weight: named from a host copy (error path only)

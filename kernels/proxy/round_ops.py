@@ -375,13 +375,28 @@ class RoundOps:
         if self._device_kernels_for(yc):
             from . import device as dk
 
-            out = torch.empty(handle.num_tokens, d_cols, dtype=yc.dtype, device=yc.device)
+            dev, t = yc.device, handle.num_tokens
+            out = torch.empty(t, d_cols, dtype=yc.dtype, device=dev)
             send_off = self._pinned("send_off", w + 1, torch.int64)
             send_off.numpy()[:] = sstarts
-            dk.reduce_combine(yc, idx.contiguous(), send_off, self._src_ptrs(yc.device), out,
-                              me=me, own_start=starts[me],
-                              num_programs=self._num_programs(yc.device))
-            self._record_reads(yc.device)  # the next op waits for it before its header
+            idx = idx.contiguous()
+            src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+
+            def launch(plan):
+                dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=starts[me],
+                                  num_programs=nprog, plan=plan)
+
+            # one native launch per shape (the kernel's search depth follows the token count)
+            key = ("reduce", dev.index, d_cols, yc.dtype, yc.stride(0), (t + 1).bit_length(),
+                   send_off.data_ptr(), src_ptrs.data_ptr())
+            prog = self._device_program(key, launch, (yc, idx, out), ("own_start", "num_tokens"),
+                                        (0,)) if t else None
+            if prog is None:
+                launch(None)
+            else:
+                prog.run((yc.data_ptr(), idx.data_ptr(), out.data_ptr(), starts[me], t,
+                          min(t, nprog)), self._cuda_stream(dev))
+            self._record_reads(dev)  # the next op waits for it before its header
             return out
         out = self._reduce_torch(views, idx, n_send, sstarts, handle.num_tokens, yc)
         if y.device.type == "cuda":

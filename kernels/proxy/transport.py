@@ -59,6 +59,7 @@ from ..base import (
     TransportError, check_group_agreement, align_up, nbytes_of, rows_input_error,
     validate_dispatch_inputs,
 )
+from .. import native_launch
 from . import native
 from .hostop import HostOps
 from .options import default_provider, resolve_options
@@ -213,6 +214,9 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         self.device_kernels = _triton_importable()
         self.device_layout = False
         self._reads_done = None  # CUDA event: the last op's kernels finished reading host buffers
+        self._programs: dict = {}  # the device path's native programs (device_path.py)
+        self._native_off: Optional[str] = (
+            "no CUDA device" if not torch.cuda.is_available() else native_launch.availability())
         self._hostops: Optional[HostOps] = None
         self.engine = None
         self.gen = 0

@@ -14,6 +14,7 @@ lists the functions with the most own time.
 import argparse
 import collections
 import cProfile
+import inspect
 import io
 import os
 import pstats
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 
 def _wrap(owner, name, acc):
     fn = getattr(owner, name)
-    static = isinstance(getattr(owner, "__dict__", {}).get(name), staticmethod)
+    static = isinstance(inspect.getattr_static(owner, name), staticmethod)
 
     def timed(*a, **k):
         t0 = time.perf_counter()
@@ -38,7 +39,7 @@ def _wrap(owner, name, acc):
     setattr(owner, name, staticmethod(timed) if static else timed)
 
 
-def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"):
+def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda", programs=True):
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.gda import launches as gda_kernels
     from efa_ep.kernels.proxy import device as device_kernels, native, wire, transport
@@ -50,6 +51,8 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
                           num_channels=channels, timeout_s=60)
     px.device_kernels = staging != "torch"
     px.device_layout = staging == "layout"
+    if not programs:
+        px._native_off = "--no-programs"
     idx, w = contract_route("random", tokens, 256, 8, world, seed=rank)
     idx, w = idx.to(dev), w.to(dev)
     x = torch.randn(tokens, 7168, device=dev).to(torch.bfloat16)
@@ -117,15 +120,19 @@ def main():
     ap.add_argument("--staging", default="kernels", choices=["kernels", "layout", "torch"],
                     help="kernels: combine's reduction kernel (the default transport); layout: the "
                          "dispatch's device layout and packing too; torch: torch ops only")
+    ap.add_argument("--no-programs", action="store_true",
+                    help="launch the device kernels from Python (compiled launchers), not as "
+                         "native programs")
     args = ap.parse_args()
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
     res = run_ranks(_rank, 2, (args.provider, args.tokens, args.iters, args.staging, args.channels,
-                                      args.device),
+                                      args.device, not args.no_programs),
                     timeout_s=600, env=env)
     for rank, (wall, steps, prof) in enumerate(res):
-        print(f"== rank {rank}: {args.device} inputs, {args.staging} staging, {args.provider}, "
+        print(f"== rank {rank}: {args.device} inputs, {args.staging} staging, "
+              f"{'no ' if args.no_programs else ''}native programs, {args.provider}, "
               f"D+C {wall:.1f} us per iteration")
         for k, v in sorted(steps.items(), key=lambda kv: -kv[1]):
             print(f"   {k:45s} {v:9.1f} us")
