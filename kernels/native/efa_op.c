@@ -161,14 +161,18 @@ int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int
     return -EPROTO;
 }
 
-int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen) {
+/* The end of a dispatch: the peers' data waited for and its footers checked, their rows copied
+ * into recv_x (copy_rows; else they stay in the window, read from there by the device), the
+ * routing rows checked and unpacked. */
+static int dispatch_finish(efa_op *o, int copy_rows, char *err, size_t errlen) {
     efa_wire *w = o->wire;
     const int64_t W = w->world, me = w->rank, K = o->topk, rb = o->row_bytes, L = o->num_local;
     int64_t *rst = o->scratch, *sst = o->scratch + W + 1;
     prefix(o->num_recv, W, rst);
     prefix(o->num_send, W, sst);
     /* this rank's own rows while the peers' data flies */
-    gather_rows(o->recv_x + rst[me] * rb, o->x, o->send_idx, sst[me], sst[me + 1], rb);
+    if (copy_rows)
+        gather_rows(o->recv_x + rst[me] * rb, o->x, o->send_idx, sst[me], sst[me + 1], rb);
     int rc = efa_wire_finish(w, err, errlen);
     if (rc) return rc;
     int64_t *srcs = o->aux, *n = o->aux + W, *chk = o->aux + 2 * W;
@@ -180,7 +184,7 @@ int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen) {
             continue;
         }
         const uint8_t *base = w->window + data_recv_off(w, r);
-        if (n[r]) memcpy(o->recv_x + rst[r] * rb, base, (size_t)(n[r] * rb));
+        if (n[r] && copy_rows) memcpy(o->recv_x + rst[r] * rb, base, (size_t)(n[r] * rb));
         srcs[r] = (int64_t)(uintptr_t)(base + align16(n[r] * rb));
     }
     int64_t kind = 0;
@@ -195,6 +199,78 @@ int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen) {
         return -EPROTO;
     }
     return 0;
+}
+
+int efa_op_dispatch_complete(efa_op *o, char *err, size_t errlen) {
+    return dispatch_finish(o, 1, err, errlen);
+}
+
+/* Rows packed by the device before the round: plane 0 of the send area must be one run of
+ * every peer's rows in rank order from its start (the device wrote them there), which holds
+ * when a row is a multiple of 16 bytes. */
+static int check_packed_plane(efa_op *o, const char *what, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, rb = o->row_bytes;
+    if (rb % 16) {
+        set_err(err, errlen, "rank %lld: %s of rows packed before the round: rows of %lld bytes "
+               "are not a multiple of 16", (long long)me, what, (long long)rb);
+        return -EINVAL;
+    }
+    int64_t at = w->off_data_send;
+    for (int64_t d = 0; d < W; d++) {
+        if (d == me || w->rows_to[d] <= 0) continue;
+        if (w->plan[d] != at) {
+            set_err(err, errlen, "rank %lld: %s: the send area's rows to rank %lld start at %lld, "
+                   "the device packed them at %lld", (long long)me, what, (long long)d,
+                   (long long)w->plan[d], (long long)at);
+            return -EINVAL;
+        }
+        at += w->rows_to[d] * rb;
+    }
+    return 0;
+}
+
+int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, K = o->topk, rb = o->row_bytes;
+    int64_t S = 0;
+    for (int64_t d = 0; d < W; d++) {
+        if (o->num_send[d] < 0 || o->num_send[d] > w->max_rows) {
+            set_err(err, errlen, "rank %lld: dispatch of packed rows: %lld rows to rank %lld "
+                   "outside [0, %lld]", (long long)me, (long long)o->num_send[d], (long long)d,
+                   (long long)w->max_rows);
+            return -EINVAL;
+        }
+        S += o->num_send[d];
+    }
+    if (K < 1 || S > o->meta_rows) {
+        set_err(err, errlen, "rank %lld: dispatch of packed rows: %lld routing rows, top-%lld, "
+               "exceed the routing buffer of %lld rows", (long long)me, (long long)S,
+               (long long)K, (long long)o->meta_rows);
+        return -EINVAL;
+    }
+    o->rows = S;
+    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_send[d];
+    const int64_t widths[2] = {rb, 16 * K};
+    round_setup(o, OP_DISPATCH, 2, widths, K, o->counts, NULL);
+    int rc = efa_wire_begin(w, 1, err, errlen);
+    if (rc) return rc;
+    rc = check_packed_plane(o, "dispatch", err, errlen);
+    if (rc) return rc;
+    int64_t *st = o->scratch;
+    prefix(o->num_send, W, st);
+    for (int64_t d = 0; d < W; d++)
+        if (d != me && o->num_send[d])
+            memcpy(w->window + w->plan[W + d], o->meta + st[d] * 2 * K,
+                   (size_t)(o->num_send[d] * 16 * K));
+    rc = efa_wire_exchange(w, 1, err, errlen);
+    if (rc) return rc;
+    take_rows_from(o, o->num_send[me]);
+    return 0;
+}
+
+int efa_op_dispatch_packed_complete(efa_op *o, char *err, size_t errlen) {
+    return dispatch_finish(o, 0, err, errlen);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -261,6 +337,18 @@ int efa_op_combine_post(efa_op *o, char *err, size_t errlen) {
         if (d != me && o->num_recv[d])
             memcpy(w->window + w->plan[d], o->x + st[d] * rb, (size_t)(o->num_recv[d] * rb));
     return efa_wire_exchange(w, 1, err, errlen);
+}
+
+int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen) {
+    int rc = begin_rows_round(o, OP_COMBINE, o->num_recv, o->num_send, err, errlen);
+    if (rc) return rc;
+    rc = check_packed_plane(o, "combine", err, errlen);
+    if (rc) return rc;
+    return efa_wire_exchange(o->wire, 1, err, errlen);
+}
+
+int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen) {
+    return efa_wire_finish(o->wire, err, errlen);
 }
 
 int efa_op_combine_complete(efa_op *o, char *err, size_t errlen) {

@@ -53,7 +53,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 6
+#define EFA_PROXY_ABI_VERSION 7
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -312,6 +312,19 @@ int efa_op_cached_post(efa_op *o, char *err, size_t errlen);
 int efa_op_cached_complete(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_post(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
+/* The same rounds with the rows packed before the post by the device (GPU stores into the
+ * window's send area, plane 0 one run of the peers' rows in rank order; rows a multiple of 16
+ * bytes), for CUDA inputs on a host window:
+ *   dispatch_packed: post = num_send[W], counts[E] and meta (every sent row's routing row,
+ *             rank-major) given, no layout; headers, the routing rows packed, headers checked,
+ *             data posted. complete = dispatch's without the row copies (the device reads the
+ *             peers' rows from the window).
+ *   combine_packed: post = combine's without the row copies; complete = the data waited for and
+ *             its footers checked (the device reduces). */
+int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen);
+int efa_op_dispatch_packed_complete(efa_op *o, char *err, size_t errlen);
+int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen);
+int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen);
 /* The text of a routing-rows problem efa_unpack_meta found in source src's n rows m [n, 2K]
  * (hdr_counts: the L counts of its header); returns -EPROTO. */
 int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K, int64_t L,

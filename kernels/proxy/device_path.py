@@ -11,6 +11,7 @@ import torch
 
 from ..base import TransportError, describe_value_errors
 from ..native_launch import NativeLaunchError, Program
+from .options import PY_TAMPER
 from .window import OP_DISPATCH, dense
 
 from .round_ops import _prefix
@@ -39,17 +40,26 @@ class DevicePath:
         Returns: (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights
             ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU).
         """
+        n_recv = sum(num_recv)
+        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
+        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+        tokens_per_expert = self._unpack_meta(num_recv, own_meta_address, k, got, in_idx, in_w)
+        return self._gather_outputs(x, send_token_idx, num_recv, own_start, in_idx, in_w, k) + (
+            tokens_per_expert,)
+
+    def _gather_outputs(self, x, send_token_idx, num_recv, own_start: int, in_idx, in_w, k: int):
+        """Allocates a dispatch's outputs on x's device and launches the kernel that fills them
+        (peers' rows from the receive window, this rank's from ``x``, ids and weights from the
+        host's checked copies ``in_idx`` / ``in_w``); ends with the reads' event. Returns
+        (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights ``[N, K]``
+        float32)."""
         from . import device as dk
 
         w, me = self.world_size, self.rank
         dev = x.device
-        rstarts = _prefix(num_recv)
-        n_recv = rstarts[-1]
-        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
-        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
-        tokens_per_expert = self._unpack_meta(num_recv, own_meta_address, k, got, in_idx, in_w)
+        n_recv = sum(num_recv)
         recv_off = self._pinned("recv_off", w + 1, torch.int64)
-        recv_off.numpy()[:] = rstarts
+        recv_off.numpy()[:] = _prefix(num_recv)
         recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
         recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
         recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
@@ -74,7 +84,17 @@ class DevicePath:
             prog.run(tuple(a.data_ptr() for a in tensors) + (own_start, n_recv, min(n_recv, nprog)),
                      self._cuda_stream(dev))
         self._record_reads(dev)
-        return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert
+        return recv_x, recv_topk_idx, recv_topk_weights
+
+    def _packed_ops(self):
+        """The native operations (``hostop.py``) for rows the device packed into the send area,
+        when this wire runs native rounds with the native descriptor producer and no test-only
+        header tampering; else None (the round in Python steps)."""
+        wire = self.wire
+        if (not wire.native_round or wire._nw is None or wire.tamper in PY_TAMPER
+                or self.producer == "triton"):
+            return None
+        return self._op_struct()
 
     def _device_program(self, key, launch, tensors, ints=(), grid_steps=()):
         """The native program bound under ``key`` (:class:`~efa_ep.kernels.native_launch.Program`:
@@ -205,11 +225,26 @@ class DevicePath:
                      or f"rank {me}: the device layout flagged the routing (status {int(cn[0])})")
             wire.round(OP_DISPATCH, {}, [0], None, None, error)
             raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
+        row_x = H * x.element_size()
+        ops = self._packed_ops()
+        if ops is not None:  # the round in two native calls (headers, checks, routing rows)
+            num_recv = ops.dispatch_packed(cn[1:1 + w], cn[1 + w:], meta, k, row_x)
+            num_send = ops.num_send.tolist()
+            s_me = sum(num_send[:me])
+            n_recv = sum(num_recv)
+            in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
+            in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+            tokens_per_expert = torch.empty(L, dtype=torch.int64)
+            ops.dispatch_packed_complete(in_idx, in_w, tokens_per_expert)
+            recv_x, recv_topk_idx, recv_topk_weights = self._gather_outputs(
+                xd, send_token_idx, num_recv, s_me, in_idx, in_w, k)
+            return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
+                t, topk_idx, send_token_idx[:sum(num_send)], None, num_send, num_recv,
+                recv_topk_idx)
         num_send = cn[1:1 + w].tolist()
         counts_E = cn[1 + w:].copy()
         starts = _prefix(num_send)
         s_me, e_me, s_all = starts[me], starts[me + 1], starts[-1]
-        row_x = H * x.element_size()
 
         wire.begin(OP_DISPATCH, [row_x, 16 * k], num_send, extras=counts_E.reshape(w, L), fmt=k)
         xs, ms = wire.plane(0), wire.plane(1)

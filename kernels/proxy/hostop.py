@@ -55,6 +55,7 @@ class HostOps:
         self.num_recv = np.zeros(w, dtype=np.int64)
         self._slot = np.zeros(max(1, w * max_tokens), dtype=np.int32)
         self._meta = np.zeros(0, dtype=np.int64)
+        self._meta_addr = self._meta.ctypes.data
         st.scratch, st.aux = self._scratch.ctypes.data, self._aux.ctypes.data
         st.counts = self.counts.ctypes.data
         st.num_send, st.num_recv = self.num_send.ctypes.data, self.num_recv.ctypes.data
@@ -109,7 +110,8 @@ class HostOps:
         cap = t * min(w, k)
         if self._meta.shape[0] < cap * 2 * k:
             self._meta = np.zeros(max(cap * 2 * k, 1), dtype=np.int64)
-            st.meta = self._meta.ctypes.data
+            self._meta_addr = self._meta.ctypes.data
+        st.meta = self._meta_addr  # (dispatch_packed points it at the caller's rows)
         st.meta_rows = self._meta.shape[0] // (2 * k)
         send_idx = torch.empty(cap, dtype=torch.int64)
         st.tokens, st.topk, st.cap, st.row_bytes = t, k, cap, x.shape[1] * x.element_size()
@@ -160,6 +162,49 @@ class HostOps:
         out = self.pool.empty((num_tokens, y.shape[1]), y.dtype)
         st.out = out.data_ptr()
         return out if self._call("combine", "complete") == 0 else None
+
+    # Rows packed into the send area by the device (CUDA inputs on a host window) --------------
+    def dispatch_packed(self, num_send, counts, meta: torch.Tensor, k: int, row_bytes: int) -> list:
+        """Post of a dispatch whose rows are already in the send area: plane 0 from its start,
+        the rows to every peer in rank order (``row_bytes`` each, a multiple of 16).
+
+        Args:
+            num_send: ``[W]`` rows to each rank (this rank's own included). counts: ``[E]``
+                (token, expert) pairs per expert (go in the headers).
+            meta: host ``[>= S * 2K]`` int64, every sent row's routing row (local ids, weights'
+                float32 bits), rank-major, this rank's own rows included. k: top-k.
+        Returns: rows from each source, W ints (this rank's own included; headers checked).
+        """
+        st = self.st
+        self.num_send[:] = num_send
+        self.counts[:] = counts
+        st.meta, st.meta_rows = meta.data_ptr(), meta.numel() // (2 * k)
+        st.topk, st.row_bytes = k, row_bytes
+        self._post("dispatch_packed", OP_DISPATCH)
+        return self.num_recv.tolist()
+
+    def dispatch_packed_complete(self, recv_idx: torch.Tensor, recv_w: torch.Tensor,
+                                 tokens_per_expert: torch.Tensor) -> None:
+        """The end of :meth:`dispatch_packed`: the peers' data waited for, their routing rows
+        checked and unpacked into ``recv_idx`` / ``recv_w`` (host, ``>= [N, K]`` int64 /
+        float32, source order) and ``tokens_per_expert`` ``[L]`` int64 CPU. The peers' rows
+        stay in the receive window (:meth:`received`) until the next operation."""
+        st = self.st
+        st.recv_idx, st.recv_w = recv_idx.data_ptr(), recv_w.data_ptr()
+        st.tokens_per_expert = tokens_per_expert.data_ptr()
+        self._call("dispatch_packed", "complete")
+
+    def combine_packed(self, num_send, num_recv, row_bytes: int, fmt: int) -> None:
+        """A combine round whose rows are already in the send area (as :meth:`dispatch_packed`'s:
+        ``num_recv[d]`` rows back to rank d, rank order, ``row_bytes`` each): post, then the
+        peers' data waited for (``num_send[r]`` rows from rank r, left in the receive window,
+        :meth:`received`; the caller reduces)."""
+        st = self.st
+        self.num_send[:] = num_send
+        self.num_recv[:] = num_recv
+        st.row_bytes, st.fmt = row_bytes, fmt
+        self._post("combine_packed", OP_COMBINE)
+        self._call("combine_packed", "complete")
 
     def received(self, r: int, n: int, row_bytes: int) -> torch.Tensor:
         """``[n, row_bytes]`` uint8 view of rank ``r``'s rows in the receive window (valid until

@@ -41,7 +41,7 @@ HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"),
            os.path.join(_NATIVE_DIR, "efa_util.h"))  # a changed header rebuilds too
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -207,6 +207,10 @@ _SIGS = {
     "efa_op_cached_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_dispatch_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_dispatch_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_combine_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_combine_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_describe_meta": ([_vp, _i64, _vp, _i64, _i64, _i64, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_route_layout": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _vp], _i64),
     "efa_unpack_meta": ([_i64, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp], _i64),
@@ -502,7 +506,8 @@ class NativeOp:
         self._ref = ctypes.byref(st)
         self._err = _err()
         self._fns = {(kind, step): getattr(lib, f"efa_op_{kind}_{step}")
-                     for kind in ("dispatch", "cached", "combine") for step in ("post", "complete")}
+                     for kind in ("dispatch", "cached", "combine", "dispatch_packed",
+                                  "combine_packed") for step in ("post", "complete")}
 
     def call(self, kind: str, step: str) -> int:
         rc = self._fns[kind, step](self._ref, self._err, _ERRLEN)

@@ -193,7 +193,12 @@ class RoundOps:
                 or self.producer == "triton" or self.device_kernels == "always"
                 or any(t.device.type != "cpu" for t in tensors)):
             return None
-        ops = self._hostops
+        return self._op_struct()
+
+    def _op_struct(self) -> HostOps:
+        """This transport's :class:`HostOps` on its current wire (made once, again after the
+        wire changed)."""
+        wire, ops = self.wire, self._hostops
         if ops is None or not ops.bound_to(wire):
             cfg = self.cfg
             ops = self._hostops = HostOps(wire, cfg.num_experts, cfg.num_local_experts,
@@ -353,6 +358,12 @@ class RoundOps:
             back = wire.exchange_rows(OP_COMBINE, rows_to, yc[starts[me]:starts[me + 1]], n_send)
             return reduce_rows_by_rank(back, idx, handle.num_send_per_rank,
                                        handle.num_tokens).to(y.dtype)
+        if self._device_kernels_for(yc) and row_bytes % 16 == 0:
+            ops = self._packed_ops()
+            if ops is not None:  # rows straight into the send area, the round in native calls
+                self._pack_send_area(yc, num_recv, starts)
+                ops.combine_packed(n_send, num_recv, row_bytes, row_format(yc))
+                return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
         ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
         if ops is not None:
             out = ops.combine(yc, idx, n_send, num_recv, handle.num_tokens, row_format(yc))
@@ -373,34 +384,63 @@ class RoundOps:
         views = [self_rows if r == me else wire.recv(r, 0).view(yc.dtype).view(-1, d_cols)
                  for r in range(w)]
         if self._device_kernels_for(yc):
-            from . import device as dk
-
-            dev, t = yc.device, handle.num_tokens
-            out = torch.empty(t, d_cols, dtype=yc.dtype, device=dev)
-            send_off = self._pinned("send_off", w + 1, torch.int64)
-            send_off.numpy()[:] = sstarts
-            idx = idx.contiguous()
-            src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
-
-            def launch(plan):
-                dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=starts[me],
-                                  num_programs=nprog, plan=plan)
-
-            # one native launch per shape (the kernel's search depth follows the token count)
-            key = ("reduce", dev.index, d_cols, yc.dtype, yc.stride(0), (t + 1).bit_length(),
-                   send_off.data_ptr(), src_ptrs.data_ptr())
-            prog = self._device_program(key, launch, (yc, idx, out), ("own_start", "num_tokens"),
-                                        (0,)) if t else None
-            if prog is None:
-                launch(None)
-            else:
-                prog.run((yc.data_ptr(), idx.data_ptr(), out.data_ptr(), starts[me], t,
-                          min(t, nprog)), self._cuda_stream(dev))
-            self._record_reads(dev)  # the next op waits for it before its header
-            return out
+            return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
         out = self._reduce_torch(views, idx, n_send, sstarts, handle.num_tokens, yc)
         if y.device.type == "cuda":
             torch.cuda.current_stream(y.device).synchronize()  # the window is read before our next header
+        return out
+
+    def _pack_send_area(self, y: torch.Tensor, rows_to, starts) -> None:
+        """Copies ``y``'s rows for the peers (``rows_to[d]`` to rank d, grouped by destination,
+        ``starts`` their prefix) into the send area before the round: one run from its start in
+        rank order, as :meth:`HostOps.combine_packed` expects (after our previous writes left;
+        for a GPU ``y`` a device-to-host copy per run, then a stream synchronization)."""
+        me, d_cols = self.rank, y.shape[1]
+        s_me, e_me = starts[me], starts[me + 1]
+        n_peer = starts[-1] - (e_me - s_me)
+        lay = self.layout
+        if n_peer * d_cols * y.element_size() > lay.off_recv - lay.off_data_send:
+            raise TransportError(f"rank {me}: combine of {n_peer} rows of {d_cols * y.element_size()} "
+                                 f"bytes to peers exceeds the send area")
+        self.wire.quiesce()
+        dst = self.window[lay.off_data_send:lay.off_recv].view(y.dtype)[:n_peer * d_cols]
+        dst = dst.view(n_peer, d_cols)
+        if s_me:
+            dst[:s_me].copy_(y[:s_me], non_blocking=True)
+        if e_me < starts[-1]:
+            dst[s_me:].copy_(y[e_me:starts[-1]], non_blocking=True)
+        if y.device.type == "cuda":
+            torch.cuda.current_stream(y.device).synchronize()
+
+    def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
+        """Combine's reduction as one kernel (``device.py``) on y's device: ``[num_tokens, D]``
+        from this rank's rows of ``yc`` and the peers' rows in the receive window; ends with
+        the reads' event (the next op waits for it before its header)."""
+        from . import device as dk
+
+        w, me, d_cols = self.world_size, self.rank, yc.shape[1]
+        dev, t = yc.device, num_tokens
+        out = torch.empty(t, d_cols, dtype=yc.dtype, device=dev)
+        send_off = self._pinned("send_off", w + 1, torch.int64)
+        send_off.numpy()[:] = sstarts
+        idx = idx.contiguous()
+        src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+
+        def launch(plan):
+            dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=own_start,
+                              num_programs=nprog, plan=plan)
+
+        # one native launch per shape (the kernel's search depth follows the token count)
+        key = ("reduce", dev.index, d_cols, yc.dtype, yc.stride(0), (t + 1).bit_length(),
+               send_off.data_ptr(), src_ptrs.data_ptr())
+        prog = self._device_program(key, launch, (yc, idx, out), ("own_start", "num_tokens"),
+                                    (0,)) if t else None
+        if prog is None:
+            launch(None)
+        else:
+            prog.run((yc.data_ptr(), idx.data_ptr(), out.data_ptr(), own_start, t, min(t, nprog)),
+                     self._cuda_stream(dev))
+        self._record_reads(dev)
         return out
 
     def _reduce_torch(self, views, idx, n_send, sstarts, num_tokens: int, yc):

@@ -24,14 +24,20 @@ window and in Python steps over a device window, with the same native pieces
 (``kernels/native/efa_round.c``, ``efa_host.c``), each matching its torch reference bit for bit.
 Buffers are allocated once.
 
-GPU inputs are host-staged: the routing (16 B per token slot) goes to the host in one copy, rows
-are gathered on the GPU and copied once into the pinned send area (one device-to-host copy for
-all peers), moved by the proxy. The dispatch's outputs are then built by one kernel (``device.py``) that
-reads the peers' rows straight from the pinned window (GPU loads) and this rank's own rows from
-``x``, with the ids and weights the host checked; combine's reduction is one kernel reading the
-peers' rows from the window and this rank's from ``y``. Both end with an event, not a
-synchronization (the next op waits for it before its header lets peers overwrite the window). With ``device_layout`` the dispatch's
-layout, packing and receive run as kernels too (off by default: no faster on the H200 host).
+GPU inputs are host-staged (a host window): the dispatch's routing layout and packing run on the
+GPU (``device.py``: the layout kernels of ``gda``, then one kernel storing every row for a peer
+straight into the pinned send area, its routing rows and the counts into pinned host memory),
+launched as one native program (``native_launch``); after one stream synchronization the round
+is two native calls (``hostop.py``, ``efa_op.c``: headers, routing rows, the peers' headers
+checked, data posted; then the data waited for, the routing rows checked and unpacked). The
+dispatch's outputs are then built by one kernel that reads the peers' rows straight from the
+pinned window (GPU loads) and this rank's own rows from ``x``, with the ids and weights the host
+checked; combine copies its rows into the send area (one device-to-host copy per run), runs its
+round in the same two native calls and reduces in one kernel reading the peers' rows from the
+window and this rank's from ``y``. Both end with an event, not a synchronization (the next op
+waits for it before its header lets peers overwrite the window). ``device_layout=False`` runs
+the dispatch's layout on the host instead (the routing copied to the host, rows gathered on the
+GPU and copied once into the send area) and the round in Python steps around the native wire.
 With ``producer="triton"`` a Triton kernel writes the data descriptors into the pinned ring
 instead of the native host producer.
 With ``hmem="cuda"`` the whole window is CUDA memory registered with ``FI_HMEM_CUDA``: rows are
@@ -207,12 +213,11 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         self._net = NetCounter()
         # CUDA inputs on a host window: the dispatch's receive and combine's reduction run as
         # one kernel each (device.py) when triton is importable, and with device_layout the
-        # dispatch's layout and packing too (off by default: on the H200 host it measured no faster than the host
-        # layout, its kernel launches cost what the torch ops cost). False forces torch ops
-        # everywhere (tests and benchmarks compare); "always" runs the kernels for CPU inputs
-        # too (tests, under the Triton interpreter).
+        # dispatch's layout and packing too, with the round in native calls (see the module).
+        # device_kernels=False forces torch ops everywhere (tests and benchmarks compare);
+        # "always" runs the kernels for CPU inputs too (tests, under the Triton interpreter).
         self.device_kernels = _triton_importable()
-        self.device_layout = False
+        self.device_layout = True
         self._reads_done = None  # CUDA event: the last op's kernels finished reading host buffers
         self._programs: dict = {}  # the device path's native programs (device_path.py)
         self._native_off: Optional[str] = (

@@ -50,7 +50,7 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
     px = create_transport("proxy", None, 256, 7168, tokens, torch.bfloat16, provider=provider,
                           num_channels=channels, timeout_s=60)
     px.device_kernels = staging != "torch"
-    px.device_layout = staging == "layout"
+    px.device_layout = staging == "layout"  # (the transport's default for CUDA inputs)
     if not programs:
         px._native_off = "--no-programs"
     idx, w = contract_route("random", tokens, 256, 8, world, seed=rank)
@@ -117,9 +117,10 @@ def main():
     ap.add_argument("--channels", type=int, default=2)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="device of the inputs (cpu: the host-memory path, no GPU needed)")
-    ap.add_argument("--staging", default="kernels", choices=["kernels", "layout", "torch"],
-                    help="kernels: combine's reduction kernel (the default transport); layout: the "
-                         "dispatch's device layout and packing too; torch: torch ops only")
+    ap.add_argument("--staging", default="layout", choices=["kernels", "layout", "torch"],
+                    help="layout: the dispatch's layout and packing on the device, the rounds in "
+                         "native calls (the default transport); kernels: the receive and "
+                         "reduction kernels only, the layout on the host; torch: torch ops only")
     ap.add_argument("--no-programs", action="store_true",
                     help="launch the device kernels from Python (compiled launchers), not as "
                          "native programs")

@@ -42,7 +42,7 @@ def _compare_cases(rank, world, cases, options, device):
     from efa_ep.testing.routes import contract_route
 
     options = {**environment_options("proxy"), **options}
-    device_layout = options.pop("device_layout", False)  # test-only: the dispatch's device layout
+    device_layout = options.pop("device_layout", None)  # test-only: where the dispatch's layout runs
 
     report, transports = [], {}
     for (route, num_experts, hidden, topk, dtype_name, tokens, seed) in cases:
@@ -52,7 +52,8 @@ def _compare_cases(rank, world, cases, options, device):
             transports[key] = (
                 create_transport("torch", None, num_experts, hidden, 64, dtype),
                 create_transport("proxy", None, num_experts, hidden, 64, dtype, **options))
-            transports[key][1].device_layout = device_layout
+            if device_layout is not None:
+                transports[key][1].device_layout = device_layout
         ref, px = transports[key]
         t = tokens[rank] if isinstance(tokens, (list, tuple)) else tokens
         idx, w = contract_route(route, t, num_experts, topk, world, seed + 17 * rank)
@@ -257,13 +258,13 @@ def test_describe_messages_encoding():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_host_staged_two_ranks_bit_identical():
-    """CUDA inputs, host window: the native host producer (default), the dispatch's device
-    layout, and the Triton producer. Every case runs twice with other values, so the device
+    """CUDA inputs, host window: the native host producer (default), the dispatch's layout on
+    the host, and the Triton producer. Every case runs twice with other values, so the device
     path's bound native programs run again (other row counts, other tensors)."""
     again = [c[:-1] + (c[-1] + 100,) for c in CASES_2]
     _run_compare(2, CASES_2 + again, [{"provider": "tcp", "num_channels": 2, "timeout_s": 30},
                                       {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
-                                       "device_layout": True},
+                                       "device_layout": False},
                                       {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
                                        "producer": "triton"}],
                  env={"EFA_EP_TEST_DEVICE": "cuda"})

@@ -255,8 +255,8 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
             arms.append(("proxy_torch_staging", px_t))
             px_l = create_transport("proxy", None, experts, hidden, tokens, torch.bfloat16,
                                     provider=provider, num_channels=num_channels, hmem=hmem, **chunk)
-            px_l.device_layout = True  # the dispatch's layout and packing on the device too
-            arms.append(("proxy_device_layout", px_l))
+            px_l.device_layout = False  # the dispatch's layout on the host, its round in steps
+            arms.append(("proxy_host_layout", px_l))
         idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
         floor = _WireFloor(px, idx, world, rank, topk, hidden, 2)
@@ -437,7 +437,7 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
         rec["proxy_over_wire"] = rec["proxy_ms"]["median"] / rec["wire_ms"]["median"]
         rec["proxy_over_wire_starts"] = [p / f for p, f in zip(rec["proxy_start_medians_ms"],
                                                                 rec["wire_start_medians_ms"])]
-        for arm in ("proxy_torch_staging", "proxy_device_layout"):
+        for arm in ("proxy_torch_staging", "proxy_host_layout"):
             if arm + "_ms" in rec:
                 rec[f"proxy_over_{arm}"] = rec["proxy_ms"]["median"] / rec[arm + "_ms"]["median"]
         rec["proxy_stats_rank0"] = runs[-1][0][i]["stats"]
@@ -502,8 +502,8 @@ def main(argv=None):
                     help="proxy option spin_us of the dispatch+combine cells (default: the transport's)")
     ap.add_argument("--torch-staging", action="store_true",
                     help="CUDA inputs: also the proxy with all its device work as torch ops and the "
-                         "proxy with the dispatch's layout and packing on the device, interleaved "
-                         "in the same ranks")
+                         "proxy with the dispatch's layout on the host (its round in Python steps), "
+                         "interleaved in the same ranks")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: roundtrip,rate,a2a,wire")
     ap.add_argument("--wire-channels", default="1,2,4,8",
                     help="channel counts of the wire part (comma list)")
@@ -562,7 +562,7 @@ def main(argv=None):
                       f"{r['wire_ms']['median']:.3f} ms, proxy/wire {r['proxy_over_wire']:.2f} (per start "
                       + ", ".join(f"{v:.2f}" for v in r["proxy_over_wire_starts"]) + ")"
                       + "".join(f", {arm} {r[arm + '_ms']['median']:.3f} ms"
-                                for arm in ("proxy_torch_staging", "proxy_device_layout")
+                                for arm in ("proxy_torch_staging", "proxy_host_layout")
                                 if arm + "_ms" in r), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
