@@ -190,6 +190,7 @@ class DevicePath:
         error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights)
                               or self._row_cap_error(x, topk_idx))
         if error is not None:
+            self._wait_reads()
             wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
             raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
         t, k = topk_idx.shape
@@ -219,6 +220,9 @@ class DevicePath:
                      self._cuda_stream(dev))
         send_token_idx = scratch[o_send:o_send + max(1, t * w)]
         self._sync(dev)  # the rows, routing rows and counts are in host memory
+        # the previous op's kernels have read the window and the pinned buffers before this
+        # op's header lets peers write (after the sync: usually nothing left to wait for)
+        self._wait_reads()
         cn = counts.numpy()
         if cn[0]:  # a bad expert id or weight: named from a host copy (error path only)
             error = (describe_value_errors(cfg, me, idx.cpu(), wts.cpu())

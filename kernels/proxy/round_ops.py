@@ -56,6 +56,7 @@ class RoundOps:
         dev = x.device
         if self._device_path(x):
             return self._dispatch_device(x, topk_idx, topk_weights)
+        self._wait_reads()
         error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights))
         ops = self._host_ops(x, topk_idx, topk_weights) if error is None else None
         if ops is not None and (error := self._row_cap_error(x, topk_idx)) is None:
@@ -270,6 +271,7 @@ class RoundOps:
         return handle.state.send_token_idx_cpu
 
     def _dispatch_cached(self, x, handle):
+        self._wait_reads()
         error = self._checked("dispatch_cached", lambda: self._handle_error(handle)
                               or self._rows_error("dispatch_cached input x", x, handle.num_tokens, handle))
         if error is not None:
@@ -342,6 +344,7 @@ class RoundOps:
         error = self._checked("combine", lambda: self._handle_error(handle)
                               or self._rows_error(name, y, handle.num_recv_tokens, handle))
         if error is not None:
+            self._wait_reads()
             self.wire.round(OP_COMBINE, {}, [0], None, None, error)
         w, me, wire = self.world_size, self.rank, self.wire
         self._select_producer(y.device)
@@ -354,6 +357,7 @@ class RoundOps:
         d_cols = yc.shape[1]
         row_bytes = d_cols * yc.element_size()
         if row_bytes > self.row_cap:  # column rounds: gather every block, then reduce
+            self._wait_reads()
             rows_to = {d: yc[starts[d]:starts[d + 1]] for d in range(w) if d != me}
             back = wire.exchange_rows(OP_COMBINE, rows_to, yc[starts[me]:starts[me + 1]], n_send)
             return reduce_rows_by_rank(back, idx, handle.num_send_per_rank,
@@ -362,8 +366,10 @@ class RoundOps:
             ops = self._packed_ops()
             if ops is not None:  # rows straight into the send area, the round in native calls
                 self._pack_send_area(yc, num_recv, starts)
+                self._wait_reads()  # (after the copies' sync: usually nothing left to wait for)
                 ops.combine_packed(n_send, num_recv, row_bytes, row_format(yc))
                 return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
+        self._wait_reads()
         ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
         if ops is not None:
             out = ops.combine(yc, idx, n_send, num_recv, handle.num_tokens, row_format(yc))
@@ -497,6 +503,7 @@ class RoundOps:
 
         error = self._checked("combine_topk_weights", check)
         if error is not None:
+            self._wait_reads()
             self.wire.round(OP_COMBINE, {}, [0], None, None, error)
         return self._combine(local_weight_grads(g, handle.recv_topk_idx), handle,
                              "combine_topk_weights grad_recv_topk_weights")

@@ -425,8 +425,7 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         the operation handed to the wire (:attr:`last_op_counts`), also when it raised."""
         before = dict(self.wire.posted)
         try:
-            self._wait_reads()
-            return fn(*args)
+            return fn(*args)  # (each op waits for the previous op's reads before its header)
         except DispatchInputError:
             raise
         except BaseException as e:
