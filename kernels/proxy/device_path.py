@@ -17,6 +17,22 @@ from .window import OP_DISPATCH, dense
 from .round_ops import _prefix
 
 
+_STREAMS: dict = {}  # (stream id, device index, device type) -> torch.cuda.Stream
+
+
+def _current_stream(dev: torch.device):
+    """``torch.cuda.current_stream(dev)``, the Stream object kept per stream (building one costs
+    several microseconds per call on a GPU host)."""
+    sid = torch._C._cuda_getCurrentStream(dev.index)
+    st = _STREAMS.get(sid)
+    if st is None:
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        st = _STREAMS[sid] = torch.cuda.Stream(stream_id=sid[0], device_index=sid[1],
+                                               device_type=sid[2])
+    return st
+
+
 class DevicePath:
     """:class:`ProxyTransport`'s CUDA-input path (see the module).
 
@@ -147,21 +163,21 @@ class DevicePath:
     @staticmethod
     def _sync(dev: torch.device) -> None:
         if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
+            _current_stream(dev).synchronize()
 
     def _record_reads(self, dev: torch.device) -> None:
         if dev.type != "cuda":
             return  # CPU kernels (interpreter) have finished when they return
-        ev = self._buffers.get(("event", str(dev)))
+        ev = self._buffers.get(("event", dev.index))
         if ev is None:
-            ev = self._buffers[("event", str(dev))] = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
+            ev = self._buffers[("event", dev.index)] = torch.cuda.Event()
+        ev.record(_current_stream(dev))
         self._reads_done = ev
 
     def _src_ptrs(self, dev: torch.device) -> torch.Tensor:
         """``[W]`` int64 on ``dev``: the address of plane 0 of each source's receive region
         (pinned host memory, mapped into the GPU's address space)."""
-        key = ("src_ptrs", str(dev), self.window.data_ptr())
+        key = ("src_ptrs", dev.type, dev.index, self.window.data_ptr())
         t = self._buffers.get(key)
         if t is None:
             base = self.window.data_ptr()
@@ -171,7 +187,7 @@ class DevicePath:
         return t
 
     def _num_programs(self, dev: torch.device) -> int:
-        key = ("sms", str(dev))
+        key = ("sms", dev.type, dev.index)
         n = self._buffers.get(key)
         if n is None:
             n = self._buffers[key] = (torch.cuda.get_device_properties(dev).multi_processor_count
@@ -270,8 +286,12 @@ class DevicePath:
     def _pinned(self, name: str, n: int, dtype) -> torch.Tensor:
         """A flat host buffer of ``n`` elements, page-locked, reused across calls (grown when too
         small): staging of D2H copies that must not wait on pageable memory."""
+        view = self._buffers.get(("pin_view", name))
+        if view is not None and view.numel() == n and view.dtype == dtype:
+            return view  # the same call shape as the last one: no new view
         buf = self._buffers.get(("pin", name))
         if buf is None or buf.numel() < n or buf.dtype != dtype:
             buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=torch.cuda.is_available())
             self._buffers[("pin", name)] = buf
-        return buf[:n]
+        view = self._buffers[("pin_view", name)] = buf[:n]
+        return view

@@ -415,8 +415,7 @@ class RoundOps:
             dst[:s_me].copy_(y[:s_me], non_blocking=True)
         if e_me < starts[-1]:
             dst[s_me:].copy_(y[e_me:starts[-1]], non_blocking=True)
-        if y.device.type == "cuda":
-            torch.cuda.current_stream(y.device).synchronize()
+        self._sync(y.device)
 
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
         """Combine's reduction as one kernel (``device.py``) on y's device: ``[num_tokens, D]``
