@@ -356,9 +356,11 @@ TAMPER_EXPECT = {
 FAST_TAMPER = ("ids", "rows_consistent", "msg")
 
 
-def _fault_rank(rank, world, kinds, timeout_s):
+def _fault_rank(rank, world, kinds, timeout_s, device_path=False):
     """For each tamper kind: rank 1 tampers, every rank runs one dispatch; returns per kind
-    (error or 'no error', seconds to it, error of the call after it, whether a ProtocolError)."""
+    (error or 'no error', seconds to it, error of the call after it, whether a ProtocolError).
+    ``device_path``: the transport's CUDA-input path on CPU tensors (its kernels under the
+    Triton interpreter, its rounds the native packed ones where no Python tampering runs)."""
     import torch.distributed as dist
 
     from efa_ep.kernels import TransportError, create_transport
@@ -377,6 +379,8 @@ def _fault_rank(rank, world, kinds, timeout_s):
         t = create_transport("proxy", None, 8, 16, 16, torch.float32, provider="tcp",
                              timeout_s=timeout_s, num_channels=2, chunk_bytes=chunk)
         os.environ.pop("EFA_EP_PROXY_TAMPER", None)
+        if device_path:
+            t.device_kernels, t.device_layout = "always", True
         start, protocol = time.monotonic(), False
         try:
             out = t.dispatch(x, idx, w)
@@ -397,10 +401,17 @@ def _fault_rank(rank, world, kinds, timeout_s):
     return results
 
 
-def test_tampering_is_detected_and_never_summed():
+@pytest.mark.parametrize("path", ["host", pytest.param("device", marks=pytest.mark.slow)])
+def test_tampering_is_detected_and_never_summed(path):
+    """``device``: the victim runs the CUDA-input path's rounds (device layout, the packed
+    native rounds) on CPU tensors, its kernels under the Triton interpreter."""
     kinds = list(TAMPER_EXPECT) if FULL else list(FAST_TAMPER)
-    out = run_ranks(_fault_rank, 2, (kinds, FAULT_TIMEOUT_S), timeout_s=400, pg_timeout_s=120,
-                    env=LOOPBACK)
+    env = dict(LOOPBACK)
+    if path == "device":
+        kinds = [k for k in kinds if k != "offset"]  # (the engine's fault: the same either way)
+        env["TRITON_INTERPRET"] = "1"
+    out = run_ranks(_fault_rank, 2, (kinds, FAULT_TIMEOUT_S, path == "device"), timeout_s=400,
+                    pg_timeout_s=120, env=env)
     victim = out[0]
     figures, failures = {}, []
     for kind in kinds:
@@ -419,6 +430,8 @@ def test_tampering_is_detected_and_never_summed():
         if took >= FAULT_TIMEOUT_S + 1:
             failures.append(f"{kind}: took {took:.2f}s")  # detected, not waited out
     assert not failures, "\n".join(failures)
+    if path == "device":
+        return
     _record("tamper", {"kinds": len(kinds), "seconds_to_error": figures,
                        "errors": {k: victim[k][0][:240] for k in kinds}})
 
