@@ -8,6 +8,11 @@ reduction, all in C. Python checks the arguments (shapes, dtypes: no values), al
 outputs between the two calls (their sizes come from the checked headers) and maps return codes
 to the contract's errors; every problem found in C is named in C.
 
+CUDA rows on a host window use the same struct for their rounds (``dispatch_packed``,
+``combine_packed``): the device has already packed the rows into the send area, so the two
+calls run the round, its checks and the routing rows only; the device reads what arrived
+straight from the window.
+
 Everything the native side writes besides the outputs (routing rows, scratch, per-rank counts)
 is allocated here once and reused; the outputs and the handle's ``send_token_idx`` are new
 tensors per call (the caller keeps them), the large ones on blocks of a
