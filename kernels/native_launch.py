@@ -42,7 +42,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availability", "load",
+__all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availability", "bind", "load",
            "gate_publish_wait", "wait_flag", "RAN", "GATE_LATE", "FLAG_LATE"]
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
@@ -368,6 +368,20 @@ class Program:
         if rc < 0:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
         return rc, self._sync_ns.value * 1e-9, self._gate_ns.value * 1e-9
+
+
+def bind(launch, tensors: Sequence[torch.Tensor], ints: Sequence[str] = (),
+         grid_steps: Sequence[int] = ()) -> Optional[Program]:
+    """The :class:`Program` of the launches ``launch(plan)`` appends to ``plan`` (a list),
+    bound from this call's variable ``tensors``; None when a variable tensor is empty (its
+    address says nothing, often 0 and shared with other empty tensors: a program bound from it
+    would rewrite the wrong arguments later), so the caller launches this call from Python.
+    Raises :class:`NativeLaunchError` when a kernel cannot be bound."""
+    if any(t.numel() == 0 for t in tensors):
+        return None
+    steps = []
+    launch(steps)
+    return Program(steps, tensors, ints, grid_steps)
 
 
 def gate_publish_wait(gate: int, world: int, rank: int, record: int, spin_ns: int):

@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import launches as kern
-from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability
+from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability, bind
 
 _EPOCH = ("epoch_delta",)
 #: how long one native call waits for the peers at the launch gate before the transport's own
@@ -93,16 +93,12 @@ class GdaPhases:
         if prog is None and self.native:
             if self.tr._capturing:
                 return None  # programs are bound from eager calls only
-            if any(t.numel() == 0 for t in tensors):
-                # an empty tensor's address says nothing (often 0, shared with other empty
-                # ones): a program bound from it would rewrite the wrong arguments later
-                return None
-            steps = []
-            launch(steps)
             try:
-                prog = Program(steps, tensors, ints, grid_steps)
+                prog = bind(launch, tensors, ints, grid_steps)
             except NativeLaunchError as e:
                 self.native_off = f"a kernel could not be bound for native launch: {e}"
+                return None
+            if prog is None:
                 return None
             self._progs[key] = prog
         return prog

@@ -65,6 +65,17 @@ static void gather_rows(uint8_t *dst, const uint8_t *src, const int64_t *idx, in
     for (int64_t j = a; j < b; j++, dst += rb) memcpy(dst, src + idx[j] * rb, (size_t)rb);
 }
 
+/* Starts a dispatch round of S rows (num_send[W] to each rank): two planes (the rows, then
+ * their 16K-byte routing rows), the per-expert counts in the headers, the headers posted. */
+static int begin_dispatch_round(efa_op *o, int64_t S, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    o->rows = S;
+    for (int64_t d = 0; d < w->world; d++) w->rows_to[d] = o->num_send[d];
+    const int64_t widths[2] = {o->row_bytes, 16 * o->topk};
+    round_setup(o, OP_DISPATCH, 2, widths, o->topk, o->counts, NULL);
+    return efa_wire_begin(w, 1, err, errlen);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen) {
     efa_wire *w = o->wire;
@@ -84,11 +95,7 @@ int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen) {
                (long long)me, (long long)o->cap);
         return (int)S;
     }
-    o->rows = S;
-    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_send[d];
-    const int64_t widths[2] = {rb, 16 * K};
-    round_setup(o, OP_DISPATCH, 2, widths, K, o->counts, NULL);
-    int rc = efa_wire_begin(w, 1, err, errlen);
+    int rc = begin_dispatch_round(o, S, err, errlen);
     if (rc) return rc;
     /* pack while the headers fly: token rows (plane 0) and routing rows (plane 1) */
     int64_t *st = o->scratch; /* W + 1 starts (the layout is done with its scratch) */
@@ -232,7 +239,7 @@ static int check_packed_plane(efa_op *o, const char *what, char *err, size_t err
 
 int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
     efa_wire *w = o->wire;
-    const int64_t W = w->world, me = w->rank, K = o->topk, rb = o->row_bytes;
+    const int64_t W = w->world, me = w->rank, K = o->topk;
     int64_t S = 0;
     for (int64_t d = 0; d < W; d++) {
         if (o->num_send[d] < 0 || o->num_send[d] > w->max_rows) {
@@ -249,11 +256,7 @@ int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
                (long long)K, (long long)o->meta_rows);
         return -EINVAL;
     }
-    o->rows = S;
-    for (int64_t d = 0; d < W; d++) w->rows_to[d] = o->num_send[d];
-    const int64_t widths[2] = {rb, 16 * K};
-    round_setup(o, OP_DISPATCH, 2, widths, K, o->counts, NULL);
-    int rc = efa_wire_begin(w, 1, err, errlen);
+    int rc = begin_dispatch_round(o, S, err, errlen);
     if (rc) return rc;
     rc = check_packed_plane(o, "dispatch", err, errlen);
     if (rc) return rc;

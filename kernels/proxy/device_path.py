@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..base import TransportError, describe_value_errors
-from ..native_launch import NativeLaunchError, Program
+from ..native_launch import NativeLaunchError, bind
 from .options import PY_TAMPER
 from .window import OP_DISPATCH, dense
 
@@ -124,14 +124,12 @@ class DevicePath:
             return None
         prog = self._programs.get(key)
         if prog is None:
-            steps = []
-            launch(steps)
             try:
-                prog = Program(steps, tensors, ints, grid_steps)
+                prog = bind(launch, tensors, ints, grid_steps)
             except NativeLaunchError as e:
                 self._native_off = f"a kernel could not be bound for native launch: {e}"
                 return None
-            self._programs[key] = prog
+            self._programs[key] = prog  # (never None: empty tensors were refused above)
         return prog
 
     def _device_path(self, x) -> bool:
