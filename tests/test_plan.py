@@ -21,6 +21,7 @@ def _cal(**over):
     vals = {"gda_fixed_us": 10.0, "gda_link_eff": 0.5, "nccl_fixed_us": 20.0, "nccl_link_eff": 0.5,
             "nccl_efa_eff": 0.25, "proxy_fixed_us": 30.0, "proxy_post_us": 1.0,
             "proxy_channel_alpha": 1.0, "proxy_channel_gbps": 1.0}
+    vals["hier_fixed_us"] = vals["gda_fixed_us"] + vals["proxy_fixed_us"]
     vals.update(over)
     return {k: Fig(v, "", "assumed", "test") for k, v in vals.items()}
 
@@ -130,7 +131,8 @@ def test_verdict_ranks_hier_with_proxy_and_megatron():
     assert "hier:agg1" in verdict and "hier:agg0" in verdict and "proxy" in verdict
     assert report.final_line(p).startswith(f"plan: verdict=efa transport={names[0]} ")
     # no win: the reason still ranks hier (capacity: experts do not fit without EP)
-    p = make_plan(_inp(hbm_gb=1e-6), _cal(gda_fixed_us=5000.0, proxy_fixed_us=5000.0))
+    p = make_plan(_inp(hbm_gb=1e-6), _cal(gda_fixed_us=5000.0, proxy_fixed_us=5000.0,
+                                          hier_fixed_us=10000.0))
     assert p.verdict == "capacity" and p.transport in ("alltoall", "allgather")
     assert "hier:agg1" in p.reason and "hier:agg0" in p.reason and "proxy" in p.reason
     # one node: gda is the efa path, hier does not apply and is not ranked
@@ -220,6 +222,16 @@ def test_gda_fixed_cost_from_the_newest_records_link_efficiency_from_nvlink(tmp_
     p = cal_mod.calibrate(files + [str(tmp_path / "px.json")])["params"]
     assert p["proxy_fixed_us"]["tag"] == "derived"
     assert p["proxy_fixed_us"]["value"] > 200.0 and "gda_fixed_us 200.0" in p["proxy_fixed_us"]["source"]
+    # hier's fixed cost: the sum of its stages' where no hier record is given ...
+    assert p["hier_fixed_us"]["tag"] == "derived"
+    assert math.isclose(p["hier_fixed_us"]["value"], p["proxy_fixed_us"]["value"] + 200.0, rel_tol=1e-6)
+    # ... measured as a whole from hier's own D+C on one host (emulated nodes), its own group
+    hier = [_plan_record("hier:agg1", "hbm", "2026-02-01", 4, t, 2 * 700.0 + 4 * cal_mod.dc_bytes(
+        t, 1024, 16, 2, 4, "bf16") / 50e3) for t in (128, 4096)]                     # 700 us, 50 GB/s
+    (tmp_path / "hier.jsonl").write_text("\n".join(json.dumps(r) for r in hier))
+    p = cal_mod.calibrate(files + [proxy, str(tmp_path / "hier.jsonl")])["params"]
+    assert p["hier_fixed_us"]["tag"] == "measured" and "hier:agg1@hbm" in p["hier_fixed_us"]["source"]
+    assert math.isclose(p["hier_fixed_us"]["value"], 700.0, rel_tol=1e-4)
     # one shape at two EP sizes: held out by EP size (exact here: the records are on the line)
     rows = [r for r in doc["validation"]["rows"] if r["group"] == "gda@hbm 2026-02-01"]
     assert {r["held_out"] for r in rows} == {"EP 2", "EP 4"} and all(abs(r["rel_err"]) < 1e-6 for r in rows)

@@ -56,6 +56,8 @@ PARAMS = {
     "proxy_post_us": "CPU cost of posting one descriptor on one channel, us",
     "proxy_channel_alpha": "channel scaling exponent: rate(num_channels) = rate(1) x num_channels**alpha",
     "proxy_channel_gbps": "bytes one proxy channel moves per second over EFA, GB/s",
+    "hier_fixed_us": "fixed cost of one hier op: both stages' host work, the group's status "
+                     "exchange and the permutation, us",
 }
 
 
@@ -68,7 +70,8 @@ def default_calibration() -> Dict[str, Fig]:
             "nccl_fixed_us": Fig(50.0, "us", "assumed", a), "nccl_link_eff": Fig(0.65, "fraction", "assumed", a),
             "nccl_efa_eff": Fig(0.28, "fraction", "assumed", a), "proxy_fixed_us": Fig(305.0, "us", "assumed", a),
             "proxy_post_us": Fig(0.25, "us", "assumed", a), "proxy_channel_alpha": Fig(0.75, "", "assumed", a),
-            "proxy_channel_gbps": s["proxy_channel_gbps_efa"]}
+            "proxy_channel_gbps": s["proxy_channel_gbps_efa"],
+            "hier_fixed_us": Fig(605.0, "us", "assumed", a + ": proxy_fixed_us + gda_fixed_us")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,6 +416,19 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                                        f"gda_fixed_us {gda['fixed_us']:.1f} (same host work per op: launches, "
                                        f"one host sync) + descriptor round trip {rt:.2f} us ({rt_src})")
     params["proxy_channel_gbps"] = study["proxy_channel_gbps_efa"]
+    hx_name = newest_group(fits, "hier:agg1", ("hbm", "nvlink"))
+    if hx_name is not None:
+        hx = fits[hx_name]
+        params["hier_fixed_us"] = Fig(round(hx["fixed_us"], 2), "us", "measured",
+                                      f"fit of {hx_name} D+C = 2 x fixed + bytes / rate (n={hx['n']}; "
+                                      f"nodes emulated on one host: both stages' host work per op, "
+                                      f"the network stage on the host's {provider} wire): "
+                                      + "; ".join(hx["sources"]))
+    else:
+        pf, gf = params["proxy_fixed_us"].value, params["gda_fixed_us"].value
+        params["hier_fixed_us"] = Fig(round(pf + gf, 2), "us", "derived",
+                                      f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} (its network "
+                                      f"stage's and local stage's fixed costs; no hier records given)")
     doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "inputs": [_rel(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
            "params": {k: v.to_dict() for k, v in params.items()}, "groups": fits,

@@ -31,8 +31,10 @@ Time of one op on each path (microseconds; bytes / (GB/s x 1e3) = us):
 - Megatron ``allgather``: every rank receives every other rank's T rows (and reduce-scatters
   them back), same link terms as ``alltoall``;
 - ``hier`` (the transport ``auto`` picks across nodes), two designs, network stage then local
-  stage: ``fixed_proxy + max(issue(num_channels), wire) + fixed_gda + NVLink bytes / (nvlink x
-  eff_gda)`` with the network terms of its own traffic (:func:`hier_net`):
+  stage: ``fixed_hier + max(issue(num_channels), wire) + NVLink bytes / (nvlink x eff_gda)``
+  with the network terms of its own traffic (:func:`hier_net`); ``fixed_hier`` is measured as a
+  whole on one host with emulated nodes (both stages, the status exchange, the permutation), or
+  ``fixed_proxy + fixed_gda`` where no hier record was given:
 
   * ``hier:agg1`` (``aggregate=1``): a token crosses EFA once per destination *node*, to the
     rail peer (same local index), which forwards it over NVLink: ``N - 1`` EFA peers,
@@ -269,11 +271,11 @@ def path_hier(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], name: str) -
         return PathResult(name, False, "the EP group lives on one node: hier is its local stage (gda)")
     h = hier_net(inp.ep, inp.ranks_per_node, inp.tokens_per_rank, inp.num_experts, inp.topk,
                  inp.row_bytes, HIER_DESIGNS[name], inp.chunk_bytes)
-    fixed = _cal(cal, "proxy_fixed_us")
+    fixed = _cal(cal, "hier_fixed_us")  # both stages, the status exchange, the permutation
     post = _cal(cal, "proxy_post_us")
     alpha = _cal(cal, "proxy_channel_alpha")
     rate = _cal(cal, "proxy_channel_gbps")
-    local = _cal(cal, "gda_fixed_us") + _us(h["nvlink_bytes"], inp.nvlink_gbps * _cal(cal, "gda_link_eff"))
+    local = _us(h["nvlink_bytes"], inp.nvlink_gbps * _cal(cal, "gda_link_eff"))
     wire = _us(h["bytes"], inp.efa_gbps_per_node / inp.gpus_per_node)
     by_nc, terms_nc = {}, {}
     for nc in range(1, inp.max_channels + 1):
@@ -288,7 +290,7 @@ def path_hier(inp: Inputs, tr: Dict[str, Fig], cal: Dict[str, Fig], name: str) -
     t = by_nc[nc] / 2
     bound = max((("issue", terms["fixed"] + terms["issue"]), ("wire", terms["wire"]),
                  ("local", terms["local"])), key=lambda kv: kv[1])[0]
-    src = (f"proxy_fixed_us + max(issue(K={nc}), EFA wire) + gda_fixed_us + NVLink bytes / "
+    src = (f"hier_fixed_us + max(issue(K={nc}), EFA wire) + NVLink bytes / "
            f"(NVLink x gda_link_eff); network traffic of {name} (hier_net)")
     r = PathResult(name, True, num_channels=nc, d_us=_op("d", t, src), c_us=_op("c", t, src),
                    dc_us=derived(2 * t, "us", "D + C"), bound=bound, terms=terms, by_channels=by_nc)
