@@ -6,6 +6,8 @@
 #define _GNU_SOURCE
 #include "efa_engine.h"
 
+#include <sys/prctl.h>
+
 /* ---------------------------------------------------------------------------------------- */
 /* Immediate data: source rank (12 bits) | generation (4 bits) | message id (16 bits). */
 static inline uint32_t make_imm(int src, uint32_t gen, uint32_t msg) {
@@ -322,6 +324,8 @@ static int step(engine *e, channel *c) {
 void *efa_channel_main(void *arg) {
     channel *c = (channel *)arg;
     engine *e = c->eng;
+    /* timed naps end on time, not up to the default 50 us timer slack later */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     if (e->cpu_base >= 0) {
         /* pin before opening the endpoint so its memory and rings sit on this CPU's node */
         cpu_set_t set;
@@ -376,8 +380,9 @@ void *efa_channel_main(void *arg) {
             }
             continue;
         }
-        if (r > 0 || c->num_held || atomic_load_explicit(&c->inflight, memory_order_relaxed))
-            idle_since = r > 0 ? now_ns() : idle_since;
+        /* a host thread inside one of the engine's waits waits for this thread's progress */
+        if (r > 0 || atomic_load_explicit(&e->waiters, memory_order_relaxed))
+            idle_since = now_ns();
         if (r == 0) idle_wait(e, idle_since, &c->stats[ST_SLEEPS]);
     }
     if (c->num_held) publish_held(e, c, 1);

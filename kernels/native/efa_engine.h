@@ -143,9 +143,10 @@ typedef struct engine {
     /* Idle policy (efa_engine_set_idle): linger_ns > 0 = host-driven. A channel thread then
      * stays busy only while it has work (queued, in flight, held) or a host thread is inside
      * one of the engine's waits (waiters > 0), lingers linger_ns after that, and then blocks on
-     * the futex wake_seq (bounded) until a waiter or a producer bumps it. 0 = spin spin_us
-     * after the last progress, then short sleeps (producers that never enter the engine: the
-     * GPU, the benchmark loops). */
+     * the futex wake_seq (bounded) until a waiter or a producer bumps it. 0 = spin while a
+     * host thread waits and spin_us after the last progress, then naps of 20 us on wake_seq
+     * (ended early by a host producer or waiter; producers that never enter the engine, the
+     * GPU, are seen at the nap's end). */
     uint64_t linger_ns;
     _Atomic int waiters;
     _Atomic uint32_t wake_seq;
@@ -213,7 +214,22 @@ static inline int engine_broken(engine *e, char *err, size_t errlen) {
     return 0;
 }
 
-/* Spin for spin_us after the last progress, then back off with short sleeps (2-core CI hosts run
+/* A short sleep of an idle channel thread: at most `us` on the futex wake_seq, so a producer or
+ * waiter entering the engine (kick) ends it at once instead of at the timer's next tick (a plain
+ * nanosleep of 20 us lasted ~70 with the default timer slack: the wake-up latency of every op
+ * that follows an idle gap). Sequentially consistent with kick's (wake_seq, sleepers) pair: a
+ * kick between the load of `seen` and the wait makes the wait return at once. */
+static inline void nap(engine *e, long us) {
+    uint32_t seen = atomic_load(&e->wake_seq);
+    atomic_fetch_add(&e->sleepers, 1);
+    if (!atomic_load(&e->stop)) {
+        struct timespec ts = {0, us * 1000L};
+        syscall(SYS_futex, &e->wake_seq, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+    }
+    atomic_fetch_sub(&e->sleepers, 1);
+}
+
+/* Spin for spin_us after the last progress, then back off with short naps (2-core CI hosts run
  * several ranks x K channels; pure spinning there starves the very peer we wait for). While
  * spinning, every 64th turn yields the CPU: with a core to itself the call returns at once (a
  * microsecond), and where threads outnumber cores (ranks x (1 + channels) on a small host) the
@@ -226,7 +242,7 @@ static inline void idle_wait(engine *e, uint64_t idle_since, _Atomic uint64_t *s
         else cpu_relax();
     } else {
         if (sleeps) atomic_fetch_add_explicit(sleeps, 1, memory_order_relaxed);
-        sleep_us(20);
+        nap(e, 20);
     }
 }
 
@@ -240,11 +256,11 @@ static inline void waiter_idle(engine *e, uint64_t idle_since) {
     else sleep_us(20);
 }
 
-/* Wakes channel threads blocked in channel_block (host-driven idle policy). Sequentially
+/* Wakes channel threads blocked in channel_block (host-driven idle policy) or napping (spin
+ * policy, after spin_us idle): a host thread posting or waiting. Sequentially
  * consistent with channel_block's (sleepers, waiters) pair, so a wake is never lost between a
  * sleeper's check and its futex wait (the futex rechecks wake_seq; the 1 ms bound covers the rest). */
 static inline void kick(engine *e) {
-    if (!e->linger_ns) return;
     atomic_fetch_add(&e->wake_seq, 1);
     if (atomic_load(&e->sleepers))
         syscall(SYS_futex, &e->wake_seq, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
