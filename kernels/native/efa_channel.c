@@ -6,8 +6,6 @@
 #define _GNU_SOURCE
 #include "efa_engine.h"
 
-#include <sys/prctl.h>
-
 /* ---------------------------------------------------------------------------------------- */
 /* Immediate data: source rank (12 bits) | generation (4 bits) | message id (16 bits). */
 static inline uint32_t make_imm(int src, uint32_t gen, uint32_t msg) {
