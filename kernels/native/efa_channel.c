@@ -378,9 +378,8 @@ void *efa_channel_main(void *arg) {
             }
             continue;
         }
-        /* a host thread inside one of the engine's waits waits for this thread's progress */
-        if (r > 0 || atomic_load_explicit(&e->waiters, memory_order_relaxed))
-            idle_since = now_ns();
+        if (r > 0 || c->num_held || atomic_load_explicit(&c->inflight, memory_order_relaxed))
+            idle_since = r > 0 ? now_ns() : idle_since;
         if (r == 0) idle_wait(e, idle_since, &c->stats[ST_SLEEPS]);
     }
     if (c->num_held) publish_held(e, c, 1);

@@ -144,10 +144,9 @@ typedef struct engine {
     /* Idle policy (efa_engine_set_idle): linger_ns > 0 = host-driven. A channel thread then
      * stays busy only while it has work (queued, in flight, held) or a host thread is inside
      * one of the engine's waits (waiters > 0), lingers linger_ns after that, and then blocks on
-     * the futex wake_seq (bounded) until a waiter or a producer bumps it. 0 = spin while a
-     * host thread waits and spin_us after the last progress, then naps of 20 us on wake_seq
-     * (ended early by a host producer or waiter; producers that never enter the engine, the
-     * GPU, are seen at the nap's end). */
+     * the futex wake_seq (bounded) until a waiter or a producer bumps it. 0 = spin spin_us
+     * after the last progress, then naps of 20 us on wake_seq (ended early by a host producer
+     * or waiter; producers that never enter the engine, the GPU, are seen at the nap's end). */
     uint64_t linger_ns;
     _Atomic int waiters;
     _Atomic uint32_t wake_seq;
