@@ -272,6 +272,9 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert shipped["proxy_fixed_us"].tag == "measured"
     assert "results/h200/bench_proxy_cuda_late_wait_2026-12-02.json" in shipped["proxy_fixed_us"].source
     assert "results/plan/measured_h200x2.jsonl" in shipped["gda_link_eff"].source
+    # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
+    assert shipped["hier_fixed_us"].tag == "measured"
+    assert "results/h200/bench_hier_ep4/bench_summary.json" in shipped["hier_fixed_us"].source
 
 
 def test_calibration_from_bench_records_jsonl(tmp_path):
@@ -291,6 +294,10 @@ def test_calibration_from_bench_records_jsonl(tmp_path):
     p2 = tmp_path / "nccl.jsonl"
     p2.write_text("\n".join(json.dumps(r) for r in nccl))
     assert {o["group"] for o in cal_mod.load([str(p2)])} == {"nccl_a2a@nvlink"}
+    # the bench's current record schema (efa_ep.bench/2) reads the same
+    p3 = tmp_path / "v2.jsonl"
+    p3.write_text("\n".join(json.dumps(dict(r, schema="efa_ep.bench/2")) for r in recs))
+    assert sorted(o["us"] for o in cal_mod.load([str(p3)])) == [100.0, 500.0]
     with pytest.raises(ValueError, match="no records for nccl_a2a@nvlink"):
         cal_mod.calibrate([str(p)])
     bad = tmp_path / "x.json"

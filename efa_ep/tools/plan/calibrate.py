@@ -153,7 +153,8 @@ def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
                 if sch == "efa_ep.plan.record/1":
                     out.append(_from_plan_record(r, name))
                     got += 1
-                elif sch == "efa_ep.bench/1" and r.get("view") == "transport" and not r.get("void"):
+                elif sch in ("efa_ep.bench/1", "efa_ep.bench/2") and r.get("view") == "transport" \
+                        and not r.get("void"):
                     key = (r["arm"], r["profile"], r["shape"], r["route"], r["dtype"], r["ep_size"])
                     bench_cells.setdefault(key, []).append(r)
                     got += 1
@@ -526,7 +527,8 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
              "results/gda_perop/gda_gpu_check_zerocopy_lease2_n2.json",
              "results/gda_perop/gda_gpu_check_zerocopy_pinned_n3.json",
-             "results/h200/bench_proxy_cuda_late_wait_2026-12-02.json"]
+             "results/h200/bench_proxy_cuda_late_wait_2026-12-02.json",
+             "results/h200/bench_hier_ep4/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
 
 
