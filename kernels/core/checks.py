@@ -196,6 +196,10 @@ def group_input_error(tag: str, messages) -> DispatchInputError:
     return err
 
 
+# all_gather_into_tensor's newer name (the old one warns from torch 2.13 on)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None) -> None:
     """For an operation without a status exchange of its own (``hier``: each stage's exchange
     covers only its rail or node): every rank of ``group`` tells whether its input is valid,
@@ -205,16 +209,16 @@ def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None
         error: this rank's input error (None when valid). device: where the flags live
             (default :func:`collective_device`).
 
-    Synchronization: one all-gather of one int64 per rank and a host read; the error path adds
-    one ``all_gather_object`` so every rank raises the offending ranks' own words.
+    Synchronization: one all-gather of one int64 per rank into one tensor and a host read; the
+    error path adds one ``all_gather_object`` so every rank raises the offending ranks' own words.
     """
     device = device if device is not None else collective_device(group)
     world = dist.get_world_size(group)
-    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    mine = torch.tensor([STATUS_BAD_INPUT if error else STATUS_OK], dtype=torch.int64,
-                        device=device)
-    dist.all_gather(flags, mine, group=group)
-    status = torch.cat(flags).tolist()
+    flags = torch.empty(world, dtype=torch.int64, device=device)
+    mine = torch.full((1,), STATUS_BAD_INPUT if error else STATUS_OK, dtype=torch.int64,
+                      device=device)
+    _all_gather_single(flags, mine, group=group)
+    status = flags.tolist()
     if any(status):
         msgs = [None] * world
         dist.all_gather_object(msgs, error, group=group)

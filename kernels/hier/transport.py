@@ -72,6 +72,7 @@ import datetime
 import time
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -80,8 +81,8 @@ from ..options import SCHEMAS
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
     ProtocolError,
-    Transport, TransportBroken, TransportError, agree_on_input, collective_device, compute_send_layout, rows_input_error,
-    validate_dispatch_inputs,
+    Transport, TransportBroken, TransportError, agree_on_input, collective_device,
+    describe_value_errors, rows_input_error, validate_dispatch_inputs,
 )
 
 _OWN_OPTIONS = ("node_size", "network", "local", "aggregate")
@@ -321,50 +322,81 @@ class HierTransport(Transport):
         return PeerFailure(msg)
 
     # ------------------------------------------------------------------------------------
+    def _dispatch_input(self, x, topk_idx, topk_weights):
+        """This rank's dispatch input error (None: valid) and, when the shapes are valid, its
+        routing on the host: ``topk_idx`` as a ``[T, K]`` int64 numpy array (one copy from
+        the device, which the value checks and the flat send layout both read)."""
+        cfg = self.cfg
+        error = validate_dispatch_inputs(cfg, self.rank, x, topk_idx, topk_weights,
+                                         value_checks=False)
+        if error is not None:
+            return error, None
+        idx = topk_idx.detach().cpu().numpy()
+        w = topk_weights.detach().cpu().numpy()
+        if idx.size and (idx.min() < -1 or idx.max() >= cfg.num_experts
+                         or not np.isfinite(w).all()):
+            error = describe_value_errors(cfg, self.rank, torch.from_numpy(idx),
+                                          torch.from_numpy(w))
+        return error, idx
+
+    def _flat_send(self, idx, device):
+        """The flat (one hop per rank) send layout of this rank's validated routing ``idx``
+        (``[T, K]`` int64 numpy) that the handle reports: (send_token_idx ``[S]`` int64 on
+        ``device``, rank-major, tokens ascending; rows per destination rank, W ints)."""
+        t, w = idx.shape[0], self.world_size
+        dest = np.where(idx >= 0, idx // (self.cfg.num_experts // w), w)
+        is_in = np.zeros((t, w + 1), dtype=bool)
+        is_in[np.arange(t)[:, None], dest] = True
+        is_in_wt = is_in[:, :w].T
+        send_token = np.nonzero(is_in_wt)[1].astype(np.int64)
+        return (torch.from_numpy(send_token).to(device),
+                tuple(int(v) for v in is_in_wt.sum(1)))
+
     def dispatch(self, x, topk_idx, topk_weights):
         """See ``efa_ep.kernels.base``: ``x`` ``[T, H]`` (the transport's dtype), ``topk_idx``
         ``[T, K]`` int64, ``topk_weights`` ``[T, K]`` float32, one device; returns rows in
-        (source rank, token) order."""
-        self._agree("dispatch", validate_dispatch_inputs(self.cfg, self.rank, x, topk_idx,
-                                                         topk_weights))
+        (source rank, token) order. Host work (the checks, the counts, the permutation) runs
+        on numpy copies of the routing and counts: one device copy of ``topk_idx``, one of the
+        local stage's send order, one copy of the permutation to the device."""
+        error, idx_h = self._dispatch_input(x, topk_idx, topk_weights)
+        self._agree("dispatch", error)
         if self._direct:
-            return self._dispatch_direct(x, topk_idx, topk_weights)
+            return self._dispatch_direct(x, topk_idx, topk_weights, idx_h)
         x1, i1, w1, _, h1 = self._stage(self.network.dispatch, x, topk_idx, topk_weights)
         self._count("dispatch", h1.num_send_per_rank, self.cfg.hidden * x.element_size())
         x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
         n, g = self.num_nodes, self.node_size
         # Rows this rank forwards to each local rank d, split by the node they came from.
-        src_node = torch.repeat_interleave(
-            torch.arange(n), torch.tensor(h1.num_recv_per_rank, dtype=torch.int64))
-        fwd = h2.send_token_idx.cpu()
-        counts = torch.zeros(g, n, dtype=torch.int64)
+        src_node = np.repeat(np.arange(n), h1.num_recv_per_rank)
+        fwd = h2.send_token_idx.cpu().numpy()
+        counts = np.zeros((g, n), dtype=np.int64)
         start = 0
         for d, cnt in enumerate(h2.num_send_per_rank):
             if cnt:
-                counts[d] = torch.bincount(src_node[fwd[start:start + cnt]], minlength=n)
+                counts[d] = np.bincount(src_node[fwd[start:start + cnt]], minlength=n)
             start += cnt
         recv_counts = self._exchange_counts(counts)          # [g source, n node]
         # (local source j, node m) blocks arrive j-major; the contract wants m-major.
-        block_start = torch.cumsum(recv_counts.flatten(), 0) - recv_counts.flatten()
-        block_start = block_start.view(g, n)
-        pieces = [torch.arange(int(block_start[j, m]), int(block_start[j, m] + recv_counts[j, m]))
+        flat_counts = recv_counts.reshape(-1)
+        block_start = (np.cumsum(flat_counts) - flat_counts).reshape(g, n)
+        pieces = [np.arange(block_start[j, m], block_start[j, m] + recv_counts[j, m])
                   for m in range(n) for j in range(g)]
-        perm = (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)).to(x2.device)
+        perm = torch.from_numpy(np.concatenate(pieces).astype(np.int64)).to(x2.device)
         num_recv = tuple(int(recv_counts[j, m]) for m in range(n) for j in range(g))
-        flat = compute_send_layout(topk_idx, self.cfg.num_experts, self.world_size)
+        send_token_idx, num_send = self._flat_send(idx_h, topk_idx.device)
         recv_idx = i2.index_select(0, perm)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(perm.numel()), topk_idx=topk_idx,
-            send_token_idx=flat.send_token_idx_S,
-            num_send_per_rank=tuple(int(v) for v in flat.num_tokens_per_rank_W.tolist()),
+            send_token_idx=send_token_idx, num_send_per_rank=num_send,
             num_recv_per_rank=num_recv, recv_topk_idx=recv_idx,
             state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=perm))
         return x2.index_select(0, perm), recv_idx, w2.index_select(0, perm), tpe, handle
 
-    def _dispatch_direct(self, x, topk_idx, topk_weights):
+    def _dispatch_direct(self, x, topk_idx, topk_weights, idx_h):
         """``aggregate=0``: slots of other nodes' experts go to the network stage (whole group,
         global ids), slots of this node's experts to the local stage (ids local to the node);
-        the two results are merged in (source rank, token) order."""
+        the two results are merged in (source rank, token) order. ``idx_h``: ``topk_idx`` on
+        the host (numpy)."""
         n, g, cfg = self.num_nodes, self.node_size, self.cfg
         per_node = cfg.num_experts // n
         used = topk_idx >= 0
@@ -384,24 +416,24 @@ class HierTransport(Transport):
 
         num_recv = tuple(h2.num_recv_per_rank[s - lo] if lo <= s < lo + g
                          else h1.num_recv_per_rank[s] for s in range(self.world_size))
-        flat = compute_send_layout(topk_idx, cfg.num_experts, self.world_size)
+        send_token_idx, num_send = self._flat_send(idx_h, topk_idx.device)
         recv_idx = merge(i1, i2)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(recv_idx.shape[0]), topk_idx=topk_idx,
-            send_token_idx=flat.send_token_idx_S,
-            num_send_per_rank=tuple(int(v) for v in flat.num_tokens_per_rank_W.tolist()),
+            send_token_idx=send_token_idx, num_send_per_rank=num_send,
             num_recv_per_rank=num_recv, recv_topk_idx=recv_idx,
             state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=None, split=(a, b)))
         return merge(x1, x2), recv_idx, merge(w1, w2), tpe1 + tpe2, handle
 
-    def _exchange_counts(self, counts_GN: torch.Tensor) -> torch.Tensor:
-        """All-to-all inside the node: row d of ``counts_GN`` goes to local rank d; returns
-        ``[G, N]`` int64 (CPU): what each local source forwards here, per source node."""
+    def _exchange_counts(self, counts_GN: np.ndarray) -> np.ndarray:
+        """All-to-all inside the node: row d of ``counts_GN`` (int64 numpy) goes to local rank
+        d; returns ``[G, N]`` int64 numpy: what each local source forwards here, per source
+        node (peers' counts are untrusted: bounded before use)."""
         g, n = counts_GN.shape
-        send = counts_GN.to(self._ctl).contiguous()
+        send = torch.from_numpy(counts_GN).to(self._ctl)
         recv = torch.empty_like(send)
         self._stage(dist.all_to_all_single, recv, send, None, None, self.node_group)
-        recv = recv.cpu()
+        recv = recv.cpu().numpy()
         if (recv < 0).any() or int(recv.sum()) > n * g * self.cfg.max_tokens_per_rank:
             self._broken = f"rank {self.rank}: hier received invalid forward counts {recv.tolist()}"
             raise ProtocolError(self._broken)
