@@ -57,7 +57,9 @@ def transport_options(name: str, world: int, deadline_s: float = DEADLINE_S) -> 
     if name == "proxy":
         return dict(provider="tcp", num_channels=2, chunk_bytes=512, timeout_s=deadline_s)
     if name == "hier":
-        return dict(node_size=max(1, world // 2), network="proxy", provider="tcp",
+        # CPU tensors (device_of), so a torch local stage on every machine: "auto" would take
+        # gda where a GPU is visible, which refuses CPU rows
+        return dict(node_size=max(1, world // 2), network="proxy", local="torch", provider="tcp",
                     num_channels=1, chunk_bytes=512, timeout_s=deadline_s)
     if name == "gda":
         return dict(timeout_s=deadline_s)
