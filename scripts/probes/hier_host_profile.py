@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 
-def _rank(rank, world, node_size, tokens, iters, device, provider, channels):
+def _rank(rank, world, node_size, tokens, iters, device, provider, channels, options):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
@@ -34,7 +34,8 @@ def _rank(rank, world, node_size, tokens, iters, device, provider, channels):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     tr = create_transport("hier", None, 128, 2048, max(tokens, 128), torch.bfloat16,
-                          node_size=node_size, provider=provider, num_channels=channels)
+                          node_size=node_size, provider=provider, num_channels=channels,
+                          **options)
     acc = collections.defaultdict(float)
     stage = tr._stage
 
@@ -80,13 +81,19 @@ def main():
     ap.add_argument("--device", default="cuda:0", help="the ranks' device (all ranks on it)")
     ap.add_argument("--provider", default="shm")
     ap.add_argument("--channels", type=int, default=4)
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="another hier option (e.g. spin_us=0 for its network stage); repeatable")
     ap.add_argument("--json", help="also write the per-rank steps here")
     a = ap.parse_args()
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
+    options = {}
+    for kv in a.option:
+        key, _, value = kv.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
     res = run_ranks(_rank, a.world, (a.node_size, a.tokens, a.iters, a.device, a.provider,
-                                     a.channels), timeout_s=900, env=env)
+                                     a.channels, options), timeout_s=900, env=env)
     out = []
     for rank, (wall, steps, local) in enumerate(res):
         rest = wall - sum(steps.values())
