@@ -93,7 +93,8 @@ from .core.routing import (  # noqa: F401
 from .core.checks import (  # noqa: F401
     STATUS_OK, STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, STATUS_BAD_INPUT, STATUS_BAD_RECEIVED, STATUS_INPUT_BITS,
     describe_status, validate_dispatch_inputs, value_error_flags, describe_value_errors, rows_input_error, too_many_tokens_message,
-    parse_too_many_tokens, group_input_error, agree_on_input, check_group_agreement, collective_device,
+    parse_too_many_tokens, group_input_error, agree_on_input, start_agreement, finish_agreement,
+    check_group_agreement, collective_device,
 )
 from .core.exchange import (  # noqa: F401
     H_STATUS, H_OP, H_SEQ, H_K, H_D, H_DTYPE,
@@ -110,7 +111,7 @@ __all__ = [
     "DispatchInputError", "TooManyTokensError", "ProtocolError", "PeerFailure", "TransportBroken",
     "compute_send_layout", "count_sends", "validate_dispatch_inputs", "value_error_flags",
     "describe_value_errors", "rows_input_error", "group_input_error", "too_many_tokens_message",
-    "parse_too_many_tokens", "agree_on_input",
+    "parse_too_many_tokens", "agree_on_input", "start_agreement", "finish_agreement",
     "check_group_agreement", "reduce_rows_by_rank", "collective_device", "exchange_status",
     "new_op_header", "dtype_code", "check_received_counts", "received_metadata_errors",
     "ranks_in_mask", "OP_CODES", "OP_HEADER_FIELDS", "H_STATUS", "H_OP", "H_SEQ", "H_K", "H_D",

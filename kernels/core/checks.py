@@ -2,6 +2,8 @@
 naming the rank, the tensor and what was expected, raised on every rank of the group."""
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from typing import Optional, Tuple
 
@@ -212,16 +214,42 @@ def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None
     Synchronization: one all-gather of one int64 per rank into one tensor and a host read; the
     error path adds one ``all_gather_object`` so every rank raises the offending ranks' own words.
     """
+    finish_agreement(start_agreement(group, error, device), tag)
+
+
+@dataclasses.dataclass
+class PendingAgreement:
+    """A status exchange in flight (:func:`start_agreement`); :func:`finish_agreement` ends it."""
+
+    group: object
+    error: Optional[str]
+    flags: torch.Tensor
+    work: object
+
+
+def start_agreement(group, error: Optional[str], device=None) -> PendingAgreement:
+    """Starts :func:`agree_on_input`'s all-gather without waiting for it (``async_op``): the
+    caller may do other collective work on *other* groups meanwhile (every rank the same), then
+    calls :func:`finish_agreement`, which waits and raises. Nothing else may run on ``group``
+    in between."""
     device = device if device is not None else collective_device(group)
     world = dist.get_world_size(group)
     flags = torch.empty(world, dtype=torch.int64, device=device)
     mine = torch.full((1,), STATUS_BAD_INPUT if error else STATUS_OK, dtype=torch.int64,
                       device=device)
-    _all_gather_single(flags, mine, group=group)
-    status = flags.tolist()
+    work = _all_gather_single(flags, mine, group=group, async_op=True)
+    return PendingAgreement(group, error, flags, work)
+
+
+def finish_agreement(pending: PendingAgreement, tag: str) -> None:
+    """Waits for ``pending`` and raises :func:`group_input_error` on every rank of its group
+    when any rank's input was invalid (then one ``all_gather_object`` of the ranks' words)."""
+    pending.work.wait()
+    status = pending.flags.tolist()
     if any(status):
+        world = len(status)
         msgs = [None] * world
-        dist.all_gather_object(msgs, error, group=group)
+        dist.all_gather_object(msgs, pending.error, group=pending.group)
         raise group_input_error(tag, {r: msgs[r] for r in range(world) if status[r]})
 
 
