@@ -63,7 +63,8 @@ local one. A bad value raises :class:`~efa_ep.kernels.base.TransportError` in on
 
 Synchronization: every call is collective over the EP group and returns when this rank's
 outputs are ready; the stages synchronize as they do alone (host syncs: one per stage
-dispatch, plus, with ``aggregate=1``, the count exchange inside the node).
+dispatch, the copy of the routing to the host for the checks, plus, with ``aggregate=1``, the
+count exchange inside the node).
 """
 from __future__ import annotations
 
@@ -328,8 +329,9 @@ class HierTransport(Transport):
     # ------------------------------------------------------------------------------------
     def _dispatch_input(self, x, topk_idx, topk_weights):
         """This rank's dispatch input error (None: valid) and, when the shapes are valid, its
-        routing on the host: ``topk_idx`` as a ``[T, K]`` int64 numpy array (one copy from
-        the device, which the value checks and the flat send layout both read)."""
+        routing on the host: ``topk_idx`` as a ``[T, K]`` int64 numpy array (the ids and
+        weights copied from the device once; the value checks read both, the flat send layout
+        the ids)."""
         cfg = self.cfg
         error = validate_dispatch_inputs(cfg, self.rank, x, topk_idx, topk_weights,
                                          value_checks=False)
@@ -360,8 +362,8 @@ class HierTransport(Transport):
         """See ``efa_ep.kernels.base``: ``x`` ``[T, H]`` (the transport's dtype), ``topk_idx``
         ``[T, K]`` int64, ``topk_weights`` ``[T, K]`` float32, one device; returns rows in
         (source rank, token) order. Host work (the checks, the counts, the permutation) runs
-        on numpy copies of the routing and counts: one device copy of ``topk_idx``, one of the
-        local stage's send order, one copy of the permutation to the device."""
+        on numpy copies of the routing and counts: the ids and weights copied from the device,
+        the local stage's send order copied from it, the permutation copied to it."""
         error, idx_h = self._dispatch_input(x, topk_idx, topk_weights)
         # The status exchange runs under the stages (its all-gather on the EP group, theirs on
         # the rail and the node): a rank with bad input takes part in them with no rows, and
