@@ -265,6 +265,13 @@ def test_auto_pick_and_advice():
     assert v["advice"] == "use efa" and v["ratio"] < 0.9 and v["auto_dc_us"]["tag"] == "derived"
     v = verdict.verdict(_host(), lay, dict(CFG, tokens_per_rank=128), [], None)
     assert v["advice"] == "EP only for capacity", v["advice_detail"]
+    # auto runs hier across nodes; where the planner's fastest efa path is another, the advice
+    # says how to run that one
+    v = verdict.verdict(_host(), lay, dict(CFG, tokens_per_rank=512), [], None)
+    assert v["advice"] == "use efa" and v["planner"]["transport"] == "proxy", v["advice_detail"]
+    k = v["planner"]["num_channels"]
+    assert (f"auto runs hier:agg1, the planner's fastest efa path is proxy with {k} channels: set "
+            f"EFA_EP_TRANSPORT=proxy EFA_EP_TRANSPORT_OPTIONS=num_channels={k}") in v["advice_detail"]
     small = dict(CFG, model="moonlight_16b_a3b", nodes=1, ep=8, tokens_per_rank=128)
     v = verdict.verdict(_host(), C.Layout(1, 8, 8), small, [], None)
     assert v["advice"] in ("stay on alltoall", "use efa", "EP only for capacity")

@@ -162,7 +162,8 @@ def verdict(h: Host, lay: Layout, cfg: Dict[str, Any], checks: Sequence, selftes
         detail = plan.reason.split("; ranked by")[0]
         if plan.verdict == "efa" and auto["path"] and plan.transport != auto["path"]:
             detail += (f"; auto runs {auto['path']}, the planner's fastest efa path is {plan.transport}"
-                       + (f" with {plan.num_channels} channels" if plan.num_channels else ""))
+                       + (f" with {plan.num_channels} channels" if plan.num_channels else "")
+                       + f": {_how_to_run(plan.transport, plan.num_channels)}")
         if auto["name"] == "hier" and auto["provider"] != "efa":
             detail += "; this host has no efa provider: the prediction is for the fabric preset, not for tcp"
     fails = [c.name for c in checks if c.status == "fail"]
@@ -171,6 +172,16 @@ def verdict(h: Host, lay: Layout, cfg: Dict[str, Any], checks: Sequence, selftes
     lines.append(f"advice: {advice} - {detail}")
     doc.update(advice=advice, advice_detail=detail, lines=lines)
     return doc
+
+
+def _how_to_run(path: str, num_channels: int) -> str:
+    """The settings that run the planner's efa ``path`` (``proxy``, ``hier:agg1``, ...)."""
+    name, _, design = path.partition(":")
+    opts = [f"num_channels={num_channels}"] if num_channels else []
+    if design == "agg0":
+        opts.append("aggregate=0")
+    return (f"set EFA_EP_TRANSPORT={name}"
+            + (f" EFA_EP_TRANSPORT_OPTIONS={','.join(opts)}" if opts else ""))
 
 
 __all__ = ["verdict", "auto_pick", "measured_calibration", "make_inputs", "plan_overrides", "ADVICE"]
