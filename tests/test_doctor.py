@@ -302,6 +302,13 @@ def test_measured_fixed_cost_replaces_the_calibration():
     out, subs = verdict.measured_calibration(cal, verdict.auto_pick(_host(), P5EN), st)
     assert out["proxy_fixed_us"].value == 150.0 and out["proxy_fixed_us"].tag == "measured"
     assert out["gda_fixed_us"].value == 90.0 and set(subs) == {"proxy_fixed_us", "gda_fixed_us"}
+    # auto runs hier: with no hier self-test its fixed cost is the measured stages' sum ...
+    assert out["hier_fixed_us"].value == 240.0 and out["hier_fixed_us"].tag == "derived"
+    # ... and with one, hier's own measured cost
+    st["results"].append({"label": "hier:efa", "status": "ok", "op_us": 700.0, "device": "cuda:0"})
+    out, subs = verdict.measured_calibration(cal, verdict.auto_pick(_host(), P5EN), st)
+    assert out["hier_fixed_us"].value == 700.0 and out["hier_fixed_us"].tag == "measured"
+    assert subs["hier_fixed_us"]["label"] == "hier:efa"
     assert verdict.measured_calibration(cal, verdict.auto_pick(_host(), P5EN), None) == (cal, {})
 
 

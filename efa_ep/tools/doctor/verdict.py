@@ -74,9 +74,11 @@ def auto_pick(h: Host, lay: Layout) -> Dict[str, Any]:
 
 def measured_calibration(cal: Dict[str, Any], auto: Dict[str, Any], selftest: Optional[Dict[str, Any]]):
     """``(calibration, substituted)``: ``cal`` with the fixed costs per op the self-test
-    measured for the transports ``auto`` rests on (``proxy_fixed_us`` from the proxy over
-    ``auto``'s provider, ``gda_fixed_us`` from gda), tagged measured; ``substituted`` names
-    them (empty: nothing measured applies, and ``cal`` is returned unchanged)."""
+    measured for the transports ``auto`` rests on (``hier_fixed_us`` from hier over ``auto``'s
+    provider, ``proxy_fixed_us`` from the proxy over it, ``gda_fixed_us`` from gda), tagged
+    measured; for hier without a hier self-test, ``hier_fixed_us`` derived from the stages'
+    measured costs. ``substituted`` names the measured ones (empty: nothing measured applies, and
+    ``cal`` is returned unchanged)."""
     from ..plan.model import Fig
 
     if not selftest:
@@ -89,6 +91,7 @@ def measured_calibration(cal: Dict[str, Any], auto: Dict[str, Any], selftest: Op
     out, subs = dict(cal), {}
     want = []
     if auto.get("name") == "hier":
+        want.append(("hier_fixed_us", f"hier:{auto['provider']}"))
         want.append(("proxy_fixed_us", f"proxy:{auto['provider']}"))
         if auto.get("local") == "gda":
             want.append(("gda_fixed_us", "gda"))
@@ -99,6 +102,12 @@ def measured_calibration(cal: Dict[str, Any], auto: Dict[str, Any], selftest: Op
         if r and r.get("op_us") is not None:
             out[param] = Fig(float(r["op_us"]), "us", "measured", f"{where} ({label} on {r.get('device')})")
             subs[param] = {"label": label, "value": float(r["op_us"]), "device": r.get("device")}
+    if auto.get("name") == "hier" and "hier_fixed_us" not in subs and subs and \
+            "proxy_fixed_us" in out and "gda_fixed_us" in out:
+        pf, gf = float(out["proxy_fixed_us"].value), float(out["gda_fixed_us"].value)
+        out["hier_fixed_us"] = Fig(pf + gf, "us", "derived",
+                                   f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} (no hier "
+                                   f"self-test here; its stages' costs, {where})")
     return (out if subs else cal), subs
 
 
