@@ -3,7 +3,6 @@ naming the rank, the tensor and what was expected, raised on every rank of the g
 from __future__ import annotations
 
 import dataclasses
-
 import re
 from typing import Optional, Tuple
 
