@@ -146,7 +146,7 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         Option("max_row_bytes", int, None, "override of the per-row slot size", min=16),
         Option("ring_slots", int, 1024, "descriptor ring slots per channel", min=1),
         Option("max_inflight", int, 64, "writes in flight per channel", min=1),
-        Option("spin_us", int, 200, "microseconds a proxy thread spins before sleeping", min=0),
+        Option("spin_us", int, 200, "microseconds a proxy thread spins before napping", min=0),
         Option("cpu_base", int, -1, "pin channel c to CPU cpu_base + c (-1: no pinning)", min=-1),
         Option("inject_reorder", int, 0, "test-only fault injection (0 off)", min=0),
     ),
