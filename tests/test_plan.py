@@ -170,6 +170,14 @@ def test_calibration_round_trip(tmp_path):
     # Held-out predictions exist and are in a stated band: median |error| <= 25%.
     v = doc["validation"]
     assert len(v["rows"]) >= 10 and v["median_abs_rel_err"] <= 0.25
+    # A file from before hier's own parameter reads with the stages' sum, tagged derived
+    old = json.load(open(path))
+    del old["params"]["hier_fixed_us"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    back_old = cal_mod.read(str(tmp_path / "old.json"))
+    assert back_old["hier_fixed_us"].tag == "derived" and math.isclose(
+        back_old["hier_fixed_us"].value, back["proxy_fixed_us"].value + back["gda_fixed_us"].value,
+        rel_tol=1e-6) and "has no hier_fixed_us" in back_old["hier_fixed_us"].source
     # The shipped calibration is this one (same parameters from the same records).
     shipped = cal_mod.read(SHIPPED)
     for k in cal_mod.PARAMS:

@@ -510,6 +510,13 @@ def read(path: str) -> Dict[str, Fig]:
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {doc.get('schema')!r} is not {SCHEMA!r}")
     params = {k: Fig.from_dict(v) for k, v in doc["params"].items()}
+    if "hier_fixed_us" not in params and {"proxy_fixed_us", "gda_fixed_us"} <= set(params):
+        # a file from before hier's own parameter: its stages' sum, as such files priced it
+        pf, gf = float(params["proxy_fixed_us"].value), float(params["gda_fixed_us"].value)
+        params["hier_fixed_us"] = Fig(round(pf + gf, 2), "us", "derived",
+                                      f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} ({path} "
+                                      f"has no hier_fixed_us; rebuild it with `efa-ep-plan "
+                                      f"calibrate` and hier's records for a measured one)")
     missing = sorted(set(PARAMS) - set(params))
     if missing:
         raise ValueError(f"{path}: calibration lacks {missing}; rebuild it with `efa-ep-plan calibrate`")
