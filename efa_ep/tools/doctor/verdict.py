@@ -79,6 +79,7 @@ def measured_calibration(cal: Dict[str, Any], auto: Dict[str, Any], selftest: Op
     measured; for hier without a hier self-test, ``hier_fixed_us`` derived from the stages'
     measured costs. ``substituted`` names the measured ones (empty: nothing measured applies, and
     ``cal`` is returned unchanged)."""
+    from ..plan.calibrate import hier_from_stages
     from ..plan.model import Fig
 
     if not selftest:
@@ -104,10 +105,7 @@ def measured_calibration(cal: Dict[str, Any], auto: Dict[str, Any], selftest: Op
             subs[param] = {"label": label, "value": float(r["op_us"]), "device": r.get("device")}
     if auto.get("name") == "hier" and "hier_fixed_us" not in subs and subs and \
             "proxy_fixed_us" in out and "gda_fixed_us" in out:
-        pf, gf = float(out["proxy_fixed_us"].value), float(out["gda_fixed_us"].value)
-        out["hier_fixed_us"] = Fig(pf + gf, "us", "derived",
-                                   f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} (no hier "
-                                   f"self-test here; its stages' costs, {where})")
+        out["hier_fixed_us"] = hier_from_stages(out, f"no hier self-test here; {where}")
     return (out if subs else cal), subs
 
 

@@ -74,6 +74,23 @@ def default_calibration() -> Dict[str, Fig]:
             "hier_fixed_us": Fig(605.0, "us", "assumed", a + ": proxy_fixed_us + gda_fixed_us")}
 
 
+def hier_from_stages(params: Dict[str, Fig], why: str) -> Fig:
+    """``hier_fixed_us`` as its stages' sum, ``proxy_fixed_us + gda_fixed_us`` of ``params``
+    (tagged derived; ``why``: why no measured hier figure applies)."""
+    pf, gf = float(params["proxy_fixed_us"].value), float(params["gda_fixed_us"].value)
+    return Fig(round(pf + gf, 2), "us", "derived",
+               f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} (its network stage's and local "
+               f"stage's fixed costs; {why})")
+
+
+def _fitted_fixed(name: str, fit: Dict[str, Any], what: str) -> Fig:
+    """The fixed cost per op of the fitted group ``name`` (``fit``), tagged measured; ``what``:
+    what the records are."""
+    return Fig(round(fit["fixed_us"], 2), "us", "measured",
+               f"fit of {name} D+C = 2 x fixed + bytes / rate (n={fit['n']}, {what}): "
+               + "; ".join(fit["sources"]))
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
@@ -402,12 +419,9 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                                   f"{provider}, not efa: a lower bound for EFA): {rsrc}")
     px_name = newest_group(fits, "proxy", (provider,))
     if px_name is not None:
-        px = fits[px_name]
-        params["proxy_fixed_us"] = Fig(round(px["fixed_us"], 2), "us", "measured",
-                                       f"fit of {px_name} D+C = 2 x fixed + bytes / rate (n={px['n']}, "
-                                       f"{provider} wire, CUDA inputs staged through host memory: "
-                                       f"the host work of the GPU path per op): "
-                                       + "; ".join(px["sources"]))
+        params["proxy_fixed_us"] = _fitted_fixed(
+            px_name, fits[px_name], f"{provider} wire, CUDA inputs staged through host memory: the "
+                                    f"host work of the GPU path per op")
     else:
         rts = [o for o in obs if o["kind"] == "gpu_roundtrip" and o["provider"] == provider]
         rt = statistics.median(o["us"] for o in rts) if rts else 3.2
@@ -419,17 +433,11 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
     params["proxy_channel_gbps"] = study["proxy_channel_gbps_efa"]
     hx_name = newest_group(fits, "hier:agg1", ("hbm", "nvlink"))
     if hx_name is not None:
-        hx = fits[hx_name]
-        params["hier_fixed_us"] = Fig(round(hx["fixed_us"], 2), "us", "measured",
-                                      f"fit of {hx_name} D+C = 2 x fixed + bytes / rate (n={hx['n']}; "
-                                      f"nodes emulated on one host: both stages' host work per op, "
-                                      f"the network stage on the host's {provider} wire): "
-                                      + "; ".join(hx["sources"]))
+        params["hier_fixed_us"] = _fitted_fixed(
+            hx_name, fits[hx_name], f"nodes emulated on one host: both stages' host work per op, "
+                                    f"the network stage on the host's {provider} wire")
     else:
-        pf, gf = params["proxy_fixed_us"].value, params["gda_fixed_us"].value
-        params["hier_fixed_us"] = Fig(round(pf + gf, 2), "us", "derived",
-                                      f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} (its network "
-                                      f"stage's and local stage's fixed costs; no hier records given)")
+        params["hier_fixed_us"] = hier_from_stages(params, "no hier records given")
     doc = {"schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "inputs": [_rel(p) for p in paths], "provider": provider, "desc_bytes": desc_bytes,
            "params": {k: v.to_dict() for k, v in params.items()}, "groups": fits,
@@ -512,11 +520,9 @@ def read(path: str) -> Dict[str, Fig]:
     params = {k: Fig.from_dict(v) for k, v in doc["params"].items()}
     if "hier_fixed_us" not in params and {"proxy_fixed_us", "gda_fixed_us"} <= set(params):
         # a file from before hier's own parameter: its stages' sum, as such files priced it
-        pf, gf = float(params["proxy_fixed_us"].value), float(params["gda_fixed_us"].value)
-        params["hier_fixed_us"] = Fig(round(pf + gf, 2), "us", "derived",
-                                      f"proxy_fixed_us {pf:.1f} + gda_fixed_us {gf:.1f} ({path} "
-                                      f"has no hier_fixed_us; rebuild it with `efa-ep-plan "
-                                      f"calibrate` and hier's records for a measured one)")
+        params["hier_fixed_us"] = hier_from_stages(
+            params, f"{path} has no hier_fixed_us; rebuild it with `efa-ep-plan calibrate` and "
+                    f"hier's records for a measured one")
     missing = sorted(set(PARAMS) - set(params))
     if missing:
         raise ValueError(f"{path}: calibration lacks {missing}; rebuild it with `efa-ep-plan calibrate`")
