@@ -16,6 +16,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -237,11 +238,44 @@ static int check_packed_plane(efa_op *o, const char *what, char *err, size_t err
     return 0;
 }
 
-int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
+/* Waits until the device's count block says it is complete (its ready word, written last with
+ * release order), spinning, then yielding; bounded by the wire's deadline. */
+static int wait_dev_counts(efa_op *o, char *err, size_t errlen) {
     efa_wire *w = o->wire;
-    const int64_t W = w->world, me = w->rank, K = o->topk;
+    const volatile int64_t *ready = o->dev_counts + 1 + w->world + o->num_experts;
+    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) == 1) return 0;
+    const uint64_t t0 = now_ns(), limit = (uint64_t)w->timeout_ms * 1000000ull;
+    for (uint64_t spins = 1;; spins++) {
+        if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) == 1) break;
+        if ((spins & 255) == 0) {
+            uint64_t dt = now_ns() - t0;
+            if (dt > limit) {
+                set_err(err, errlen, "rank %lld: dispatch (round %lld): the device did not write "
+                       "the routing counts within %.3g s (a kernel on this stream never "
+                       "completed: the GPU hangs or another kernel holds it)", (long long)w->rank,
+                       (long long)o->seq, (double)w->timeout_ms / 1e3);
+                return -ETIMEDOUT;
+            }
+            if (dt > 200000) sched_yield(); /* a long pack (prefill): leave the core to others */
+        }
+    }
+    w->wait_ns += (int64_t)(now_ns() - t0);
+    return 0;
+}
+
+int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, K = o->topk, E = o->num_experts;
+    int rc = wait_dev_counts(o, err, errlen);
+    if (rc) return rc;
+    const volatile int64_t *c = o->dev_counts;
+    if (c[0]) {
+        o->flags = c[0];
+        return EFA_RC_LOCAL_INPUT; /* the caller names the bad values, then the error round */
+    }
     int64_t S = 0;
     for (int64_t d = 0; d < W; d++) {
+        o->num_send[d] = c[1 + d];
         if (o->num_send[d] < 0 || o->num_send[d] > w->max_rows) {
             set_err(err, errlen, "rank %lld: dispatch of packed rows: %lld rows to rank %lld "
                    "outside [0, %lld]", (long long)me, (long long)o->num_send[d], (long long)d,
@@ -250,15 +284,20 @@ int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
         }
         S += o->num_send[d];
     }
+    for (int64_t e = 0; e < E; e++) o->counts[e] = c[1 + W + e];
     if (K < 1 || S > o->meta_rows) {
         set_err(err, errlen, "rank %lld: dispatch of packed rows: %lld routing rows, top-%lld, "
                "exceed the routing buffer of %lld rows", (long long)me, (long long)S,
                (long long)K, (long long)o->meta_rows);
         return -EINVAL;
     }
-    int rc = begin_dispatch_round(o, S, err, errlen);
-    if (rc) return rc;
-    rc = check_packed_plane(o, "dispatch", err, errlen);
+    return begin_dispatch_round(o, S, err, errlen);
+}
+
+int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, K = o->topk;
+    int rc = check_packed_plane(o, "dispatch", err, errlen);
     if (rc) return rc;
     int64_t *st = o->scratch;
     prefix(o->num_send, W, st);
@@ -342,10 +381,12 @@ int efa_op_combine_post(efa_op *o, char *err, size_t errlen) {
     return efa_wire_exchange(w, 1, err, errlen);
 }
 
+int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen) {
+    return begin_rows_round(o, OP_COMBINE, o->num_recv, o->num_send, err, errlen);
+}
+
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen) {
-    int rc = begin_rows_round(o, OP_COMBINE, o->num_recv, o->num_send, err, errlen);
-    if (rc) return rc;
-    rc = check_packed_plane(o, "combine", err, errlen);
+    int rc = check_packed_plane(o, "combine", err, errlen);
     if (rc) return rc;
     return efa_wire_exchange(o->wire, 1, err, errlen);
 }

@@ -53,7 +53,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 7
+#define EFA_PROXY_ABI_VERSION 8
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -304,6 +304,10 @@ typedef struct efa_op {
     int64_t *tokens_per_expert;
     void *out;
     int64_t rows, flags, bad_peer, kind;
+    /* dispatch_packed: the count block the device writes into host memory, [2 + world +
+     * num_experts] int64: status, rows to each rank, (token, expert) pairs per expert, then the
+     * ready word (1 once the rest is written; the caller zeroes it before the launch) */
+    const volatile int64_t *dev_counts;
 } efa_op;
 
 int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen);
@@ -312,17 +316,24 @@ int efa_op_cached_post(efa_op *o, char *err, size_t errlen);
 int efa_op_cached_complete(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_post(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
-/* The same rounds with the rows packed before the post by the device (GPU stores into the
- * window's send area, plane 0 one run of the peers' rows in rank order; rows a multiple of 16
- * bytes), for CUDA inputs on a host window:
- *   dispatch_packed: post = num_send[W], counts[E] and meta (every sent row's routing row,
- *             rank-major) given, no layout; headers, the routing rows packed, headers checked,
- *             data posted. complete = dispatch's without the row copies (the device reads the
- *             peers' rows from the window).
- *   combine_packed: post = combine's without the row copies; complete = the data waited for and
- *             its footers checked (the device reduces). */
+/* The same rounds with the rows packed by the device (GPU stores into the window's send area,
+ * plane 0 one run of the peers' rows in rank order; rows a multiple of 16 bytes), for CUDA
+ * inputs on a host window. Each starts with `begin`, which posts the headers, so the header
+ * exchange runs while the device is still storing the rows; the caller makes the rows visible
+ * (a stream synchronization) between begin and post:
+ *   dispatch_packed: begin = waits (deadline timeout_ms) for dev_counts' ready word, then takes
+ *             the status, num_send[W] and counts[E] from it: EFA_RC_LOCAL_INPUT with flags = the
+ *             status when the device flagged the routing (nothing sent, no round taken); else
+ *             the headers posted. post = meta (every sent row's routing row, rank-major) packed,
+ *             headers checked, data posted. complete = dispatch's without the row copies (the
+ *             device reads the peers' rows from the window).
+ *   combine_packed: begin = the headers posted (the counts are the handle's); post = headers
+ *             checked, data posted; complete = the data waited for and its footers checked (the
+ *             device reduces). */
+int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_complete(efa_op *o, char *err, size_t errlen);
+int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen);
 /* The text of a routing-rows problem efa_unpack_meta found in source src's n rows m [n, 2K]

@@ -87,7 +87,7 @@ def _pack_dispatch_kernel(
     status_ptr: tl.pointer_type(tl.int64),          # [1] the layout's status word
     plane_ptr,                                      # out (host) [S - S_me, D] rows to peers
     meta_ptr: tl.pointer_type(tl.int64),            # out (host) [S, 2K] routing rows
-    counts_ptr: tl.pointer_type(tl.int64),          # out (host) [1 + W + E] status, W, E counts
+    counts_ptr: tl.pointer_type(tl.int64),          # out (host) [2 + W + E] status, W, E counts, ready
     me, num_topk, num_local, num_experts, D, stride_x,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
@@ -108,6 +108,10 @@ def _pack_dispatch_kernel(
         e = tl.arange(0, E_PAD)
         em = e < num_experts
         tl.store(counts_ptr + 1 + W + e, tl.load(num_per_expert_ptr + e, mask=em), mask=em)
+        # then the ready word, last and with release order: a host that reads 1 there may post
+        # the round's headers while the rows below are still being stored
+        tl.debug_barrier()
+        tl.atomic_xchg(counts_ptr + 1 + W + num_experts, 1, sem="release", scope="sys")
     k = tl.arange(0, K_PAD)
     km = k < num_topk
     for i in range(pid, total, nprog):
@@ -243,10 +247,12 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
         topk_idx, topk_weights: ``[T, K]`` int64 / float32 (device, contiguous).
         layout: the outputs of :func:`~efa_ep.kernels.gda.launches.layout` for them.
         plane: host ``[>= (S - S_me) * D * elem]`` uint8, the window's send plane 0 (pinned).
-        meta: host ``[>= S * 2K]`` int64 (pinned). counts: host ``[1 + W + E]`` int64 (pinned):
-            status word, rows per rank, (token, expert) pairs per expert.
+        meta: host ``[>= S * 2K]`` int64 (pinned). counts: host ``[2 + W + E]`` int64 (pinned):
+            status word, rows per rank, (token, expert) pairs per expert, then a ready word set
+            to 1 once the others are written (zero it before the launch to wait for it).
         plan: a list: append the launch instead of making it (the same for the wrappers below).
-    The caller synchronizes the stream before it reads the host buffers.
+    The caller synchronizes the stream before it reads the rows and routing rows (the counts:
+    once the ready word is 1).
     """
     slot, send_token_idx, num_per_rank, num_per_expert, status = layout
     t, d = x.shape

@@ -211,7 +211,7 @@ class DevicePath:
         H, L, E = cfg.hidden, cfg.num_local_experts, cfg.num_experts
         xd, idx, wts = dense(x), topk_idx.contiguous(), topk_weights.contiguous()
         meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
-        counts = self._pinned("counts", 1 + w + E, torch.int64)
+        counts = self._pinned("counts", 2 + w + E, torch.int64)  # then the ready word
         nsm = self._num_programs(dev)
         o_send, words = kern._layout_offsets(t, E, w, k)[5::2]
         scratch = torch.empty(words, dtype=torch.int64, device=dev)  # the handle keeps a view
@@ -227,26 +227,26 @@ class DevicePath:
                counts.data_ptr(), plane.data_ptr())
         prog = self._device_program(key, launch, (xd, idx, wts, scratch)) if t else None
         wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
+        cn = counts.numpy()
+        cn[-1] = 0  # the ready word: the kernel sets it once the counts are in host memory
         if prog is None:
             launch(None)
         else:
             prog.run((xd.data_ptr(), idx.data_ptr(), wts.data_ptr(), scratch.data_ptr()),
                      self._cuda_stream(dev))
         send_token_idx = scratch[o_send:o_send + max(1, t * w)]
-        self._sync(dev)  # the rows, routing rows and counts are in host memory
-        # the previous op's kernels have read the window and the pinned buffers before this
-        # op's header lets peers write (after the sync: usually nothing left to wait for)
-        self._wait_reads()
-        cn = counts.numpy()
-        if cn[0]:  # a bad expert id or weight: named from a host copy (error path only)
-            error = (describe_value_errors(cfg, me, idx.cpu(), wts.cpu())
-                     or f"rank {me}: the device layout flagged the routing (status {int(cn[0])})")
-            wire.round(OP_DISPATCH, {}, [0], None, None, error)
-            raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
         row_x = H * x.element_size()
         ops = self._packed_ops()
-        if ops is not None:  # the round in two native calls (headers, checks, routing rows)
-            num_recv = ops.dispatch_packed(cn[1:1 + w], cn[1 + w:], meta, k, row_x)
+        # the previous op's kernels have read the window and the pinned buffers before this
+        # op's header lets peers write (queued before this op's kernels: usually done)
+        self._wait_reads()
+        if ops is not None:  # the round in three native calls
+            # headers as soon as the counts are in host memory, while the rows are stored
+            if not ops.dispatch_packed_begin(counts, meta, k, row_x):
+                self._sync(dev)
+                self._device_routing_error(idx, wts, int(cn[0]))
+            self._sync(dev)  # the rows and routing rows are in host memory
+            num_recv = ops.dispatch_packed_post()
             num_send = ops.num_send.tolist()
             s_me = sum(num_send[:me])
             n_recv = sum(num_recv)
@@ -259,8 +259,11 @@ class DevicePath:
             return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
                 t, topk_idx, send_token_idx[:sum(num_send)], None, num_send, num_recv,
                 recv_topk_idx)
+        self._sync(dev)  # the rows, routing rows and counts are in host memory
+        if cn[0]:
+            self._device_routing_error(idx, wts, int(cn[0]))
         num_send = cn[1:1 + w].tolist()
-        counts_E = cn[1 + w:].copy()
+        counts_E = cn[1 + w:1 + w + E].copy()
         starts = _prefix(num_send)
         s_me, e_me, s_all = starts[me], starts[me + 1], starts[-1]
 
@@ -280,6 +283,16 @@ class DevicePath:
             xd, send_token_idx, num_recv, s_me, meta.data_ptr() + s_me * 16 * k, got, k)
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
             t, topk_idx, send_token_idx[:s_all], None, num_send, num_recv, recv_topk_idx)
+
+    def _device_routing_error(self, idx, wts, status: int) -> None:
+        """Runs the error round for routing the device layout flagged (a bad expert id or
+        weight; nothing sent yet) and raises on every rank; named from a host copy (error path
+        only)."""
+        cfg, me = self.cfg, self.rank
+        error = (describe_value_errors(cfg, me, idx.cpu(), wts.cpu())
+                 or f"rank {me}: the device layout flagged the routing (status {status})")
+        self.wire.round(OP_DISPATCH, {}, [0], None, None, error)
+        raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
 
     def _pinned(self, name: str, n: int, dtype) -> torch.Tensor:
         """A flat host buffer of ``n`` elements, page-locked, reused across calls (grown when too

@@ -9,9 +9,10 @@ outputs between the two calls (their sizes come from the checked headers) and ma
 to the contract's errors; every problem found in C is named in C.
 
 CUDA rows on a host window use the same struct for their rounds (``dispatch_packed``,
-``combine_packed``): the device has already packed the rows into the send area, so the two
-calls run the round, its checks and the routing rows only; the device reads what arrived
-straight from the window.
+``combine_packed``): the device packs the rows into the send area, so the calls run the round,
+its checks and the routing rows only, in three steps (begin: the headers posted while the device
+still stores; post, after the stream synchronization: the data; complete); the device reads
+what arrived straight from the window.
 
 Everything the native side writes besides the outputs (routing rows, scratch, per-rank counts)
 is allocated here once and reused; the outputs and the handle's ``send_token_idx`` are new
@@ -77,12 +78,27 @@ class HostOps:
     def _call(self, kind: str, step: str) -> int:
         return Wire.native(self.op.call, kind, step)  # errors as the round's steps raise them
 
-    def _post(self, kind: str, op: int) -> int:
-        """Runs ``kind``'s post for round ``wire.seq``; accounts what it handed to the engine
-        (:attr:`Wire.posted`) and raises what the headers say (every rank the same)."""
+    def _begin(self, kind: str) -> int:
+        """Runs ``kind``'s begin (the headers posted) for round ``wire.seq``; returns its code
+        (0, or ``RC_LOCAL_INPUT``: nothing sent, no round taken). :meth:`_post` with
+        ``begun=True`` continues the round."""
         wire, st, wst = self.wire, self.st, self._nw.st
         st.seq = wire.seq
         wst.r_writes = wst.r_wire_bytes = wst.r_messages = wst.r_rows = 0
+        try:
+            return self._call(kind, "begin")
+        except BaseException:
+            wire.seq += 1  # headers may have left: this round's number is spent
+            raise
+
+    def _post(self, kind: str, op: int, begun: bool = False) -> int:
+        """Runs ``kind``'s post for round ``wire.seq`` (after its :meth:`_begin` when ``begun``);
+        accounts what the round handed to the engine (:attr:`Wire.posted`) and raises what the
+        headers say (every rank the same)."""
+        wire, st, wst = self.wire, self.st, self._nw.st
+        if not begun:
+            st.seq = wire.seq
+            wst.r_writes = wst.r_wire_bytes = wst.r_messages = wst.r_rows = 0
         rc = -1
         try:
             rc = self._call(kind, "post")
@@ -169,46 +185,64 @@ class HostOps:
         return out if self._call("combine", "complete") == 0 else None
 
     # Rows packed into the send area by the device (CUDA inputs on a host window) --------------
-    def dispatch_packed(self, num_send, counts, meta: torch.Tensor, k: int, row_bytes: int) -> list:
-        """Post of a dispatch whose rows are already in the send area: plane 0 from its start,
-        the rows to every peer in rank order (``row_bytes`` each, a multiple of 16).
+    # Each round starts with its headers while the device still stores the rows (begin), then
+    # the caller synchronizes the stream and posts the data (post).
+    def dispatch_packed_begin(self, dev_counts: torch.Tensor, meta: torch.Tensor, k: int,
+                              row_bytes: int) -> bool:
+        """Starts a dispatch whose rows the device is storing into the send area (plane 0 from
+        its start, the rows to every peer in rank order, ``row_bytes`` each, a multiple of 16):
+        waits (the wire's deadline) for the device's count block, then posts the headers.
 
         Args:
-            num_send: ``[W]`` rows to each rank (this rank's own included). counts: ``[E]``
-                (token, expert) pairs per expert (go in the headers).
+            dev_counts: host ``[2 + W + E]`` int64 (pinned) the device writes: status, rows to
+                each rank (this rank's own included), (token, expert) pairs per expert, then the
+                ready word, which the caller zeroed before the launch.
             meta: host ``[>= S * 2K]`` int64, every sent row's routing row (local ids, weights'
-                float32 bits), rank-major, this rank's own rows included. k: top-k.
-        Returns: rows from each source, W ints (this rank's own included; headers checked).
+                float32 bits), rank-major, this rank's own rows included (read by
+                :meth:`dispatch_packed_post`). k: top-k.
+        Returns: False when the device flagged the routing's values (nothing sent, no round
+        taken: the caller names them and runs the error round), else True.
         """
         st = self.st
-        self.num_send[:] = num_send
-        self.counts[:] = counts
+        st.dev_counts = dev_counts.data_ptr()
         st.meta, st.meta_rows = meta.data_ptr(), meta.numel() // (2 * k)
         st.topk, st.row_bytes = k, row_bytes
-        self._post("dispatch_packed", OP_DISPATCH)
+        return self._begin("dispatch_packed") != native.RC_LOCAL_INPUT
+
+    def dispatch_packed_post(self) -> list:
+        """After :meth:`dispatch_packed_begin` and the stream synchronization that makes the rows
+        visible: the routing rows packed, the peers' headers checked, the data posted. Returns
+        the rows from each source, W ints (this rank's own included); :attr:`num_send` holds the
+        rows to each rank."""
+        self._post("dispatch_packed", OP_DISPATCH, begun=True)
         return self.num_recv.tolist()
 
     def dispatch_packed_complete(self, recv_idx: torch.Tensor, recv_w: torch.Tensor,
                                  tokens_per_expert: torch.Tensor) -> None:
-        """The end of :meth:`dispatch_packed`: the peers' data waited for, their routing rows
-        checked and unpacked into ``recv_idx`` / ``recv_w`` (host, ``>= [N, K]`` int64 /
-        float32, source order) and ``tokens_per_expert`` ``[L]`` int64 CPU. The peers' rows
-        stay in the receive window (:meth:`received`) until the next operation."""
+        """The end of the round: the peers' data waited for, their routing rows checked and
+        unpacked into ``recv_idx`` / ``recv_w`` (host, ``>= [N, K]`` int64 / float32, source
+        order) and ``tokens_per_expert`` ``[L]`` int64 CPU. The peers' rows stay in the receive
+        window (:meth:`received`) until the next operation."""
         st = self.st
         st.recv_idx, st.recv_w = recv_idx.data_ptr(), recv_w.data_ptr()
         st.tokens_per_expert = tokens_per_expert.data_ptr()
         self._call("dispatch_packed", "complete")
 
-    def combine_packed(self, num_send, num_recv, row_bytes: int, fmt: int) -> None:
-        """A combine round whose rows are already in the send area (as :meth:`dispatch_packed`'s:
-        ``num_recv[d]`` rows back to rank d, rank order, ``row_bytes`` each): post, then the
-        peers' data waited for (``num_send[r]`` rows from rank r, left in the receive window,
-        :meth:`received`; the caller reduces)."""
+    def combine_packed_begin(self, num_send, num_recv, row_bytes: int, fmt: int) -> None:
+        """Starts a combine round whose rows the device is copying into the send area (as
+        :meth:`dispatch_packed_begin`'s: ``num_recv[d]`` rows back to rank d, rank order,
+        ``row_bytes`` each; ``num_send[r]`` rows expected from rank r): the headers posted."""
         st = self.st
         self.num_send[:] = num_send
         self.num_recv[:] = num_recv
         st.row_bytes, st.fmt = row_bytes, fmt
-        self._post("combine_packed", OP_COMBINE)
+        self._begin("combine_packed")
+
+    def combine_packed_finish(self) -> None:
+        """After :meth:`combine_packed_begin` and the stream synchronization that makes the rows
+        visible: headers checked, data posted, the peers' data waited for (left in the receive
+        window, :meth:`received`; the caller reduces)."""
+        self._post("combine_packed", OP_COMBINE, begun=True)
         self._call("combine_packed", "complete")
 
     def received(self, r: int, n: int, row_bytes: int) -> torch.Tensor:

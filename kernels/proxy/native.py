@@ -41,7 +41,7 @@ HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"),
            os.path.join(_NATIVE_DIR, "efa_util.h"))  # a changed header rebuilds too
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -207,8 +207,10 @@ _SIGS = {
     "efa_op_cached_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_dispatch_packed_begin": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_dispatch_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_dispatch_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_combine_packed_begin": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_describe_meta": ([_vp, _i64, _vp, _i64, _i64, _i64, _vp, _cp, ctypes.c_size_t], _i32),
@@ -492,13 +494,14 @@ class OpStruct(ctypes.Structure):
         ("cap", _i64), ("dtype", _i64), ("x", _vp), ("topk_idx", _vp), ("weights", _vp),
         ("send_idx", _vp), ("recv_x", _vp), ("recv_idx", _vp), ("recv_w", _vp),
         ("tokens_per_expert", _vp), ("out", _vp), ("rows", _i64), ("flags", _i64),
-        ("bad_peer", _i64), ("kind", _i64))]
+        ("bad_peer", _i64), ("kind", _i64), ("dev_counts", _vp))]
 
 
 class NativeOp:
     """Typed calls of efa_op_* on one struct: ``post``/``complete`` of ``dispatch``, ``cached``
-    and ``combine`` return the C return code (0 or an ``RC_*`` code, :meth:`text` its message)
-    and raise :class:`NativeError` (the message from C) on failures."""
+    and ``combine``, ``begin``/``post``/``complete`` of the packed kinds, return the C return
+    code (0 or an ``RC_*`` code, :meth:`text` its message) and raise :class:`NativeError` (the
+    message from C) on failures."""
 
     def __init__(self, st: OpStruct):
         lib = self._lib = load()
@@ -508,6 +511,8 @@ class NativeOp:
         self._fns = {(kind, step): getattr(lib, f"efa_op_{kind}_{step}")
                      for kind in ("dispatch", "cached", "combine", "dispatch_packed",
                                   "combine_packed") for step in ("post", "complete")}
+        for kind in ("dispatch_packed", "combine_packed"):  # headers first (see efa_proxy.h)
+            self._fns[kind, "begin"] = getattr(lib, f"efa_op_{kind}_begin")
 
     def call(self, kind: str, step: str) -> int:
         rc = self._fns[kind, step](self._ref, self._err, _ERRLEN)

@@ -366,8 +366,11 @@ class RoundOps:
             ops = self._packed_ops()
             if ops is not None:  # rows straight into the send area, the round in native calls
                 self._pack_send_area(yc, num_recv, starts)
-                self._wait_reads()  # (after the copies' sync: usually nothing left to wait for)
-                ops.combine_packed(n_send, num_recv, row_bytes, row_format(yc))
+                self._wait_reads()  # (queued before the copies: usually nothing left to wait for)
+                # headers while the copies run, the data once they are done
+                ops.combine_packed_begin(n_send, num_recv, row_bytes, row_format(yc))
+                self._sync(yc.device)
+                ops.combine_packed_finish()
                 return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
         self._wait_reads()
         ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
@@ -399,8 +402,9 @@ class RoundOps:
     def _pack_send_area(self, y: torch.Tensor, rows_to, starts) -> None:
         """Copies ``y``'s rows for the peers (``rows_to[d]`` to rank d, grouped by destination,
         ``starts`` their prefix) into the send area before the round: one run from its start in
-        rank order, as :meth:`HostOps.combine_packed` expects (after our previous writes left;
-        for a GPU ``y`` a device-to-host copy per run, then a stream synchronization)."""
+        rank order, as :meth:`HostOps.combine_packed_begin` expects (after our previous writes
+        left; for a GPU ``y`` a device-to-host copy per run on the current stream, which the
+        caller synchronizes before the data is posted)."""
         me, d_cols = self.rank, y.shape[1]
         s_me, e_me = starts[me], starts[me + 1]
         n_peer = starts[-1] - (e_me - s_me)
@@ -415,7 +419,6 @@ class RoundOps:
             dst[:s_me].copy_(y[:s_me], non_blocking=True)
         if e_me < starts[-1]:
             dst[s_me:].copy_(y[e_me:starts[-1]], non_blocking=True)
-        self._sync(y.device)
 
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
         """Combine's reduction as one kernel (``device.py``) on y's device: ``[num_tokens, D]``

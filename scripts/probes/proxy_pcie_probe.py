@@ -56,7 +56,7 @@ def main():
     o_send, words = kern._layout_offsets(t, e, w, k)[5::2]
     scratch = torch.empty(words, dtype=torch.int64, device=dev)
     meta = torch.empty(t * min(w, k) * 2 * k, dtype=torch.int64, pin_memory=True)
-    counts = torch.empty(1 + w + e, dtype=torch.int64, pin_memory=True)
+    counts = torch.empty(2 + w + e, dtype=torch.int64, pin_memory=True)  # + the ready word
     plane = torch.zeros(t * h * 2 + 4096, dtype=torch.uint8, pin_memory=True)
     lay = kern.layout(idx, wts, e, w, scratch=scratch)
     torch.cuda.synchronize()

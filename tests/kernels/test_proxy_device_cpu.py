@@ -97,12 +97,13 @@ def _check_pack():
         s_all = sum(num_send)
         plane = torch.zeros(max(1, t * world) * d * x.element_size() + 64, dtype=torch.uint8)
         meta = torch.full((max(1, t * min(world, topk)) * 2 * topk,), 7, dtype=torch.int64)
-        counts = torch.zeros(1 + world + num_experts, dtype=torch.int64)
+        counts = torch.zeros(2 + world + num_experts, dtype=torch.int64)
         dk.pack_dispatch(x, idx, w, lay, me, plane, meta, counts, num_programs=3)
         case = (world, num_experts, topk, t, dtype_name, me)
         assert counts[0] == 0, (case, counts)
         assert counts[1:1 + world].tolist() == num_send, (case, counts)
-        assert torch.equal(counts[1 + world:], torch.bincount(idx[idx >= 0], minlength=num_experts)), case
+        assert torch.equal(counts[1 + world:-1], torch.bincount(idx[idx >= 0], minlength=num_experts)), case
+        assert counts[-1] == 1, (case, "the ready word follows the counts")
         send_idx = ref.send_token_idx_S
         want_meta = _reference_meta(idx, w, send_idx, num_send, num_experts // world)
         assert torch.equal(meta[:s_all * 2 * topk].view(s_all, 2 * topk), want_meta), case
@@ -115,12 +116,13 @@ def _check_pack():
     idx, w = _route(5, 8, 2, seed=1, drop=False)
     idx[2, 1] = 99
     w[3, 0] = float("nan")
-    counts = torch.zeros(1 + 2 + 8, dtype=torch.int64)
+    counts = torch.zeros(2 + 2 + 8, dtype=torch.int64)
     lay = kern.layout(idx, w, 8, 2)
     dk.pack_dispatch(torch.zeros(5, 16), idx, w, lay, 0, torch.zeros(4096, dtype=torch.uint8),
                      torch.zeros(64, dtype=torch.int64), counts, num_programs=2)
     from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT
     assert int(counts[0]) == STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT, counts
+    assert int(counts[-1]) == 1, counts
     print(f"OK pack ({n} cases)")
 
 
@@ -248,6 +250,13 @@ def _transport_rank(rank, world):
         msg = "no error"
     except DispatchInputError as e:
         msg = str(e)
+    # the refusal took no round: the same transport goes on in step on every rank
+    good = torch.tensor([[0, 5], [3, -1]])
+    ref = create_transport("torch", None, 8, 16, 8, torch.float32)
+    x = torch.arange(32, dtype=torch.float32).view(2, 16) + rank
+    r, p = ref.dispatch(x, good, torch.ones(2, 2)), px.dispatch(x, good, torch.ones(2, 2))
+    if not all(torch.equal(a, b) for a, b in zip(r[:4], p[:4])):
+        bad.append(("after the refusal", "dispatch"))
     px.close()
     return bad, msg
 

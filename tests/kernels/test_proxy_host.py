@@ -386,3 +386,48 @@ def test_idle_channels_block_and_the_next_operation_wakes_them():
     for rank, (ok, blocked) in enumerate(run_ranks(_idle_rank, 2, (), timeout_s=200,
                                                     pg_timeout_s=60, env=LOOPBACK)):
         assert ok and all(blocked), (rank, ok, blocked)
+
+
+def test_dispatch_packed_begin_takes_the_device_counts_and_keeps_its_deadline():
+    """A packed dispatch posts its headers once the device's count block says it is complete (its
+    ready word, written last): the status, rows per rank and per-expert counts come from the
+    block; a flagged status sends nothing (``RC_LOCAL_INPUT``); counts outside the window are
+    refused; a ready word that never comes ends at the wire's deadline with an error naming the
+    rank, the round and what was awaited. (No engine: every case returns before the headers.)"""
+    import ctypes
+    import errno
+    import threading
+
+    world, experts = 2, 4
+    ws = native.WireStruct()
+    ws.rank, ws.world, ws.max_rows, ws.timeout_ms = 1, world, 16, 60_000
+    st = native.OpStruct()
+    st.wire = ctypes.addressof(ws)
+    st.num_experts, st.num_local, st.seq = experts, experts // world, 5
+    num_send, counts = np.zeros(world, np.int64), np.zeros(experts, np.int64)
+    st.num_send, st.counts = num_send.ctypes.data, counts.ctypes.data
+    block = np.zeros(2 + world + experts, np.int64)  # status, W rows, E counts, ready
+    st.dev_counts = block.ctypes.data
+    op = native.NativeOp(st)
+
+    # written by another thread while the call waits (the device's role)
+    def device():
+        block[:-1] = [2, 3, 4, 1, 2, 3, 1]
+        block[-1] = 1
+
+    writer = threading.Timer(0.05, device)
+    writer.start()
+    assert op.call("dispatch_packed", "begin") == native.RC_LOCAL_INPUT
+    writer.join()
+    assert st.flags == 2 and not num_send.any()  # nothing taken from a flagged block
+
+    block[:] = [0, 3, -1, 1, 2, 3, 1, 1]  # a negative row count is refused, naming the rank
+    with pytest.raises(native.NativeError, match=r"rank 1: .* -1 rows to rank 1 outside \[0, 16\]"):
+        op.call("dispatch_packed", "begin")
+
+    block[:] = 0  # the ready word never comes
+    ws.timeout_ms = 50
+    with pytest.raises(native.NativeError) as e:
+        op.call("dispatch_packed", "begin")
+    assert e.value.code == -errno.ETIMEDOUT
+    assert "rank 1: dispatch (round 5): the device did not write the routing counts within" in str(e.value)
