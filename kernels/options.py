@@ -121,8 +121,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "ranks sharing the GPU)", min=1),
         Option("check_every_call", int, 0, "1 = sync after combine to raise deadline errors at once",
                choices=(0, 1)),
-        Option("check_backward", int, 1, "1 = one sync per layer backward raises deferred errors",
-               choices=(0, 1)),
+        Option("check_backward", int, 1, "1 = one sync at the end of each backward pass raises "
+               "deferred errors", choices=(0, 1)),
         Option("launch_gate", str, "auto", "host board of the group's ranks: waiting kernels "
                "launch only after every source issued its stores (needed when ranks share a "
                "GPU), and bad input reaches every rank with its words (auto = on)",

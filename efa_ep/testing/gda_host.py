@@ -121,6 +121,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     tr.cfg, tr.group, tr.rank, tr.world_size, tr.uid = cfg, None, 0, W, 1
     tr._kern, tr.max_topk, tr.timeout_s, tr.check_every_call = launches, 16, 60.0, False
     tr.check_backward, tr.fast_launch, tr.blocked_s = True, 3, 0.0
+    tr._check_queued = False
     tr.device, tr.ranks_per_device, tr.launch_gate = torch.device("cpu"), W, True
     gate = object.__new__(LaunchGate)  # a board in private memory; the peers are always ahead
     gate._text_off = 8 * (2 * W + 2)

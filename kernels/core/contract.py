@@ -175,8 +175,9 @@ class Transport(abc.ABC):
     def after_backward(self) -> None:
         """Called by the dispatcher once its backward ops of a layer have been issued (the last
         collective of that layer's backward). Transports that defer device-side errors raise
-        them here, so a step never applies gradients computed from rows that did not arrive.
-        Default: nothing (errors were raised by the calls themselves)."""
+        them here or, inside a backward pass, when that pass ends, so a step never applies
+        gradients computed from rows that did not arrive. Default: nothing (errors were raised
+        by the calls themselves)."""
 
     def close(self) -> None:
         """Releases windows, threads and endpoints. Idempotent."""

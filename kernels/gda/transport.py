@@ -51,7 +51,8 @@ class GdaTransport(Transport):
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
     ``launch_gate``, ``fast_launch``). Where they need more than a line: ``check_backward``
-    makes :meth:`after_backward` raise deferred deadline errors before the gradients are used;
+    makes :meth:`after_backward` raise deferred deadline errors before the gradients are used
+    (one host sync at the end of each backward pass, however many layers it crosses);
     ``launch_gate`` (default on) launches a waiting kernel only once every source
     has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
     kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
@@ -91,9 +92,11 @@ class GdaTransport(Transport):
         self.max_topk = int(opts.get("max_topk", 16))
         self.timeout_s = float(opts.get("timeout_s", 60.0))
         self.check_every_call = bool(int(opts.get("check_every_call", 0)))
-        # after_backward(): one host sync per layer backward that raises deferred deadline
-        # errors before the optimizer can use the gradients (0 = defer to the next dispatch)
+        # after_backward(): one host sync per backward pass, at its end, that raises deferred
+        # deadline errors before the optimizer can use the gradients (0 = defer to the next
+        # dispatch)
         self.check_backward = bool(int(opts.get("check_backward", 1)))
+        self._check_queued = False  # a check waits for the end of the running backward pass
         self.fast_launch = int(opts.get("fast_launch", 3))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
@@ -276,12 +279,29 @@ class GdaTransport(Transport):
             raise DispatchInputError(msg)
 
     def after_backward(self) -> None:
-        """See ``Transport.after_backward``: with ``check_backward`` (default 1) one host sync,
-        raising :class:`PeerTimeoutError` if any wait of the layer (forward combine included)
-        expired. Without it a deadline expiry in a layer's backward would leave wrong rows in
-        the gradients and be raised only by the next dispatch, after the optimizer step."""
-        if self.check_backward and not self._capturing:  # no host sync inside a capture
+        """See ``Transport.after_backward``: with ``check_backward`` (default 1) raises
+        :class:`PeerTimeoutError` if any wait of the layer (forward combine included) expired.
+        Called inside a backward pass (the dispatcher's autograd nodes), the check runs once,
+        when the pass ends (an autograd engine callback), for every layer over this transport:
+        one host sync per pass instead of one per layer, so the host keeps queueing the other
+        layers' backward while the GPU runs. Called outside one, it checks at once. Without it
+        a deadline expiry in a layer's backward would leave wrong rows in the gradients and be
+        raised only by the next dispatch, after the optimizer step."""
+        if not self.check_backward or self._capturing:  # no host sync inside a capture
+            return
+        if self._check_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        except RuntimeError:  # not inside a backward pass
             self.check_errors("backward")
+            return
+        self._check_queued = True
+
+    def _backward_done(self) -> None:
+        """The check :meth:`after_backward` queued, run by autograd when the pass ends."""
+        self._check_queued = False
+        self.check_errors("backward")
 
     def _note_idx_width(self, parity: int, k: int) -> bool:
         """Records that this op writes parity ``parity``'s id region with top-k width ``k``;

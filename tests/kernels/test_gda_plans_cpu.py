@@ -126,3 +126,49 @@ def test_no_program_is_bound_from_a_call_with_an_empty_tensor():
     empty = torch.empty(0, K, dtype=torch.float32)
     assert ph._program(("k",), launched.append, (empty, torch.zeros(3))) is None
     assert launched == [] and ph._progs == {} and ph.native_off is None
+
+
+def test_backward_check_runs_once_when_the_pass_ends(tr):
+    """``after_backward`` inside a backward pass queues one error check for the pass's end (one
+    host sync however many layers call it); outside a pass it checks at once; an error the check
+    raises comes out of ``backward()``, before any optimizer step."""
+    events = []
+    real_check = tr.check_errors
+
+    def check(op="call"):
+        events.append("check")
+        real_check(op)
+
+    tr.check_errors = check
+
+    class Layer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("layer backward")
+            tr.after_backward()
+            return g * 2
+
+    x = torch.ones(3, requires_grad=True)
+    Layer.apply(Layer.apply(Layer.apply(x))).sum().backward()
+    assert events == ["layer backward"] * 3 + ["check"], events
+    events.clear()
+    tr.after_backward()  # no pass running: at once
+    assert events == ["check"], events
+
+    def failing(op="call"):
+        events.append("check")
+        raise RuntimeError("rank 0: gda combine (op 7) gave up waiting for source rank(s) [1]")
+
+    tr.check_errors = failing
+    events.clear()
+    with pytest.raises(RuntimeError, match=r"gave up waiting for source rank\(s\) \[1\]"):
+        Layer.apply(Layer.apply(x)).sum().backward()
+    assert events == ["layer backward"] * 2 + ["check"], events
+    tr.check_errors = check  # the next pass queues its own check again
+    events.clear()
+    Layer.apply(x).sum().backward()
+    assert events == ["layer backward", "check"], events
