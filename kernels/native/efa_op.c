@@ -294,19 +294,107 @@ int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen) {
     return begin_dispatch_round(o, S, err, errlen);
 }
 
+static inline int64_t cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Posts bytes [from, to) of this round's data message m (efa_wire_begin's list). Cut at
+ * multiples of the wire's chunk size, a message's slices make the chunks the receiver counts. */
+static int post_slice(efa_wire *w, int64_t m, int64_t from, int64_t to, char *err, size_t errlen) {
+    int64_t d = w->msgs[m], lo = w->msgs[w->max_msgs + m] + from,
+            ro = w->msgs[2 * w->max_msgs + m] + from, size = to - from;
+    uint32_t msg = (uint32_t)(2 * w->seq + 1) & 0xFFFFu;
+    int rc = efa_post_messages(w->engine, msg, 1, &d, &lo, &ro, &size, (uint32_t)w->chunk_bytes,
+                               w->next_channel, (int)w->timeout_ms, err, errlen);
+    if (rc) return rc;
+    w->r_writes += cdiv64(size, w->chunk_bytes);
+    w->r_wire_bytes += size;
+    return 0;
+}
+
+/* Plane 0 of every destination posted as the device stores it: the rows below min(progress) *
+ * chunk_rows of the send order (rank-major, starts st[W + 1]) are in host memory. Returns once
+ * every chunk is stored (the routing rows too), or -ETIMEDOUT at the wire's deadline. */
+static int post_rows_as_stored(efa_op *o, const int64_t *st, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank, rb = o->row_bytes, cb = w->chunk_bytes;
+    const int64_t S = st[W], R = o->chunk_rows, chunks = S > 0 ? cdiv64(S, R) : 0;
+    if (R < 1 || o->progress_words < 1 || cb < 1) {
+        set_err(err, errlen, "rank %lld: dispatch of packed rows: chunks of %lld rows, %lld "
+               "progress words", (long long)me, (long long)R, (long long)o->progress_words);
+        return -EINVAL;
+    }
+    int64_t *msg0 = o->aux, *posted = o->aux + W; /* plane 0's message per destination, bytes out */
+    for (int64_t d = 0; d < W; d++) {
+        msg0[d] = -1;
+        posted[d] = 0;
+    }
+    for (int64_t m = 0; m < w->nmsgs; m++) {
+        int64_t d = w->msgs[m];
+        if (w->msgs[w->max_msgs + m] == w->plan[d]) msg0[d] = m; /* plane 0 of d starts there */
+    }
+    const uint64_t t0 = now_ns(), limit = (uint64_t)w->timeout_ms * 1000000ull;
+    int64_t stored = 0; /* chunks every program has stored */
+    for (uint64_t spins = 0;;) {
+        int64_t c = chunks;
+        for (int64_t p = 0; p < o->progress_words; p++) {
+            int64_t v = __atomic_load_n(o->progress + p, __ATOMIC_ACQUIRE);
+            if (v < c) c = v < 0 ? 0 : v;
+        }
+        if (c > stored || (stored == 0 && chunks == 0)) {
+            stored = c;
+            const int64_t rows = stored * R < S ? stored * R : S;
+            for (int64_t d = 0; d < W; d++) {
+                if (d == me || msg0[d] < 0) continue;
+                int64_t n = o->num_send[d], ready = rows - st[d];
+                ready = ready < 0 ? 0 : ready > n ? n : ready;
+                int64_t upto = ready == n ? n * rb : (ready * rb / cb) * cb;
+                if (upto > posted[d]) {
+                    int rc = post_slice(w, msg0[d], posted[d], upto, err, errlen);
+                    if (rc) return rc;
+                    posted[d] = upto;
+                }
+            }
+            if (stored >= chunks) break;
+            continue;
+        }
+        if ((++spins & 255) == 0) {
+            uint64_t dt = now_ns() - t0;
+            if (dt > limit) {
+                set_err(err, errlen, "rank %lld: dispatch (round %lld): the device stored %lld of "
+                       "%lld chunks of rows within %.3g s (a kernel on this stream never "
+                       "completed: the GPU hangs or another kernel holds it)", (long long)me,
+                       (long long)o->seq, (long long)stored, (long long)chunks,
+                       (double)w->timeout_ms / 1e3);
+                return -ETIMEDOUT;
+            }
+            if (dt > 200000) sched_yield();
+        }
+    }
+    w->wait_ns += (int64_t)(now_ns() - t0);
+    return 0;
+}
+
 int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
     efa_wire *w = o->wire;
     const int64_t W = w->world, me = w->rank, K = o->topk;
     int rc = check_packed_plane(o, "dispatch", err, errlen);
     if (rc) return rc;
+    rc = efa_wire_exchange(w, 0, err, errlen); /* headers checked, footers written */
+    if (rc) return rc;
     int64_t *st = o->scratch;
     prefix(o->num_send, W, st);
+    rc = post_rows_as_stored(o, st, err, errlen);
+    if (rc) return rc;
+    /* every row stored: the routing rows, then the rest of each message (its footer) */
     for (int64_t d = 0; d < W; d++)
         if (d != me && o->num_send[d])
             memcpy(w->window + w->plan[W + d], o->meta + st[d] * 2 * K,
                    (size_t)(o->num_send[d] * 16 * K));
-    rc = efa_wire_exchange(w, 1, err, errlen);
-    if (rc) return rc;
+    for (int64_t m = 0; m < w->nmsgs; m++) {
+        int64_t d = w->msgs[m];
+        if (w->msgs[w->max_msgs + m] == w->plan[d]) continue; /* plane 0: posted above */
+        rc = post_slice(w, m, 0, w->msgs[3 * w->max_msgs + m], err, errlen);
+        if (rc) return rc;
+    }
     take_rows_from(o, o->num_send[me]);
     return 0;
 }

@@ -308,6 +308,10 @@ typedef struct efa_op {
      * num_experts] int64: status, rows to each rank, (token, expert) pairs per expert, then the
      * ready word (1 once the rest is written; the caller zeroes it before the launch) */
     const volatile int64_t *dev_counts;
+    /* dispatch_packed: [progress_words] int64 the device writes, one per storing program: the
+     * chunks of chunk_rows send rows (rank-major) it has stored; zeroed by the caller */
+    const volatile int64_t *progress;
+    int64_t progress_words, chunk_rows;
 } efa_op;
 
 int efa_op_dispatch_post(efa_op *o, char *err, size_t errlen);
@@ -319,16 +323,18 @@ int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
 /* The same rounds with the rows packed by the device (GPU stores into the window's send area,
  * plane 0 one run of the peers' rows in rank order; rows a multiple of 16 bytes), for CUDA
  * inputs on a host window. Each starts with `begin`, which posts the headers, so the header
- * exchange runs while the device is still storing the rows; the caller makes the rows visible
- * (a stream synchronization) between begin and post:
+ * exchange runs while the device is still storing the rows:
  *   dispatch_packed: begin = waits (deadline timeout_ms) for dev_counts' ready word, then takes
  *             the status, num_send[W] and counts[E] from it: EFA_RC_LOCAL_INPUT with flags = the
  *             status when the device flagged the routing (nothing sent, no round taken); else
- *             the headers posted. post = meta (every sent row's routing row, rank-major) packed,
- *             headers checked, data posted. complete = dispatch's without the row copies (the
- *             device reads the peers' rows from the window).
- *   combine_packed: begin = the headers posted (the counts are the handle's); post = headers
- *             checked, data posted; complete = the data waited for and its footers checked (the
+ *             the headers posted. post = headers checked, then each destination's rows
+ *             posted as the device's progress words say they are stored (cut at the wire's
+ *             chunk boundaries), then, every row stored, meta (every sent row's routing row,
+ *             rank-major) packed and posted with the footers (deadline timeout_ms for the
+ *             device). complete = dispatch's without the row copies (the device reads the
+ *             peers' rows from the window).
+ *   combine_packed: begin = the headers posted (the counts are the handle's); post (after the
+ *             caller's stream synchronization) = headers checked, data posted; complete = the data waited for and its footers checked (the
  *             device reduces). */
 int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen);

@@ -8,7 +8,8 @@ device-to-host copy, per-peer host-to-device copies, a reduction in several torc
   the same kernels and value checks as ``gda``), then :func:`pack_dispatch` stores every row for
   a peer straight into the window's send plane (GPU stores into pinned host memory: no staging
   buffer, no separate copy), the routing metadata of every sent row into a pinned host buffer,
-  and the counts and status word into pinned host memory: one synchronization, then the wire.
+  and the counts and status word into pinned host memory, chunk by chunk with a progress word
+  per program: the host posts a chunk's rows while the next ones are stored.
   After the wire, :func:`gather_dispatch` builds the outputs in one launch: the peers' rows read
   from the receive window (GPU loads from pinned memory), this rank's own rows from ``x``, and
   the ids and weights the host unpacked and checked.
@@ -76,7 +77,8 @@ def _copy_row(src, dst, D, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
         tl.store(dst + cols, tl.load(src + cols, mask=cm), mask=cm)
 
 
-@triton.jit(do_not_specialize=["me", "num_topk", "num_local", "num_experts", "D", "stride_x"])
+@triton.jit(do_not_specialize=["me", "num_topk", "num_local", "num_experts", "D", "stride_x",
+                               "chunk_rows"])
 def _pack_dispatch_kernel(
     x_ptr,                                          # [T, D] rows, row stride stride_x
     topk_idx_ptr: tl.pointer_type(tl.int64),        # [T, K] global expert ids
@@ -88,13 +90,17 @@ def _pack_dispatch_kernel(
     plane_ptr,                                      # out (host) [S - S_me, D] rows to peers
     meta_ptr: tl.pointer_type(tl.int64),            # out (host) [S, 2K] routing rows
     counts_ptr: tl.pointer_type(tl.int64),          # out (host) [2 + W + E] status, W, E counts, ready
-    me, num_topk, num_local, num_experts, D, stride_x,
+    progress_ptr: tl.pointer_type(tl.int64),        # out (host) [grid] chunks each program stored
+    me, num_topk, num_local, num_experts, D, stride_x, chunk_rows,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Send row i (to rank d, token t): metadata row i = [local ids of t's experts on d (-1
     elsewhere), their weights' float32 bits sign-extended (0 elsewhere)], as the host layout
-    writes it; for d != me, ``x[t]`` -> plane row i (i - S_me past this rank's block)."""
+    writes it; for d != me, ``x[t]`` -> plane row i (i - S_me past this rank's block). Rows go
+    in chunks of ``chunk_rows`` of the send order; after its rows of chunk c a program stores
+    c + 1 into its progress word (release), so the host can post a chunk's rows while the next
+    ones are stored."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ws = tl.arange(0, W_PAD)
@@ -114,20 +120,25 @@ def _pack_dispatch_kernel(
         tl.atomic_xchg(counts_ptr + 1 + W + num_experts, 1, sem="release", scope="sys")
     k = tl.arange(0, K_PAD)
     km = k < num_topk
-    for i in range(pid, total, nprog):
-        i64 = tl.cast(i, tl.int64)
-        d = tl.sum((ends <= i64).to(tl.int64), axis=0)
-        t = tl.load(send_token_idx_ptr + i64)
-        ids = tl.load(topk_idx_ptr + t * num_topk + k, mask=km, other=-1)
-        wv = tl.load(topk_w_ptr + t * num_topk + k, mask=km, other=0.0)
-        on = (ids >= 0) & (ids // num_local == d)
-        row = meta_ptr + i64 * 2 * num_topk
-        tl.store(row + k, tl.where(on, ids - d * num_local, -1), mask=km)
-        tl.store(row + num_topk + k, tl.where(on, wv.to(tl.int32, bitcast=True).to(tl.int64), 0),
-                 mask=km)
-        if d != me:
-            pos = tl.where(d > me, i64 - n_me, i64)
-            _copy_row(x_ptr + t * stride_x, plane_ptr + pos * D, D, BLOCK_D, ALIGNED)
+    for c in range(0, tl.cdiv(total, chunk_rows)):
+        lo = c * chunk_rows
+        for i in range(lo + pid, tl.minimum(lo + chunk_rows, total), nprog):
+            i64 = tl.cast(i, tl.int64)
+            d = tl.sum((ends <= i64).to(tl.int64), axis=0)
+            t = tl.load(send_token_idx_ptr + i64)
+            ids = tl.load(topk_idx_ptr + t * num_topk + k, mask=km, other=-1)
+            wv = tl.load(topk_w_ptr + t * num_topk + k, mask=km, other=0.0)
+            on = (ids >= 0) & (ids // num_local == d)
+            row = meta_ptr + i64 * 2 * num_topk
+            tl.store(row + k, tl.where(on, ids - d * num_local, -1), mask=km)
+            tl.store(row + num_topk + k,
+                     tl.where(on, wv.to(tl.int32, bitcast=True).to(tl.int64), 0), mask=km)
+            if d != me:
+                pos = tl.where(d > me, i64 - n_me, i64)
+                _copy_row(x_ptr + t * stride_x, plane_ptr + pos * D, D, BLOCK_D, ALIGNED)
+        tl.debug_barrier()
+        tl.atomic_xchg(progress_ptr + pid, tl.zeros([], tl.int64) + (c + 1), sem="release",
+                       scope="sys")
 
 
 @triton.jit(do_not_specialize=["me", "own_start", "num_rows", "num_topk", "D", "stride_x"])
@@ -238,8 +249,14 @@ def _aligned(d: int, elem: int, stride: int) -> bool:
     return (d * elem) % 16 == 0 and (stride * elem) % 16 == 0
 
 
-def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, counts, *,
-                  num_programs: int, plan=None) -> None:
+def pack_grid(rows: int, num_programs: int) -> int:
+    """Programs of :func:`pack_dispatch` for ``rows`` send rows (``T * min(W, K)`` bounds them):
+    the size of its progress buffer."""
+    return _grid(rows, num_programs)[0]
+
+
+def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, counts, progress,
+                  chunk_rows: int, *, num_programs: int, plan=None) -> None:
     """Stores a dispatch's send side (asynchronous, on the current stream).
 
     Args:
@@ -250,9 +267,13 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
         meta: host ``[>= S * 2K]`` int64 (pinned). counts: host ``[2 + W + E]`` int64 (pinned):
             status word, rows per rank, (token, expert) pairs per expert, then a ready word set
             to 1 once the others are written (zero it before the launch to wait for it).
+        progress: host ``[pack_grid(T * min(W, K), num_programs)]`` int64 (pinned), zeroed
+            before the launch: program p stores c + 1 once its rows of chunk c (send rows
+            ``[c * chunk_rows, (c + 1) * chunk_rows)``, plane and routing rows) are stored; the
+            rows below ``min(progress) * chunk_rows`` are in host memory.
         plan: a list: append the launch instead of making it (the same for the wrappers below).
-    The caller synchronizes the stream before it reads the rows and routing rows (the counts:
-    once the ready word is 1).
+    The host reads the counts once the ready word is 1, the rows and routing rows as the progress
+    words say (or after a stream synchronization).
     """
     slot, send_token_idx, num_per_rank, num_per_expert, status = layout
     t, d = x.shape
@@ -263,8 +284,8 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
     bd = kern._block_d(d, elem)
     _go(_PACK, _grid(t * min(world, k), num_programs), (
         x, topk_idx, topk_weights, send_token_idx, num_per_rank, num_per_expert, status,
-        host_arg(plane, x.dtype), host_arg(meta), host_arg(counts),
-        me, k, num_experts // world, num_experts, d, max(1, x.stride(0)),
+        host_arg(plane, x.dtype), host_arg(meta), host_arg(counts), host_arg(progress),
+        me, k, num_experts // world, num_experts, d, max(1, x.stride(0)), max(1, chunk_rows),
         world, max(2, next_pow2(world)), max(2, next_pow2(k)), max(2, next_pow2(num_experts)),
         bd, _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem), plan)
 

@@ -1,6 +1,6 @@
 """CUDA rows on a host window: the routing layout and packing run as device kernels straight into
-the window (``device.py``), one stream synchronization before the wire, one kernel for the
-outputs after it, and an event that the next op waits for before peers may overwrite the
+the window (``device.py``) while the host posts the round (headers once the counts are written,
+rows as they are stored: no stream synchronization), one kernel for the outputs after it, and an event that the next op waits for before peers may overwrite the
 window. A mixin of :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`, whose state it
 uses."""
 from __future__ import annotations
@@ -18,6 +18,10 @@ from .round_ops import _prefix
 
 
 _STREAMS: dict = {}  # (stream id, device index, device type) -> torch.cuda.Stream
+# A dispatch's send plane goes out in chunks of about this many bytes as the device stores them
+# (each chunk's end costs every storing program a system-scope release; larger chunks start
+# the wire later).
+_CHUNK_BYTES = 4 << 20
 
 
 def _current_stream(dev: torch.device):
@@ -134,7 +138,7 @@ class DevicePath:
 
     def _device_path(self, x) -> bool:
         """Whether a dispatch runs as the kernels of ``device.py`` (layout and packing on the
-        device, one synchronization) rather than as torch ops around the host layout:
+        device) rather than as torch ops around the host layout:
         ``device_layout`` on, CUDA input, a host window, rows of whole 16-byte units."""
         return (self.device_layout and self._device_kernels_for(x) and x.dim() == 2
                 and (x.shape[1] * x.element_size()) % 16 == 0
@@ -194,8 +198,9 @@ class DevicePath:
 
     def _dispatch_device(self, x, topk_idx, topk_weights):
         """:meth:`dispatch` of CUDA rows on a host window: layout and packing on the device
-        straight into the window (one stream synchronization), the wire, then one kernel for
-        the outputs (no synchronization: the next op waits for its event before its header)."""
+        straight into the window, the wire posted as they progress (with the host layout path's
+        Python round: after one stream synchronization), then one kernel for the outputs (no
+        synchronization: the next op waits for its event before its header)."""
         from ..gda import launches as kern
         from . import device as dk
 
@@ -213,39 +218,44 @@ class DevicePath:
         meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
         counts = self._pinned("counts", 2 + w + E, torch.int64)  # then the ready word
         nsm = self._num_programs(dev)
+        row_x = H * x.element_size()
+        grid = dk.pack_grid(t * min(w, k), nsm)
+        progress = self._pinned("progress", grid, torch.int64)
+        # rows per chunk: ~_CHUNK_BYTES of the send plane, whole rows for every program
+        chunk_rows = grid * max(1, -(-_CHUNK_BYTES // (row_x * grid)))
         o_send, words = kern._layout_offsets(t, E, w, k)[5::2]
         scratch = torch.empty(words, dtype=torch.int64, device=dev)  # the handle keeps a view
         plane = self.window[self.layout.off_data_send:self.layout.off_recv]
 
         def launch(plan):
             lay = kern.layout(idx, wts, E, w, scratch=scratch, plan=plan)
-            dk.pack_dispatch(xd, idx, wts, lay, me, plane, meta, counts, num_programs=nsm,
-                             plan=plan)
+            dk.pack_dispatch(xd, idx, wts, lay, me, plane, meta, counts, progress, chunk_rows,
+                             num_programs=nsm, plan=plan)
 
         # layout and packing in one native launch, bound per shape and host buffers
         key = ("front", dev.index, t, k, H, xd.dtype, xd.stride(0), meta.data_ptr(),
-               counts.data_ptr(), plane.data_ptr())
+               counts.data_ptr(), progress.data_ptr(), plane.data_ptr())
         prog = self._device_program(key, launch, (xd, idx, wts, scratch)) if t else None
         wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
         cn = counts.numpy()
         cn[-1] = 0  # the ready word: the kernel sets it once the counts are in host memory
+        progress.numpy()[:] = 0
         if prog is None:
             launch(None)
         else:
             prog.run((xd.data_ptr(), idx.data_ptr(), wts.data_ptr(), scratch.data_ptr()),
                      self._cuda_stream(dev))
         send_token_idx = scratch[o_send:o_send + max(1, t * w)]
-        row_x = H * x.element_size()
         ops = self._packed_ops()
         # the previous op's kernels have read the window and the pinned buffers before this
         # op's header lets peers write (queued before this op's kernels: usually done)
         self._wait_reads()
-        if ops is not None:  # the round in three native calls
-            # headers as soon as the counts are in host memory, while the rows are stored
-            if not ops.dispatch_packed_begin(counts, meta, k, row_x):
+        if ops is not None:  # the round in three native calls, no stream synchronization
+            # headers as soon as the counts are in host memory, then the rows chunk by chunk
+            # as the device stores them
+            if not ops.dispatch_packed_begin(counts, progress, chunk_rows, meta, k, row_x):
                 self._sync(dev)
                 self._device_routing_error(idx, wts, int(cn[0]))
-            self._sync(dev)  # the rows and routing rows are in host memory
             num_recv = ops.dispatch_packed_post()
             num_send = ops.num_send.tolist()
             s_me = sum(num_send[:me])

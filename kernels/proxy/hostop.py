@@ -11,8 +11,8 @@ to the contract's errors; every problem found in C is named in C.
 CUDA rows on a host window use the same struct for their rounds (``dispatch_packed``,
 ``combine_packed``): the device packs the rows into the send area, so the calls run the round,
 its checks and the routing rows only, in three steps (begin: the headers posted while the device
-still stores; post, after the stream synchronization: the data; complete); the device reads
-what arrived straight from the window.
+still stores; post: the data, a dispatch's rows chunk by chunk as the device stores them;
+complete); the device reads what arrived straight from the window.
 
 Everything the native side writes besides the outputs (routing rows, scratch, per-rank counts)
 is allocated here once and reused; the outputs and the handle's ``send_token_idx`` are new
@@ -186,9 +186,10 @@ class HostOps:
 
     # Rows packed into the send area by the device (CUDA inputs on a host window) --------------
     # Each round starts with its headers while the device still stores the rows (begin), then
-    # the caller synchronizes the stream and posts the data (post).
-    def dispatch_packed_begin(self, dev_counts: torch.Tensor, meta: torch.Tensor, k: int,
-                              row_bytes: int) -> bool:
+    # posts the data (post): a dispatch's as the device's progress words allow, a combine's
+    # after the caller's stream synchronization.
+    def dispatch_packed_begin(self, dev_counts: torch.Tensor, progress: torch.Tensor,
+                              chunk_rows: int, meta: torch.Tensor, k: int, row_bytes: int) -> bool:
         """Starts a dispatch whose rows the device is storing into the send area (plane 0 from
         its start, the rows to every peer in rank order, ``row_bytes`` each, a multiple of 16):
         waits (the wire's deadline) for the device's count block, then posts the headers.
@@ -197,6 +198,9 @@ class HostOps:
             dev_counts: host ``[2 + W + E]`` int64 (pinned) the device writes: status, rows to
                 each rank (this rank's own included), (token, expert) pairs per expert, then the
                 ready word, which the caller zeroed before the launch.
+            progress: host ``[programs]`` int64 (pinned, zeroed before the launch): per storing
+                program, the chunks of ``chunk_rows`` send rows it has stored (see
+                :func:`~efa_ep.kernels.proxy.device.pack_dispatch`).
             meta: host ``[>= S * 2K]`` int64, every sent row's routing row (local ids, weights'
                 float32 bits), rank-major, this rank's own rows included (read by
                 :meth:`dispatch_packed_post`). k: top-k.
@@ -205,15 +209,17 @@ class HostOps:
         """
         st = self.st
         st.dev_counts = dev_counts.data_ptr()
+        st.progress, st.progress_words = progress.data_ptr(), progress.numel()
+        st.chunk_rows = chunk_rows
         st.meta, st.meta_rows = meta.data_ptr(), meta.numel() // (2 * k)
         st.topk, st.row_bytes = k, row_bytes
         return self._begin("dispatch_packed") != native.RC_LOCAL_INPUT
 
     def dispatch_packed_post(self) -> list:
-        """After :meth:`dispatch_packed_begin` and the stream synchronization that makes the rows
-        visible: the routing rows packed, the peers' headers checked, the data posted. Returns
-        the rows from each source, W ints (this rank's own included); :attr:`num_send` holds the
-        rows to each rank."""
+        """After :meth:`dispatch_packed_begin`: the peers' headers checked, each destination's
+        rows posted as the device stores them, then the routing rows (no stream synchronization:
+        the progress words say what is stored). Returns the rows from each source, W ints (this
+        rank's own included); :attr:`num_send` holds the rows to each rank."""
         self._post("dispatch_packed", OP_DISPATCH, begun=True)
         return self.num_recv.tolist()
 

@@ -494,7 +494,8 @@ class OpStruct(ctypes.Structure):
         ("cap", _i64), ("dtype", _i64), ("x", _vp), ("topk_idx", _vp), ("weights", _vp),
         ("send_idx", _vp), ("recv_x", _vp), ("recv_idx", _vp), ("recv_w", _vp),
         ("tokens_per_expert", _vp), ("out", _vp), ("rows", _i64), ("flags", _i64),
-        ("bad_peer", _i64), ("kind", _i64), ("dev_counts", _vp))]
+        ("bad_peer", _i64), ("kind", _i64), ("dev_counts", _vp), ("progress", _vp),
+        ("progress_words", _i64), ("chunk_rows", _i64))]
 
 
 class NativeOp:

@@ -27,13 +27,15 @@ Buffers are allocated once.
 GPU inputs are host-staged (a host window): the dispatch's routing layout and packing run on the
 GPU (``device.py``: the layout kernels of ``gda``, then one kernel storing every row for a peer
 straight into the pinned send area, its routing rows and the counts into pinned host memory),
-launched as one native program (``native_launch``); after one stream synchronization the round
-is two native calls (``hostop.py``, ``efa_op.c``: headers, routing rows, the peers' headers
-checked, data posted; then the data waited for, the routing rows checked and unpacked). The
+launched as one native program (``native_launch``). The round is three native calls
+(``hostop.py``, ``efa_op.c``): the headers, as soon as the kernel has written the counts; the
+peers' headers checked and the rows posted chunk by chunk as the kernel stores them (its
+progress words, no stream synchronization), then the routing rows; the data waited for, the
+routing rows checked and unpacked. The
 dispatch's outputs are then built by one kernel that reads the peers' rows straight from the
 pinned window (GPU loads) and this rank's own rows from ``x``, with the ids and weights the host
-checked; combine copies its rows into the send area (one device-to-host copy per run), runs its
-round in the same two native calls and reduces in one kernel reading the peers' rows from the
+checked; combine copies its rows into the send area (one device-to-host copy per run), posts
+its headers during the copies, synchronizes, posts the data and reduces in one kernel reading the peers' rows from the
 window and this rank's from ``y``. Both end with an event, not a synchronization (the next op
 waits for it before its header lets peers overwrite the window). ``device_layout=False`` runs
 the dispatch's layout on the host instead (the routing copied to the host, rows gathered on the

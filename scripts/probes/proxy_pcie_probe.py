@@ -67,9 +67,13 @@ def main():
     ref_plane = None
     for m in [int(v) for v in a.programs.split(",")]:
         nprog = m * sms
+        progress = torch.zeros(dk.pack_grid(t * min(w, k), nprog), dtype=torch.int64,
+                               pin_memory=True)
+        chunk_rows = t * min(w, k)  # one chunk: the kernel's rate without the chunk releases
 
         def pack():
-            dk.pack_dispatch(x, idx, wts, lay, me, plane, meta, counts, num_programs=nprog)
+            dk.pack_dispatch(x, idx, wts, lay, me, plane, meta, counts, progress, chunk_rows,
+                             num_programs=nprog)
 
         s = _time(pack, a.iters)
         same = True

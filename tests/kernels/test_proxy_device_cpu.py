@@ -7,7 +7,10 @@ imported). Host buffers and the window are CPU tensors; the per-source address t
 (``compute_send_layout``), the host path's metadata format (local ids, float32 bits of the
 weights) and ``reduce_rows_by_rank`` followed by the cast, bit for bit. ``transport`` runs the
 transport's device paths (kernels forced on for CPU tensors; the dispatch's device layout on and
-off) over libfabric tcp on loopback in two ranks against the ``torch`` transport.
+off) over libfabric tcp on loopback in two ranks against the ``torch`` transport. ``late`` runs
+it with a stand-in device that stores the send plane chunk by chunk after the launch returned
+(rows and progress words from another thread): the host must post each chunk only once its
+progress word says so, cut where the wire's descriptors end.
 """
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKS = ["pack", "gather", "reduce", "transport"]
+CHECKS = ["pack", "gather", "reduce", "transport", "late"]
 
 
 @pytest.mark.slow  # Triton's interpreter over randomized cases: 10-20 s each on 2 cores
 @pytest.mark.parametrize("check", CHECKS)
 def test_proxy_device_kernels_interpreted(check):
-    if check == "transport":
+    if check in ("transport", "late"):
         from efa_ep.kernels import proxy as proxy_mod
 
         why = proxy_mod.availability()
@@ -98,12 +101,17 @@ def _check_pack():
         plane = torch.zeros(max(1, t * world) * d * x.element_size() + 64, dtype=torch.uint8)
         meta = torch.full((max(1, t * min(world, topk)) * 2 * topk,), 7, dtype=torch.int64)
         counts = torch.zeros(2 + world + num_experts, dtype=torch.int64)
-        dk.pack_dispatch(x, idx, w, lay, me, plane, meta, counts, num_programs=3)
+        progress = torch.zeros(dk.pack_grid(t * min(world, topk), 3), dtype=torch.int64)
+        chunk_rows = 1 + n % 4
+        dk.pack_dispatch(x, idx, w, lay, me, plane, meta, counts, progress, chunk_rows,
+                         num_programs=3)
         case = (world, num_experts, topk, t, dtype_name, me)
         assert counts[0] == 0, (case, counts)
         assert counts[1:1 + world].tolist() == num_send, (case, counts)
         assert torch.equal(counts[1 + world:-1], torch.bincount(idx[idx >= 0], minlength=num_experts)), case
         assert counts[-1] == 1, (case, "the ready word follows the counts")
+        chunks = -(-s_all // chunk_rows) if s_all else 0
+        assert progress.tolist() == [chunks] * progress.numel(), (case, chunk_rows, progress)
         send_idx = ref.send_token_idx_S
         want_meta = _reference_meta(idx, w, send_idx, num_send, num_experts // world)
         assert torch.equal(meta[:s_all * 2 * topk].view(s_all, 2 * topk), want_meta), case
@@ -119,7 +127,8 @@ def _check_pack():
     counts = torch.zeros(2 + 2 + 8, dtype=torch.int64)
     lay = kern.layout(idx, w, 8, 2)
     dk.pack_dispatch(torch.zeros(5, 16), idx, w, lay, 0, torch.zeros(4096, dtype=torch.uint8),
-                     torch.zeros(64, dtype=torch.int64), counts, num_programs=2)
+                     torch.zeros(64, dtype=torch.int64), counts, torch.zeros(2, dtype=torch.int64),
+                     4, num_programs=2)
     from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT
     assert int(counts[0]) == STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT, counts
     assert int(counts[-1]) == 1, counts
@@ -261,6 +270,73 @@ def _transport_rank(rank, world):
     return bad, msg
 
 
+def _late_rank(rank, world):
+    """Dispatches whose send plane a thread fills after the kernel "returned", chunk by chunk
+    (plane bytes first, then the progress words), over tiny wire descriptors (48 bytes) and
+    chunks of one row per program; the outputs must equal the ``torch`` transport's."""
+    import threading
+
+    import torch
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.proxy import device as dk, device_path
+
+    torch.set_num_threads(1)
+    real_pack = dk.pack_dispatch
+    threads = []
+
+    def late_pack(x, idx, w, lay, me, plane, meta, counts, progress, chunk_rows, **kw):
+        mine = torch.zeros_like(plane)
+        done = torch.zeros_like(progress)
+        real_pack(x, idx, w, lay, me, mine, meta, counts, done, chunk_rows, **kw)
+        num_send = counts[1:1 + world].tolist()
+        s_me, n_me, total = sum(num_send[:me]), num_send[me], sum(num_send)
+        row = x.shape[1] * x.element_size()
+        plane.fill_(0xFF)  # what a peer would read if a chunk went out before it was stored
+
+        def store():
+            for c in range(1, max(done.tolist(), default=0) + 1):
+                end = min(c * chunk_rows, total)
+                peer_rows = end - min(max(end - s_me, 0), n_me)
+                plane[:peer_rows * row].copy_(mine[:peer_rows * row])
+                progress[:] = c
+
+        threads.append(threading.Thread(target=store))
+        threads[-1].start()
+
+    dk.pack_dispatch = late_pack
+    device_path._CHUNK_BYTES = 1  # one row per program per chunk
+    bad = []
+    for hidden, tokens in ((64, (13, 9)), (40, (21, 17))):
+        ref = create_transport("torch", None, 16, hidden, 32, torch.bfloat16)
+        px = create_transport("proxy", None, 16, hidden, 32, torch.bfloat16, provider="tcp",
+                              num_channels=2, chunk_bytes=48, timeout_s=60)
+        px.device_kernels, px.device_layout = "always", True
+        t = tokens[rank]
+        idx, w = _route(t, 16, 4, seed=rank + hidden)
+        x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        for it in range(2):
+            r, p = ref.dispatch(x, idx, w), px.dispatch(x, idx, w)
+            for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights",
+                                   "tokens_per_expert"), r[:4], p[:4]):
+                if a.shape != b.shape or not torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                                                         b.view(torch.uint8) if b.is_floating_point() else b):
+                    bad.append((hidden, it, name))
+        px.close()
+    for th in threads:
+        th.join()
+    return bad
+
+
+def _check_late():
+    from efa_ep.distributed import run_ranks
+
+    env = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1"}
+    for rank, bad in enumerate(run_ranks(_late_rank, 2, (), timeout_s=500, env=env)):
+        assert not bad, (rank, bad)
+    print("OK late")
+
+
 def _check_transport():
     from efa_ep.distributed import run_ranks
 
@@ -275,4 +351,4 @@ def _check_transport():
 
 if __name__ == "__main__":
     {"pack": _check_pack, "gather": _check_gather, "reduce": _check_reduce,
-     "transport": _check_transport}[sys.argv[1]]()
+     "transport": _check_transport, "late": _check_late}[sys.argv[1]]()
