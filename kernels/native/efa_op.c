@@ -311,15 +311,17 @@ static int post_slice(efa_wire *w, int64_t m, int64_t from, int64_t to, char *er
 }
 
 /* Plane 0 of every destination posted as the device stores it: the rows below min(progress) *
- * chunk_rows of the send order (rank-major, starts st[W + 1]) are in host memory. Returns once
- * every chunk is stored (the routing rows too), or -ETIMEDOUT at the wire's deadline. */
-static int post_rows_as_stored(efa_op *o, const int64_t *st, char *err, size_t errlen) {
+ * chunk_rows of the send order (rows_to[d] to rank d, rank-major, starts st[W + 1]) are in host
+ * memory. Returns once every chunk is stored (a dispatch's routing rows too), or -ETIMEDOUT at
+ * the wire's deadline. what: the operation, for the message. */
+static int post_rows_as_stored(efa_op *o, const int64_t *rows_to, const int64_t *st,
+                               const char *what, char *err, size_t errlen) {
     efa_wire *w = o->wire;
     const int64_t W = w->world, me = w->rank, rb = o->row_bytes, cb = w->chunk_bytes;
     const int64_t S = st[W], R = o->chunk_rows, chunks = S > 0 ? cdiv64(S, R) : 0;
     if (R < 1 || o->progress_words < 1 || cb < 1) {
-        set_err(err, errlen, "rank %lld: dispatch of packed rows: chunks of %lld rows, %lld "
-               "progress words", (long long)me, (long long)R, (long long)o->progress_words);
+        set_err(err, errlen, "rank %lld: %s of packed rows: chunks of %lld rows, %lld progress "
+               "words", (long long)me, what, (long long)R, (long long)o->progress_words);
         return -EINVAL;
     }
     int64_t *msg0 = o->aux, *posted = o->aux + W; /* plane 0's message per destination, bytes out */
@@ -344,7 +346,7 @@ static int post_rows_as_stored(efa_op *o, const int64_t *st, char *err, size_t e
             const int64_t rows = stored * R < S ? stored * R : S;
             for (int64_t d = 0; d < W; d++) {
                 if (d == me || msg0[d] < 0) continue;
-                int64_t n = o->num_send[d], ready = rows - st[d];
+                int64_t n = rows_to[d], ready = rows - st[d];
                 ready = ready < 0 ? 0 : ready > n ? n : ready;
                 int64_t upto = ready == n ? n * rb : (ready * rb / cb) * cb;
                 if (upto > posted[d]) {
@@ -359,10 +361,10 @@ static int post_rows_as_stored(efa_op *o, const int64_t *st, char *err, size_t e
         if ((++spins & 255) == 0) {
             uint64_t dt = now_ns() - t0;
             if (dt > limit) {
-                set_err(err, errlen, "rank %lld: dispatch (round %lld): the device stored %lld of "
+                set_err(err, errlen, "rank %lld: %s (round %lld): the device stored %lld of "
                        "%lld chunks of rows within %.3g s (a kernel on this stream never "
                        "completed: the GPU hangs or another kernel holds it)", (long long)me,
-                       (long long)o->seq, (long long)stored, (long long)chunks,
+                       what, (long long)o->seq, (long long)stored, (long long)chunks,
                        (double)w->timeout_ms / 1e3);
                 return -ETIMEDOUT;
             }
@@ -370,6 +372,16 @@ static int post_rows_as_stored(efa_op *o, const int64_t *st, char *err, size_t e
         }
     }
     w->wait_ns += (int64_t)(now_ns() - t0);
+    return 0;
+}
+
+/* Every data message of this round but the planes 0 (posted as stored): routing rows, footers. */
+static int post_rest(efa_wire *w, char *err, size_t errlen) {
+    for (int64_t m = 0; m < w->nmsgs; m++) {
+        if (w->msgs[w->max_msgs + m] == w->plan[w->msgs[m]]) continue; /* plane 0 */
+        int rc = post_slice(w, m, 0, w->msgs[3 * w->max_msgs + m], err, errlen);
+        if (rc) return rc;
+    }
     return 0;
 }
 
@@ -382,19 +394,15 @@ int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen) {
     if (rc) return rc;
     int64_t *st = o->scratch;
     prefix(o->num_send, W, st);
-    rc = post_rows_as_stored(o, st, err, errlen);
+    rc = post_rows_as_stored(o, o->num_send, st, "dispatch", err, errlen);
     if (rc) return rc;
     /* every row stored: the routing rows, then the rest of each message (its footer) */
     for (int64_t d = 0; d < W; d++)
         if (d != me && o->num_send[d])
             memcpy(w->window + w->plan[W + d], o->meta + st[d] * 2 * K,
                    (size_t)(o->num_send[d] * 16 * K));
-    for (int64_t m = 0; m < w->nmsgs; m++) {
-        int64_t d = w->msgs[m];
-        if (w->msgs[w->max_msgs + m] == w->plan[d]) continue; /* plane 0: posted above */
-        rc = post_slice(w, m, 0, w->msgs[3 * w->max_msgs + m], err, errlen);
-        if (rc) return rc;
-    }
+    rc = post_rest(w, err, errlen);
+    if (rc) return rc;
     take_rows_from(o, o->num_send[me]);
     return 0;
 }
@@ -474,9 +482,16 @@ int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen) {
 }
 
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
     int rc = check_packed_plane(o, "combine", err, errlen);
     if (rc) return rc;
-    return efa_wire_exchange(o->wire, 1, err, errlen);
+    rc = efa_wire_exchange(w, 0, err, errlen); /* headers checked, footers written */
+    if (rc) return rc;
+    int64_t *st = o->scratch;
+    prefix(o->num_recv, w->world, st); /* y's rows: num_recv[d] back to rank d, rank order */
+    rc = post_rows_as_stored(o, o->num_recv, st, "combine", err, errlen);
+    if (rc) return rc;
+    return post_rest(w, err, errlen);
 }
 
 int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen) {

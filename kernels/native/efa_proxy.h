@@ -308,8 +308,9 @@ typedef struct efa_op {
      * num_experts] int64: status, rows to each rank, (token, expert) pairs per expert, then the
      * ready word (1 once the rest is written; the caller zeroes it before the launch) */
     const volatile int64_t *dev_counts;
-    /* dispatch_packed: [progress_words] int64 the device writes, one per storing program: the
-     * chunks of chunk_rows send rows (rank-major) it has stored; zeroed by the caller */
+    /* dispatch_packed, combine_packed: [progress_words] int64 the device writes, one per
+     * storing program: the chunks of chunk_rows send rows (rank-major) it has stored; zeroed by
+     * the caller */
     const volatile int64_t *progress;
     int64_t progress_words, chunk_rows;
 } efa_op;
@@ -333,8 +334,9 @@ int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
  *             rank-major) packed and posted with the footers (deadline timeout_ms for the
  *             device). complete = dispatch's without the row copies (the device reads the
  *             peers' rows from the window).
- *   combine_packed: begin = the headers posted (the counts are the handle's); post (after the
- *             caller's stream synchronization) = headers checked, data posted; complete = the data waited for and its footers checked (the
+ *   combine_packed: begin = the headers posted (the counts are the handle's); post = headers
+ *             checked, each destination's rows posted as the progress words say they are
+ *             stored, then the footers; complete = the data waited for and its footers checked (the
  *             device reduces). */
 int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen);

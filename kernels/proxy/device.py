@@ -13,7 +13,9 @@ device-to-host copy, per-peer host-to-device copies, a reduction in several torc
   After the wire, :func:`gather_dispatch` builds the outputs in one launch: the peers' rows read
   from the receive window (GPU loads from pinned memory), this rank's own rows from ``x``, and
   the ids and weights the host unpacked and checked.
-- combine (after either dispatch path): :func:`reduce_combine` sums each token's partial rows in float32 over source ranks in
+- combine (after either dispatch path): :func:`pack_combine` stores the rows for the peers into
+  the send plane chunk by chunk as the dispatch's packing does; after the wire
+  :func:`reduce_combine` sums each token's partial rows in float32 over source ranks in
   ascending order from +0.0, reading the peers' rows from the receive window and this rank's own
   rows from ``y``, rounded once: bit-equal to :func:`~efa_ep.kernels.base.reduce_rows_by_rank`
   followed by the cast, as the host path is.
@@ -39,7 +41,8 @@ from ..launch import FastKernel
 from ..native_launch import KernelStep
 from .ring import HostPtr
 
-__all__ = ["pack_dispatch", "gather_dispatch", "reduce_combine", "host_arg"]
+__all__ = ["pack_dispatch", "pack_combine", "pack_grid", "gather_dispatch", "reduce_combine",
+           "host_arg"]
 
 
 _HOST_TENSORS = None  # whether host buffers go to kernels as tensors (interpreter, no GPU)
@@ -141,6 +144,31 @@ def _pack_dispatch_kernel(
                        scope="sys")
 
 
+@triton.jit(do_not_specialize=["own_start", "own_end", "num_rows", "D", "stride_y", "chunk_rows"])
+def _pack_combine_kernel(
+    y_ptr,                                          # [N, D] rows grouped by destination
+    plane_ptr,                                      # out (host) [N - own rows, D] rows to peers
+    progress_ptr: tl.pointer_type(tl.int64),        # out (host) [grid] chunks each program stored
+    own_start, own_end, num_rows, D, stride_y, chunk_rows,
+    BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Row i of ``y`` (not this rank's own ``[own_start, own_end)``) -> plane row i, or i minus
+    the own rows past them; in chunks of ``chunk_rows`` rows, each program then storing c + 1
+    into its progress word (release), as :func:`_pack_dispatch_kernel` does."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for c in range(0, tl.cdiv(num_rows, chunk_rows)):
+        lo = c * chunk_rows
+        for i in range(lo + pid, tl.minimum(lo + chunk_rows, num_rows), nprog):
+            i64 = tl.cast(i, tl.int64)
+            if (i64 < own_start) | (i64 >= own_end):
+                pos = tl.where(i64 < own_start, i64, i64 - (own_end - own_start))
+                _copy_row(y_ptr + i64 * stride_y, plane_ptr + pos * D, D, BLOCK_D, ALIGNED)
+        tl.debug_barrier()
+        tl.atomic_xchg(progress_ptr + pid, tl.zeros([], tl.int64) + (c + 1), sem="release",
+                       scope="sys")
+
+
 @triton.jit(do_not_specialize=["me", "own_start", "num_rows", "num_topk", "D", "stride_x"])
 def _gather_dispatch_kernel(
     x_ptr,                                          # [T, D] this rank's input rows
@@ -237,6 +265,7 @@ def _reduce_combine_kernel(
 # launched through their compiled launchers once compiled (Triton's per-call argument handling
 # cost ~40-55 us per launch of these kernels on the H200 host)
 _PACK = FastKernel(_pack_dispatch_kernel)
+_PACK_COMBINE = FastKernel(_pack_combine_kernel)
 _GATHER = FastKernel(_gather_dispatch_kernel)
 _REDUCE = FastKernel(_reduce_combine_kernel)
 
@@ -288,6 +317,27 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
         me, k, num_experts // world, num_experts, d, max(1, x.stride(0)), max(1, chunk_rows),
         world, max(2, next_pow2(world)), max(2, next_pow2(k)), max(2, next_pow2(num_experts)),
         bd, _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem), plan)
+
+
+def pack_combine(y, own_start: int, own_end: int, plane, progress, chunk_rows: int, *,
+                 num_programs: int, plan=None) -> None:
+    """Stores combine's rows for the peers into the send plane (asynchronous, on the current
+    stream), chunk by chunk as :func:`pack_dispatch` does.
+
+    Args:
+        y: ``[N, D]`` rows grouped by destination rank (device, unit column stride); this rank's
+            own rows ``[own_start, own_end)`` stay. plane: host ``[>= (N - own) * D * elem]``
+            uint8, the send plane (pinned). progress: host ``[pack_grid(N, num_programs)]``
+            int64 (pinned), zeroed before the launch: program p stores c + 1 once its rows of
+            chunk c (rows ``[c * chunk_rows, (c + 1) * chunk_rows)`` of ``y``) are stored.
+    """
+    n, d = y.shape
+    elem = y.element_size()
+    bd = kern._block_d(d, elem)
+    _go(_PACK_COMBINE, _grid(n, num_programs), (
+        y, host_arg(plane, y.dtype), host_arg(progress), own_start, own_end, n, d,
+        max(1, y.stride(0)), max(1, chunk_rows), bd, _aligned(d, elem, max(1, y.stride(0)))),
+        kern._warps(bd, elem), plan)
 
 
 def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, out_idx, out_w, *,

@@ -220,9 +220,7 @@ class DevicePath:
         nsm = self._num_programs(dev)
         row_x = H * x.element_size()
         grid = dk.pack_grid(t * min(w, k), nsm)
-        progress = self._pinned("progress", grid, torch.int64)
-        # rows per chunk: ~_CHUNK_BYTES of the send plane, whole rows for every program
-        chunk_rows = grid * max(1, -(-_CHUNK_BYTES // (row_x * grid)))
+        progress, chunk_rows = self._progress(grid, row_x)
         o_send, words = kern._layout_offsets(t, E, w, k)[5::2]
         scratch = torch.empty(words, dtype=torch.int64, device=dev)  # the handle keeps a view
         plane = self.window[self.layout.off_data_send:self.layout.off_recv]
@@ -239,7 +237,6 @@ class DevicePath:
         wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
         cn = counts.numpy()
         cn[-1] = 0  # the ready word: the kernel sets it once the counts are in host memory
-        progress.numpy()[:] = 0
         if prog is None:
             launch(None)
         else:
@@ -293,6 +290,14 @@ class DevicePath:
             xd, send_token_idx, num_recv, s_me, meta.data_ptr() + s_me * 16 * k, got, k)
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
             t, topk_idx, send_token_idx[:s_all], None, num_send, num_recv, recv_topk_idx)
+
+    def _progress(self, grid: int, row_bytes: int):
+        """(progress ``[grid]`` int64 pinned, zeroed; rows per chunk) of a packing kernel that
+        stores rows of ``row_bytes`` with ``grid`` programs: ~``_CHUNK_BYTES`` a chunk, whole
+        rows for every program."""
+        progress = self._pinned("progress", grid, torch.int64)
+        progress.numpy()[:] = 0
+        return progress, grid * max(1, -(-_CHUNK_BYTES // (row_bytes * grid)))
 
     def _device_routing_error(self, idx, wts, status: int) -> None:
         """Runs the error round for routing the device layout flagged (a bad expert id or

@@ -11,8 +11,8 @@ to the contract's errors; every problem found in C is named in C.
 CUDA rows on a host window use the same struct for their rounds (``dispatch_packed``,
 ``combine_packed``): the device packs the rows into the send area, so the calls run the round,
 its checks and the routing rows only, in three steps (begin: the headers posted while the device
-still stores; post: the data, a dispatch's rows chunk by chunk as the device stores them;
-complete); the device reads what arrived straight from the window.
+still stores; post: the rows chunk by chunk as the device stores them; complete); the device
+reads what arrived straight from the window.
 
 Everything the native side writes besides the outputs (routing rows, scratch, per-rank counts)
 is allocated here once and reused; the outputs and the handle's ``send_token_idx`` are new
@@ -186,8 +186,7 @@ class HostOps:
 
     # Rows packed into the send area by the device (CUDA inputs on a host window) --------------
     # Each round starts with its headers while the device still stores the rows (begin), then
-    # posts the data (post): a dispatch's as the device's progress words allow, a combine's
-    # after the caller's stream synchronization.
+    # posts the rows chunk by chunk as the device's progress words allow (post).
     def dispatch_packed_begin(self, dev_counts: torch.Tensor, progress: torch.Tensor,
                               chunk_rows: int, meta: torch.Tensor, k: int, row_bytes: int) -> bool:
         """Starts a dispatch whose rows the device is storing into the send area (plane 0 from
@@ -234,20 +233,24 @@ class HostOps:
         st.tokens_per_expert = tokens_per_expert.data_ptr()
         self._call("dispatch_packed", "complete")
 
-    def combine_packed_begin(self, num_send, num_recv, row_bytes: int, fmt: int) -> None:
-        """Starts a combine round whose rows the device is copying into the send area (as
+    def combine_packed_begin(self, num_send, num_recv, row_bytes: int, fmt: int,
+                             progress: torch.Tensor, chunk_rows: int) -> None:
+        """Starts a combine round whose rows the device is storing into the send area (as
         :meth:`dispatch_packed_begin`'s: ``num_recv[d]`` rows back to rank d, rank order,
-        ``row_bytes`` each; ``num_send[r]`` rows expected from rank r): the headers posted."""
+        ``row_bytes`` each; ``num_send[r]`` rows expected from rank r; ``progress`` and
+        ``chunk_rows`` as there, over y's rows): the headers posted."""
         st = self.st
         self.num_send[:] = num_send
         self.num_recv[:] = num_recv
         st.row_bytes, st.fmt = row_bytes, fmt
+        st.progress, st.progress_words = progress.data_ptr(), progress.numel()
+        st.chunk_rows = chunk_rows
         self._begin("combine_packed")
 
     def combine_packed_finish(self) -> None:
-        """After :meth:`combine_packed_begin` and the stream synchronization that makes the rows
-        visible: headers checked, data posted, the peers' data waited for (left in the receive
-        window, :meth:`received`; the caller reduces)."""
+        """After :meth:`combine_packed_begin`: headers checked, the rows posted as the device
+        stores them, the peers' data waited for (left in the receive window, :meth:`received`;
+        the caller reduces)."""
         self._post("combine_packed", OP_COMBINE, begun=True)
         self._call("combine_packed", "complete")
 

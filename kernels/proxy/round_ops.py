@@ -365,11 +365,11 @@ class RoundOps:
         if self._device_kernels_for(yc) and row_bytes % 16 == 0:
             ops = self._packed_ops()
             if ops is not None:  # rows straight into the send area, the round in native calls
-                self._pack_send_area(yc, num_recv, starts)
-                self._wait_reads()  # (queued before the copies: usually nothing left to wait for)
-                # headers while the copies run, the data once they are done
-                ops.combine_packed_begin(n_send, num_recv, row_bytes, row_format(yc))
-                self._sync(yc.device)
+                progress, chunk_rows = self._pack_send_area(yc, starts)
+                self._wait_reads()  # (queued before the packing: usually nothing left to wait for)
+                # headers while the device stores the rows, the rows as they are stored
+                ops.combine_packed_begin(n_send, num_recv, row_bytes, row_format(yc), progress,
+                                         chunk_rows)
                 ops.combine_packed_finish()
                 return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
         self._wait_reads()
@@ -399,26 +399,37 @@ class RoundOps:
             torch.cuda.current_stream(y.device).synchronize()  # the window is read before our next header
         return out
 
-    def _pack_send_area(self, y: torch.Tensor, rows_to, starts) -> None:
-        """Copies ``y``'s rows for the peers (``rows_to[d]`` to rank d, grouped by destination,
-        ``starts`` their prefix) into the send area before the round: one run from its start in
-        rank order, as :meth:`HostOps.combine_packed_begin` expects (after our previous writes
-        left; for a GPU ``y`` a device-to-host copy per run on the current stream, which the
-        caller synchronizes before the data is posted)."""
+    def _pack_send_area(self, y: torch.Tensor, starts):
+        """Launches the kernel that stores ``y``'s rows for the peers (grouped by destination,
+        ``starts`` their prefix) into the send area: one run from its start in rank order, as
+        :meth:`HostOps.combine_packed_begin` expects, chunk by chunk (after our previous writes
+        left). Returns (progress words, rows per chunk) for the round's post."""
+        from . import device as dk
+
         me, d_cols = self.rank, y.shape[1]
-        s_me, e_me = starts[me], starts[me + 1]
-        n_peer = starts[-1] - (e_me - s_me)
+        s_me, e_me, n = starts[me], starts[me + 1], starts[-1]
         lay = self.layout
-        if n_peer * d_cols * y.element_size() > lay.off_recv - lay.off_data_send:
-            raise TransportError(f"rank {me}: combine of {n_peer} rows of {d_cols * y.element_size()} "
-                                 f"bytes to peers exceeds the send area")
+        if (n - (e_me - s_me)) * d_cols * y.element_size() > lay.off_recv - lay.off_data_send:
+            raise TransportError(f"rank {me}: combine of {n - (e_me - s_me)} rows of "
+                                 f"{d_cols * y.element_size()} bytes to peers exceeds the send area")
         self.wire.quiesce()
-        dst = self.window[lay.off_data_send:lay.off_recv].view(y.dtype)[:n_peer * d_cols]
-        dst = dst.view(n_peer, d_cols)
-        if s_me:
-            dst[:s_me].copy_(y[:s_me], non_blocking=True)
-        if e_me < starts[-1]:
-            dst[s_me:].copy_(y[e_me:starts[-1]], non_blocking=True)
+        dev = y.device
+        plane = self.window[lay.off_data_send:lay.off_recv]
+        nprog = self._num_programs(dev)
+        progress, chunk_rows = self._progress(dk.pack_grid(n, nprog), d_cols * y.element_size())
+
+        def launch(plan):
+            dk.pack_combine(y, s_me, e_me, plane, progress, chunk_rows, num_programs=nprog,
+                            plan=plan)
+
+        key = ("pack_combine", dev.index, n, d_cols, y.dtype, y.stride(0), chunk_rows,
+               progress.data_ptr(), plane.data_ptr())
+        prog = self._device_program(key, launch, (y,), ("own_start", "own_end")) if n else None
+        if prog is None:
+            launch(None)
+        else:
+            prog.run((y.data_ptr(), s_me, e_me), self._cuda_stream(dev))
+        return progress, chunk_rows
 
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
         """Combine's reduction as one kernel (``device.py``) on y's device: ``[num_tokens, D]``

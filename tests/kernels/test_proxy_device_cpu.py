@@ -132,6 +132,19 @@ def _check_pack():
     from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT
     assert int(counts[0]) == STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT, counts
     assert int(counts[-1]) == 1, counts
+    # combine's rows for the peers: every row but this rank's own block, in order
+    g = torch.Generator().manual_seed(5)
+    for rows, own, chunk_rows, dtype in ((11, (3, 7), 2, torch.bfloat16), (9, (0, 9), 4, torch.float32),
+                                         (6, (0, 0), 1, torch.float32), (13, (13, 13), 5, torch.bfloat16)):
+        y = torch.randn(rows, 24, generator=g).to(dtype)
+        plane = torch.zeros(rows * 24 * y.element_size() + 64, dtype=torch.uint8)
+        progress = torch.zeros(dk.pack_grid(rows, 3), dtype=torch.int64)
+        dk.pack_combine(y, own[0], own[1], plane, progress, chunk_rows, num_programs=3)
+        peer = torch.cat([y[:own[0]], y[own[1]:]])
+        got = plane[:peer.numel() * y.element_size()].view(dtype).view(-1, 24)
+        assert torch.equal(got.view(torch.uint8), peer.contiguous().view(torch.uint8)), (rows, own)
+        assert progress.tolist() == [-(-rows // chunk_rows)] * progress.numel(), (rows, progress)
+        n += 1
     print(f"OK pack ({n} cases)")
 
 
@@ -271,9 +284,9 @@ def _transport_rank(rank, world):
 
 
 def _late_rank(rank, world):
-    """Dispatches whose send plane a thread fills after the kernel "returned", chunk by chunk
-    (plane bytes first, then the progress words), over tiny wire descriptors (48 bytes) and
-    chunks of one row per program; the outputs must equal the ``torch`` transport's."""
+    """Dispatches and combines whose send plane a thread fills after the kernel "returned",
+    chunk by chunk (plane bytes first, then the progress words), over tiny wire descriptors (48
+    bytes) and chunks of one row per program; the outputs must equal the ``torch`` transport's."""
     import threading
 
     import torch
@@ -295,6 +308,7 @@ def _late_rank(rank, world):
 
         def store():
             for c in range(1, max(done.tolist(), default=0) + 1):
+                time.sleep(0.005)  # a slow device (pacing only: nothing waits on it)
                 end = min(c * chunk_rows, total)
                 peer_rows = end - min(max(end - s_me, 0), n_me)
                 plane[:peer_rows * row].copy_(mine[:peer_rows * row])
@@ -303,7 +317,27 @@ def _late_rank(rank, world):
         threads.append(threading.Thread(target=store))
         threads[-1].start()
 
-    dk.pack_dispatch = late_pack
+    real_pack_combine = dk.pack_combine
+
+    def late_pack_combine(y, own_start, own_end, plane, progress, chunk_rows, **kw):
+        mine = torch.zeros_like(plane)
+        done = torch.zeros_like(progress)
+        real_pack_combine(y, own_start, own_end, mine, done, chunk_rows, **kw)
+        row, total = y.shape[1] * y.element_size(), y.shape[0]
+        plane.fill_(0xFF)
+
+        def store():
+            for c in range(1, max(done.tolist(), default=0) + 1):
+                time.sleep(0.005)  # a slow device (pacing only: nothing waits on it)
+                end = min(c * chunk_rows, total)
+                peer_rows = end - min(max(end - own_start, 0), own_end - own_start)
+                plane[:peer_rows * row].copy_(mine[:peer_rows * row])
+                progress[:] = c
+
+        threads.append(threading.Thread(target=store))
+        threads[-1].start()
+
+    dk.pack_dispatch, dk.pack_combine = late_pack, late_pack_combine
     device_path._CHUNK_BYTES = 1  # one row per program per chunk
     bad = []
     for hidden, tokens in ((64, (13, 9)), (40, (21, 17))):
@@ -321,6 +355,9 @@ def _late_rank(rank, world):
                 if a.shape != b.shape or not torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
                                                          b.view(torch.uint8) if b.is_floating_point() else b):
                     bad.append((hidden, it, name))
+            y = torch.randn(r[0].shape[0], hidden, generator=torch.Generator().manual_seed(it)).to(torch.bfloat16)
+            if not torch.equal(ref.combine(y, r[4]).view(torch.uint8), px.combine(y, p[4]).view(torch.uint8)):
+                bad.append((hidden, it, "combine"))
         px.close()
     for th in threads:
         th.join()
