@@ -1,7 +1,7 @@
 """CUDA rows on a host window: the routing layout and packing run as device kernels straight into
 the window (``device.py``) while the host posts the round (headers once the counts are written,
-rows as they are stored: no stream synchronization), one kernel for the outputs after it, and an event that the next op waits for before peers may overwrite the
-window. A mixin of :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`, whose state it
+rows as they are stored: no stream synchronization), one kernel for the outputs after it, and
+an event that the next op waits for before peers may overwrite the window. A mixin of :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`, whose state it
 uses."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..base import TransportError, describe_value_errors
+from ..base import DispatchInputError, TransportError, describe_value_errors
 from ..native_launch import NativeLaunchError, bind
 from .options import PY_TAMPER
 from .window import OP_DISPATCH, dense
@@ -253,7 +253,7 @@ class DevicePath:
             if not ops.dispatch_packed_begin(counts, progress, chunk_rows, meta, k, row_x):
                 self._sync(dev)
                 self._device_routing_error(idx, wts, int(cn[0]))
-            num_recv = ops.dispatch_packed_post()
+            num_recv = self._after_packing(dev, ops.dispatch_packed_post)
             num_send = ops.num_send.tolist()
             s_me = sum(num_send[:me])
             n_recv = sum(num_recv)
@@ -290,6 +290,17 @@ class DevicePath:
             xd, send_token_idx, num_recv, s_me, meta.data_ptr() + s_me * 16 * k, got, k)
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
             t, topk_idx, send_token_idx[:s_all], None, num_send, num_recv, recv_topk_idx)
+
+    def _after_packing(self, dev: torch.device, post):
+        """Runs ``post`` (a packed round's post); when the group refuses the op for a rank's
+        input (the transport stays usable) the packing kernel may still be storing: waits for
+        it, so the next op's progress words start from zero (other failures break the
+        transport; a hung device must not hang the raise)."""
+        try:
+            return post()
+        except DispatchInputError:
+            self._sync(dev)
+            raise
 
     def _progress(self, grid: int, row_bytes: int):
         """(progress ``[grid]`` int64 pinned, zeroed; rows per chunk) of a packing kernel that

@@ -370,7 +370,7 @@ class RoundOps:
                 # headers while the device stores the rows, the rows as they are stored
                 ops.combine_packed_begin(n_send, num_recv, row_bytes, row_format(yc), progress,
                                          chunk_rows)
-                ops.combine_packed_finish()
+                self._after_packing(yc.device, ops.combine_packed_finish)
                 return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
         self._wait_reads()
         ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
