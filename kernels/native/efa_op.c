@@ -477,6 +477,29 @@ int efa_op_combine_post(efa_op *o, char *err, size_t errlen) {
     return efa_wire_exchange(w, 1, err, errlen);
 }
 
+/* cached_packed: the handle's rows, gathered by the device into the send area (num_send[d]
+ * rows to rank d), num_recv[r] expected from rank r; the caller copies them out of the window. */
+int efa_op_cached_packed_begin(efa_op *o, char *err, size_t errlen) {
+    return begin_rows_round(o, OP_CACHED, o->num_send, o->num_recv, err, errlen);
+}
+
+int efa_op_cached_packed_post(efa_op *o, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    int rc = check_packed_plane(o, "dispatch_cached", err, errlen);
+    if (rc) return rc;
+    rc = efa_wire_exchange(w, 0, err, errlen);
+    if (rc) return rc;
+    int64_t *st = o->scratch;
+    prefix(o->num_send, w->world, st);
+    rc = post_rows_as_stored(o, o->num_send, st, "dispatch_cached", err, errlen);
+    if (rc) return rc;
+    return post_rest(w, err, errlen);
+}
+
+int efa_op_cached_packed_complete(efa_op *o, char *err, size_t errlen) {
+    return efa_wire_finish(o->wire, err, errlen);
+}
+
 int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen) {
     return begin_rows_round(o, OP_COMBINE, o->num_recv, o->num_send, err, errlen);
 }

@@ -308,7 +308,7 @@ typedef struct efa_op {
      * num_experts] int64: status, rows to each rank, (token, expert) pairs per expert, then the
      * ready word (1 once the rest is written; the caller zeroes it before the launch) */
     const volatile int64_t *dev_counts;
-    /* dispatch_packed, combine_packed: [progress_words] int64 the device writes, one per
+    /* the packed kinds: [progress_words] int64 the device writes, one per
      * storing program: the chunks of chunk_rows send rows (rank-major) it has stored; zeroed by
      * the caller */
     const volatile int64_t *progress;
@@ -334,6 +334,9 @@ int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
  *             rank-major) packed and posted with the footers (deadline timeout_ms for the
  *             device). complete = dispatch's without the row copies (the device reads the
  *             peers' rows from the window).
+ *   cached_packed: as combine_packed, for a cached dispatch's rows (num_send[d] to rank d,
+ *             num_recv[r] from rank r); complete = the data waited for and its footers checked
+ *             (the caller copies the rows out of the window).
  *   combine_packed: begin = the headers posted (the counts are the handle's); post = headers
  *             checked, each destination's rows posted as the progress words say they are
  *             stored, then the footers; complete = the data waited for and its footers checked (the
@@ -341,6 +344,9 @@ int efa_op_combine_complete(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_post(efa_op *o, char *err, size_t errlen);
 int efa_op_dispatch_packed_complete(efa_op *o, char *err, size_t errlen);
+int efa_op_cached_packed_begin(efa_op *o, char *err, size_t errlen);
+int efa_op_cached_packed_post(efa_op *o, char *err, size_t errlen);
+int efa_op_cached_packed_complete(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen);

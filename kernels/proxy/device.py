@@ -13,10 +13,11 @@ device-to-host copy, per-peer host-to-device copies, a reduction in several torc
   After the wire, :func:`gather_dispatch` builds the outputs in one launch: the peers' rows read
   from the receive window (GPU loads from pinned memory), this rank's own rows from ``x``, and
   the ids and weights the host unpacked and checked.
-- combine (after either dispatch path): :func:`pack_combine` stores the rows for the peers into
-  the send plane chunk by chunk as the dispatch's packing does; after the wire
-  :func:`reduce_combine` sums each token's partial rows in float32 over source ranks in
-  ascending order from +0.0, reading the peers' rows from the receive window and this rank's own
+- combine and cached dispatch: :func:`pack_rows` stores the rows for the peers (a cached
+  dispatch's gathered through its handle's send order) into the send plane chunk by chunk as
+  the dispatch's packing does. After the wire a cached dispatch's rows are copied out of the
+  window; combine's :func:`reduce_combine` sums each token's partial rows in float32 over source
+  ranks in ascending order from +0.0, reading the peers' rows from the receive window and this rank's own
   rows from ``y``, rounded once: bit-equal to :func:`~efa_ep.kernels.base.reduce_rows_by_rank`
   followed by the cast, as the host path is.
 
@@ -41,7 +42,7 @@ from ..launch import FastKernel
 from ..native_launch import KernelStep
 from .ring import HostPtr
 
-__all__ = ["pack_dispatch", "pack_combine", "pack_grid", "gather_dispatch", "reduce_combine",
+__all__ = ["pack_dispatch", "pack_rows", "pack_grid", "gather_dispatch", "reduce_combine",
            "host_arg"]
 
 
@@ -144,17 +145,20 @@ def _pack_dispatch_kernel(
                        scope="sys")
 
 
-@triton.jit(do_not_specialize=["own_start", "own_end", "num_rows", "D", "stride_y", "chunk_rows"])
-def _pack_combine_kernel(
-    y_ptr,                                          # [N, D] rows grouped by destination
-    plane_ptr,                                      # out (host) [N - own rows, D] rows to peers
+@triton.jit(do_not_specialize=["own_start", "own_end", "num_rows", "D", "stride_src",
+                               "chunk_rows"])
+def _pack_rows_kernel(
+    src_ptr,                                        # [R, D] rows, row stride stride_src
+    idx_ptr,                                        # [num_rows] int64: source row of send row i (HAS_IDX)
+    plane_ptr,                                      # out (host) [num_rows - own, D] rows to peers
     progress_ptr: tl.pointer_type(tl.int64),        # out (host) [grid] chunks each program stored
-    own_start, own_end, num_rows, D, stride_y, chunk_rows,
-    BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    own_start, own_end, num_rows, D, stride_src, chunk_rows,
+    HAS_IDX: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Row i of ``y`` (not this rank's own ``[own_start, own_end)``) -> plane row i, or i minus
-    the own rows past them; in chunks of ``chunk_rows`` rows, each program then storing c + 1
-    into its progress word (release), as :func:`_pack_dispatch_kernel` does."""
+    """Send row i (``src[idx[i]]``, or ``src[i]`` without an index), unless it is this rank's
+    own (``[own_start, own_end)``) -> plane row i, or i minus the own rows past them; in chunks
+    of ``chunk_rows`` send rows, each program then storing c + 1 into its progress word
+    (release), as :func:`_pack_dispatch_kernel` does."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(0, tl.cdiv(num_rows, chunk_rows)):
@@ -163,7 +167,11 @@ def _pack_combine_kernel(
             i64 = tl.cast(i, tl.int64)
             if (i64 < own_start) | (i64 >= own_end):
                 pos = tl.where(i64 < own_start, i64, i64 - (own_end - own_start))
-                _copy_row(y_ptr + i64 * stride_y, plane_ptr + pos * D, D, BLOCK_D, ALIGNED)
+                if HAS_IDX:
+                    row = tl.load(idx_ptr + i64)
+                else:
+                    row = i64
+                _copy_row(src_ptr + row * stride_src, plane_ptr + pos * D, D, BLOCK_D, ALIGNED)
         tl.debug_barrier()
         tl.atomic_xchg(progress_ptr + pid, tl.zeros([], tl.int64) + (c + 1), sem="release",
                        scope="sys")
@@ -265,7 +273,7 @@ def _reduce_combine_kernel(
 # launched through their compiled launchers once compiled (Triton's per-call argument handling
 # cost ~40-55 us per launch of these kernels on the H200 host)
 _PACK = FastKernel(_pack_dispatch_kernel)
-_PACK_COMBINE = FastKernel(_pack_combine_kernel)
+_PACK_ROWS = FastKernel(_pack_rows_kernel)
 _GATHER = FastKernel(_gather_dispatch_kernel)
 _REDUCE = FastKernel(_reduce_combine_kernel)
 
@@ -319,25 +327,29 @@ def pack_dispatch(x, topk_idx, topk_weights, layout, me: int, plane, meta, count
         bd, _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem), plan)
 
 
-def pack_combine(y, own_start: int, own_end: int, plane, progress, chunk_rows: int, *,
-                 num_programs: int, plan=None) -> None:
-    """Stores combine's rows for the peers into the send plane (asynchronous, on the current
-    stream), chunk by chunk as :func:`pack_dispatch` does.
+def pack_rows(src, idx, own_start: int, own_end: int, plane, progress, chunk_rows: int, *,
+              num_programs: int, plan=None) -> None:
+    """Stores the rows of a combine (``idx`` None: ``src`` is ``y``, rows grouped by
+    destination) or of a cached dispatch (``idx``: the handle's ``send_token_idx``) for the
+    peers into the send plane (asynchronous, on the current stream), chunk by chunk as
+    :func:`pack_dispatch` does.
 
     Args:
-        y: ``[N, D]`` rows grouped by destination rank (device, unit column stride); this rank's
-            own rows ``[own_start, own_end)`` stay. plane: host ``[>= (N - own) * D * elem]``
-            uint8, the send plane (pinned). progress: host ``[pack_grid(N, num_programs)]``
+        src: ``[R, D]`` rows (device, unit column stride). idx: None, or ``[S]`` int64 (device):
+            send row i is ``src[idx[i]]``. Send rows are grouped by destination rank; this
+            rank's own ``[own_start, own_end)`` stay. plane: host ``[>= (S - own) * D * elem]``
+            uint8, the send plane (pinned). progress: host ``[pack_grid(S, num_programs)]``
             int64 (pinned), zeroed before the launch: program p stores c + 1 once its rows of
-            chunk c (rows ``[c * chunk_rows, (c + 1) * chunk_rows)`` of ``y``) are stored.
+            chunk c (send rows ``[c * chunk_rows, (c + 1) * chunk_rows)``) are stored.
     """
-    n, d = y.shape
-    elem = y.element_size()
+    n = src.shape[0] if idx is None else idx.numel()
+    d = src.shape[1]
+    elem = src.element_size()
     bd = kern._block_d(d, elem)
-    _go(_PACK_COMBINE, _grid(n, num_programs), (
-        y, host_arg(plane, y.dtype), host_arg(progress), own_start, own_end, n, d,
-        max(1, y.stride(0)), max(1, chunk_rows), bd, _aligned(d, elem, max(1, y.stride(0)))),
-        kern._warps(bd, elem), plan)
+    _go(_PACK_ROWS, _grid(n, num_programs), (
+        src, src if idx is None else idx, host_arg(plane, src.dtype), host_arg(progress),
+        own_start, own_end, n, d, max(1, src.stride(0)), max(1, chunk_rows), idx is not None,
+        bd, _aligned(d, elem, max(1, src.stride(0)))), kern._warps(bd, elem), plan)
 
 
 def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, out_idx, out_w, *,

@@ -233,26 +233,27 @@ class HostOps:
         st.tokens_per_expert = tokens_per_expert.data_ptr()
         self._call("dispatch_packed", "complete")
 
-    def combine_packed_begin(self, num_send, num_recv, row_bytes: int, fmt: int,
-                             progress: torch.Tensor, chunk_rows: int) -> None:
-        """Starts a combine round whose rows the device is storing into the send area (as
-        :meth:`dispatch_packed_begin`'s: ``num_recv[d]`` rows back to rank d, rank order,
-        ``row_bytes`` each; ``num_send[r]`` rows expected from rank r; ``progress`` and
-        ``chunk_rows`` as there, over y's rows): the headers posted."""
+    def rows_packed_begin(self, kind: str, num_send, num_recv, row_bytes: int, fmt: int,
+                          progress: torch.Tensor, chunk_rows: int) -> None:
+        """Starts a round of rows the device is storing into the send area (as
+        :meth:`dispatch_packed_begin`'s, ``row_bytes`` each, rank order; ``progress`` and
+        ``chunk_rows`` as there): ``kind`` ``"combine_packed"`` sends ``num_recv[d]`` rows back
+        to rank d and expects ``num_send[r]`` from rank r; ``"cached_packed"`` sends
+        ``num_send[d]`` and expects ``num_recv[r]``. The headers posted."""
         st = self.st
         self.num_send[:] = num_send
         self.num_recv[:] = num_recv
         st.row_bytes, st.fmt = row_bytes, fmt
         st.progress, st.progress_words = progress.data_ptr(), progress.numel()
         st.chunk_rows = chunk_rows
-        self._begin("combine_packed")
+        self._begin(kind)
 
-    def combine_packed_finish(self) -> None:
-        """After :meth:`combine_packed_begin`: headers checked, the rows posted as the device
-        stores them, the peers' data waited for (left in the receive window, :meth:`received`;
-        the caller reduces)."""
-        self._post("combine_packed", OP_COMBINE, begun=True)
-        self._call("combine_packed", "complete")
+    def rows_packed_finish(self, kind: str) -> None:
+        """After :meth:`rows_packed_begin`: headers checked, the rows posted as the device
+        stores them, the peers' data waited for (left in the receive window, :meth:`received`:
+        the caller reduces or copies them out)."""
+        self._post(kind, OP_COMBINE if kind == "combine_packed" else OP_CACHED, begun=True)
+        self._call(kind, "complete")
 
     def received(self, r: int, n: int, row_bytes: int) -> torch.Tensor:
         """``[n, row_bytes]`` uint8 view of rank ``r``'s rows in the receive window (valid until

@@ -210,6 +210,9 @@ _SIGS = {
     "efa_op_dispatch_packed_begin": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_dispatch_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_dispatch_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_cached_packed_begin": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_cached_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_op_cached_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_begin": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
@@ -511,8 +514,9 @@ class NativeOp:
         self._err = _err()
         self._fns = {(kind, step): getattr(lib, f"efa_op_{kind}_{step}")
                      for kind in ("dispatch", "cached", "combine", "dispatch_packed",
-                                  "combine_packed") for step in ("post", "complete")}
-        for kind in ("dispatch_packed", "combine_packed"):  # headers first (see efa_proxy.h)
+                                  "cached_packed", "combine_packed")
+                     for step in ("post", "complete")}
+        for kind in ("dispatch_packed", "cached_packed", "combine_packed"):  # headers first
             self._fns[kind, "begin"] = getattr(lib, f"efa_op_{kind}_begin")
 
     def call(self, kind: str, step: str) -> int:

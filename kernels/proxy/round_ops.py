@@ -290,6 +290,11 @@ class RoundOps:
             self_rows = x.index_select(0, idx[starts[me]:starts[me + 1]])
             return wire.exchange_rows(OP_CACHED, rows_to, self_rows, num_recv)
         xd = dense(x)
+        if self._device_kernels_for(xd) and row_bytes % 16 == 0 and xd.shape[0]:
+            ops = self._packed_ops()
+            if ops is not None:  # rows straight into the send area, the round in native calls
+                return self._dispatch_cached_packed(ops, xd, idx, num_send, num_recv, starts,
+                                                    rstarts)
         ops = self._host_ops(x, idx)
         if ops is not None:
             return ops.dispatch_cached(xd, idx, num_send, num_recv, row_format(xd))
@@ -305,6 +310,29 @@ class RoundOps:
                                                      non_blocking=True)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()  # the window is read before our next header
+        return out
+
+    def _dispatch_cached_packed(self, ops, xd, idx, num_send, num_recv, starts, rstarts):
+        """A cached dispatch of device rows ``xd`` ``[T, D]`` on a host window: the handle's
+        rows gathered by the device into the send area chunk by chunk, the headers while it
+        stores, the rows posted as they are stored; then the output ``[N, D]`` in source order
+        (this rank's rows gathered from ``xd``, the peers' copied out of the window), ending
+        with the reads' event (no synchronization)."""
+        me, dev, d_cols = self.rank, xd.device, xd.shape[1]
+        row_bytes = d_cols * xd.element_size()
+        progress, chunk_rows = self._pack_send_area(xd, idx, starts)
+        self._wait_reads()  # (queued before the packing: usually nothing left to wait for)
+        ops.rows_packed_begin("cached_packed", num_send, num_recv, row_bytes, row_format(xd),
+                              progress, chunk_rows)
+        self._after_packing(dev, lambda: ops.rows_packed_finish("cached_packed"))
+        out = torch.empty(rstarts[-1], d_cols, dtype=xd.dtype, device=dev)
+        torch.index_select(xd, 0, idx[starts[me]:starts[me + 1]],
+                           out=out[rstarts[me]:rstarts[me + 1]])
+        for r in range(self.world_size):
+            if r != me and num_recv[r]:
+                rows = ops.received(r, num_recv[r], row_bytes).view(xd.dtype).view(-1, d_cols)
+                out[rstarts[r]:rstarts[r + 1]].copy_(rows, non_blocking=True)
+        self._record_reads(dev)
         return out
 
     def _pack_rows(self, y: torch.Tensor, idx: torch.Tensor, rows_to, starts, gather: bool) -> None:
@@ -365,12 +393,12 @@ class RoundOps:
         if self._device_kernels_for(yc) and row_bytes % 16 == 0:
             ops = self._packed_ops()
             if ops is not None:  # rows straight into the send area, the round in native calls
-                progress, chunk_rows = self._pack_send_area(yc, starts)
+                progress, chunk_rows = self._pack_send_area(yc, None, starts)
                 self._wait_reads()  # (queued before the packing: usually nothing left to wait for)
                 # headers while the device stores the rows, the rows as they are stored
-                ops.combine_packed_begin(n_send, num_recv, row_bytes, row_format(yc), progress,
-                                         chunk_rows)
-                self._after_packing(yc.device, ops.combine_packed_finish)
+                ops.rows_packed_begin("combine_packed", n_send, num_recv, row_bytes,
+                                      row_format(yc), progress, chunk_rows)
+                self._after_packing(yc.device, lambda: ops.rows_packed_finish("combine_packed"))
                 return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
         self._wait_reads()
         ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
@@ -399,36 +427,40 @@ class RoundOps:
             torch.cuda.current_stream(y.device).synchronize()  # the window is read before our next header
         return out
 
-    def _pack_send_area(self, y: torch.Tensor, starts):
-        """Launches the kernel that stores ``y``'s rows for the peers (grouped by destination,
-        ``starts`` their prefix) into the send area: one run from its start in rank order, as
-        :meth:`HostOps.combine_packed_begin` expects, chunk by chunk (after our previous writes
-        left). Returns (progress words, rows per chunk) for the round's post."""
+    def _pack_send_area(self, src: torch.Tensor, idx, starts):
+        """Launches the kernel that stores the rows for the peers into the send area
+        (:func:`~efa_ep.kernels.proxy.device.pack_rows`: ``src``'s rows grouped by destination,
+        or with ``idx`` ``src[idx[i]]``; ``starts`` the send rows' prefix per rank): one run from
+        the send area's start in rank order, as :meth:`HostOps.rows_packed_begin` expects, chunk
+        by chunk (after our previous writes left). Returns (progress words, rows per chunk) for
+        the round's post."""
         from . import device as dk
 
-        me, d_cols = self.rank, y.shape[1]
+        me, d_cols = self.rank, src.shape[1]
         s_me, e_me, n = starts[me], starts[me + 1], starts[-1]
+        row = d_cols * src.element_size()
         lay = self.layout
-        if (n - (e_me - s_me)) * d_cols * y.element_size() > lay.off_recv - lay.off_data_send:
-            raise TransportError(f"rank {me}: combine of {n - (e_me - s_me)} rows of "
-                                 f"{d_cols * y.element_size()} bytes to peers exceeds the send area")
+        if (n - (e_me - s_me)) * row > lay.off_recv - lay.off_data_send:
+            raise TransportError(f"rank {me}: {n - (e_me - s_me)} rows of {row} bytes to peers "
+                                 f"exceed the send area")
         self.wire.quiesce()
-        dev = y.device
+        dev = src.device
         plane = self.window[lay.off_data_send:lay.off_recv]
         nprog = self._num_programs(dev)
-        progress, chunk_rows = self._progress(dk.pack_grid(n, nprog), d_cols * y.element_size())
+        progress, chunk_rows = self._progress(dk.pack_grid(n, nprog), row)
 
         def launch(plan):
-            dk.pack_combine(y, s_me, e_me, plane, progress, chunk_rows, num_programs=nprog,
-                            plan=plan)
+            dk.pack_rows(src, idx, s_me, e_me, plane, progress, chunk_rows, num_programs=nprog,
+                         plan=plan)
 
-        key = ("pack_combine", dev.index, n, d_cols, y.dtype, y.stride(0), chunk_rows,
-               progress.data_ptr(), plane.data_ptr())
-        prog = self._device_program(key, launch, (y,), ("own_start", "own_end")) if n else None
+        key = ("pack_rows", dev.index, n, d_cols, src.dtype, src.stride(0), idx is None,
+               chunk_rows, progress.data_ptr(), plane.data_ptr())
+        tensors = (src,) if idx is None else (src, idx)
+        prog = self._device_program(key, launch, tensors, ("own_start", "own_end")) if n else None
         if prog is None:
             launch(None)
         else:
-            prog.run((y.data_ptr(), s_me, e_me), self._cuda_stream(dev))
+            prog.run(tuple(t.data_ptr() for t in tensors) + (s_me, e_me), self._cuda_stream(dev))
         return progress, chunk_rows
 
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):

@@ -31,13 +31,14 @@ launched as one native program (``native_launch``). The round is three native ca
 (``hostop.py``, ``efa_op.c``): the headers, as soon as the kernel has written the counts; the
 peers' headers checked and the rows posted chunk by chunk as the kernel stores them (its
 progress words, no stream synchronization), then the routing rows; the data waited for, the
-routing rows checked and unpacked. The
-dispatch's outputs are then built by one kernel that reads the peers' rows straight from the
-pinned window (GPU loads) and this rank's own rows from ``x``, with the ids and weights the host
-checked; combine copies its rows into the send area (one device-to-host copy per run), posts
-its headers during the copies, synchronizes, posts the data and reduces in one kernel reading the peers' rows from the
-window and this rank's from ``y``. Both end with an event, not a synchronization (the next op
-waits for it before its header lets peers overwrite the window). ``device_layout=False`` runs
+routing rows checked and unpacked. The dispatch's outputs are then built by one kernel that
+reads the peers' rows straight from the pinned window (GPU loads) and this rank's own rows from
+``x``, with the ids and weights the host checked. Combine and the cached dispatch store their
+rows for the peers the same way (one kernel, chunk by chunk, the round in the same three
+calls); combine then reduces in one kernel reading the peers' rows from the window and this
+rank's from ``y``, the cached dispatch copies the peers' rows out of the window. Every op ends
+with an event, not a synchronization (the next op waits for it before its header lets peers
+overwrite the window). ``device_layout=False`` runs
 the dispatch's layout on the host instead (the routing copied to the host, rows gathered on the
 GPU and copied once into the send area) and the round in Python steps around the native wire.
 With ``producer="triton"`` a Triton kernel writes the data descriptors into the pinned ring

@@ -132,19 +132,24 @@ def _check_pack():
     from efa_ep.kernels.base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT
     assert int(counts[0]) == STATUS_BAD_EXPERT_ID | STATUS_NON_FINITE_WEIGHT, counts
     assert int(counts[-1]) == 1, counts
-    # combine's rows for the peers: every row but this rank's own block, in order
+    # combine's (no index) and a cached dispatch's (gathered) rows for the peers: every send row
+    # but this rank's own block, in order
     g = torch.Generator().manual_seed(5)
     for rows, own, chunk_rows, dtype in ((11, (3, 7), 2, torch.bfloat16), (9, (0, 9), 4, torch.float32),
                                          (6, (0, 0), 1, torch.float32), (13, (13, 13), 5, torch.bfloat16)):
-        y = torch.randn(rows, 24, generator=g).to(dtype)
-        plane = torch.zeros(rows * 24 * y.element_size() + 64, dtype=torch.uint8)
-        progress = torch.zeros(dk.pack_grid(rows, 3), dtype=torch.int64)
-        dk.pack_combine(y, own[0], own[1], plane, progress, chunk_rows, num_programs=3)
-        peer = torch.cat([y[:own[0]], y[own[1]:]])
-        got = plane[:peer.numel() * y.element_size()].view(dtype).view(-1, 24)
-        assert torch.equal(got.view(torch.uint8), peer.contiguous().view(torch.uint8)), (rows, own)
-        assert progress.tolist() == [-(-rows // chunk_rows)] * progress.numel(), (rows, progress)
-        n += 1
+        for gathered in (False, True):
+            src = torch.randn(rows + 3, 24, generator=g).to(dtype)
+            idx = torch.randint(0, rows + 3, (rows,), generator=g) if gathered else None
+            send = src[idx] if gathered else src[:rows]
+            plane = torch.zeros(rows * 24 * src.element_size() + 64, dtype=torch.uint8)
+            progress = torch.zeros(dk.pack_grid(rows, 3), dtype=torch.int64)
+            dk.pack_rows(src if gathered else src[:rows], idx, own[0], own[1], plane, progress,
+                         chunk_rows, num_programs=3)
+            peer = torch.cat([send[:own[0]], send[own[1]:]])
+            got = plane[:peer.numel() * src.element_size()].view(dtype).view(-1, 24)
+            assert torch.equal(got.view(torch.uint8), peer.contiguous().view(torch.uint8)), (rows, own)
+            assert progress.tolist() == [-(-rows // chunk_rows)] * progress.numel(), (rows, progress)
+            n += 1
     print(f"OK pack ({n} cases)")
 
 
@@ -284,10 +289,12 @@ def _transport_rank(rank, world):
 
 
 def _late_rank(rank, world):
-    """Dispatches and combines whose send plane a thread fills after the kernel "returned",
-    chunk by chunk (plane bytes first, then the progress words), over tiny wire descriptors (48
-    bytes) and chunks of one row per program; the outputs must equal the ``torch`` transport's."""
+    """Dispatches, combines and cached dispatches whose send plane a thread fills after the
+    kernel "returned", chunk by chunk (plane bytes first, then the progress words), over tiny
+    wire descriptors (48 bytes) and chunks of one row per program; the outputs must equal the
+    ``torch`` transport's."""
     import threading
+    import time
 
     import torch
     from efa_ep.kernels import create_transport
@@ -317,13 +324,14 @@ def _late_rank(rank, world):
         threads.append(threading.Thread(target=store))
         threads[-1].start()
 
-    real_pack_combine = dk.pack_combine
+    real_pack_rows = dk.pack_rows
 
-    def late_pack_combine(y, own_start, own_end, plane, progress, chunk_rows, **kw):
+    def late_pack_rows(src, idx, own_start, own_end, plane, progress, chunk_rows, **kw):
         mine = torch.zeros_like(plane)
         done = torch.zeros_like(progress)
-        real_pack_combine(y, own_start, own_end, mine, done, chunk_rows, **kw)
-        row, total = y.shape[1] * y.element_size(), y.shape[0]
+        real_pack_rows(src, idx, own_start, own_end, mine, done, chunk_rows, **kw)
+        row = src.shape[1] * src.element_size()
+        total = src.shape[0] if idx is None else idx.numel()
         plane.fill_(0xFF)
 
         def store():
@@ -337,7 +345,7 @@ def _late_rank(rank, world):
         threads.append(threading.Thread(target=store))
         threads[-1].start()
 
-    dk.pack_dispatch, dk.pack_combine = late_pack, late_pack_combine
+    dk.pack_dispatch, dk.pack_rows = late_pack, late_pack_rows
     device_path._CHUNK_BYTES = 1  # one row per program per chunk
     bad = []
     for hidden, tokens in ((64, (13, 9)), (40, (21, 17))):
@@ -358,6 +366,10 @@ def _late_rank(rank, world):
             y = torch.randn(r[0].shape[0], hidden, generator=torch.Generator().manual_seed(it)).to(torch.bfloat16)
             if not torch.equal(ref.combine(y, r[4]).view(torch.uint8), px.combine(y, p[4]).view(torch.uint8)):
                 bad.append((hidden, it, "combine"))
+            x2 = torch.randn(t, hidden, generator=torch.Generator().manual_seed(7 + it)).to(torch.bfloat16)
+            if not torch.equal(ref.dispatch_cached(x2, r[4]).view(torch.uint8),
+                               px.dispatch_cached(x2, p[4]).view(torch.uint8)):
+                bad.append((hidden, it, "dispatch_cached"))
         px.close()
     for th in threads:
         th.join()
