@@ -2,7 +2,8 @@
 cached dispatch, combine and the weight combine for rows on the host or in a device window
 (routing on the host, packing into the send area, unpacking and reducing what arrived); CPU
 rows on a host window take ``hostop.py``'s two native calls instead, CUDA rows on a host window
-:mod:`~efa_ep.kernels.proxy.device_path`. A mixin of
+packed rounds (a kernel stores the rows into the send area while the native calls post them;
+the dispatch's in :mod:`~efa_ep.kernels.proxy.device_path`). A mixin of
 :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`, whose state it uses."""
 from __future__ import annotations
 
