@@ -483,17 +483,24 @@ int efa_op_cached_packed_begin(efa_op *o, char *err, size_t errlen) {
     return begin_rows_round(o, OP_CACHED, o->num_send, o->num_recv, err, errlen);
 }
 
-int efa_op_cached_packed_post(efa_op *o, char *err, size_t errlen) {
+/* The post of a packed round of one plane of rows (rows_to[d] to rank d, rank order): headers
+ * checked, the rows posted as the device stores them, then the footers. */
+static int post_packed_rows(efa_op *o, const int64_t *rows_to, const char *what, char *err,
+                            size_t errlen) {
     efa_wire *w = o->wire;
-    int rc = check_packed_plane(o, "dispatch_cached", err, errlen);
+    int rc = check_packed_plane(o, what, err, errlen);
     if (rc) return rc;
-    rc = efa_wire_exchange(w, 0, err, errlen);
+    rc = efa_wire_exchange(w, 0, err, errlen); /* headers checked, footers written */
     if (rc) return rc;
     int64_t *st = o->scratch;
-    prefix(o->num_send, w->world, st);
-    rc = post_rows_as_stored(o, o->num_send, st, "dispatch_cached", err, errlen);
+    prefix(rows_to, w->world, st);
+    rc = post_rows_as_stored(o, rows_to, st, what, err, errlen);
     if (rc) return rc;
     return post_rest(w, err, errlen);
+}
+
+int efa_op_cached_packed_post(efa_op *o, char *err, size_t errlen) {
+    return post_packed_rows(o, o->num_send, "dispatch_cached", err, errlen);
 }
 
 int efa_op_cached_packed_complete(efa_op *o, char *err, size_t errlen) {
@@ -505,16 +512,7 @@ int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen) {
 }
 
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen) {
-    efa_wire *w = o->wire;
-    int rc = check_packed_plane(o, "combine", err, errlen);
-    if (rc) return rc;
-    rc = efa_wire_exchange(w, 0, err, errlen); /* headers checked, footers written */
-    if (rc) return rc;
-    int64_t *st = o->scratch;
-    prefix(o->num_recv, w->world, st); /* y's rows: num_recv[d] back to rank d, rank order */
-    rc = post_rows_as_stored(o, o->num_recv, st, "combine", err, errlen);
-    if (rc) return rc;
-    return post_rest(w, err, errlen);
+    return post_packed_rows(o, o->num_recv, "combine", err, errlen); /* y's rows go back */
 }
 
 int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen) {
