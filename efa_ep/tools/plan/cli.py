@@ -23,6 +23,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from . import calibrate as cal_mod
+from . import calibration_report
 from . import report
 from .model import Fig, Inputs, make_plan
 from .presets import FABRICS, MODELS
@@ -119,11 +120,11 @@ def calibrate_main(argv: Sequence[str]) -> int:
         return 2
     cal_mod.write(doc, out)
     base = os.path.splitext(out)[0]
-    md = cal_mod.params_table(doc) + "\n\nHeld-out predictions (fit without the held-out shape / file):\n\n" + \
-        cal_mod.validation_table(doc) + "\n"
+    md = calibration_report.params_table(doc) + "\n\nHeld-out predictions (fit without the held-out shape / file):\n\n" + \
+        calibration_report.validation_table(doc) + "\n"
     with open(base + "_validation.md", "w") as fh:
         fh.write(md)
-    png = cal_mod.validation_plot(doc, base + "_validation.png")
+    png = calibration_report.validation_plot(doc, base + "_validation.png")
     print(md)
     v = doc["validation"]
     err = f"{100 * v['median_abs_rel_err']:.0f}%" if v["median_abs_rel_err"] is not None else "-"
