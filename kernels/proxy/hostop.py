@@ -78,13 +78,19 @@ class HostOps:
     def _call(self, kind: str, step: str) -> int:
         return Wire.native(self.op.call, kind, step)  # errors as the round's steps raise them
 
+    def _start_round(self) -> None:
+        """Numbers the struct's next round ``wire.seq`` and zeroes what the round hands the
+        engine (accounted by :meth:`_post`)."""
+        self.st.seq = self.wire.seq
+        wst = self._nw.st
+        wst.r_writes = wst.r_wire_bytes = wst.r_messages = wst.r_rows = 0
+
     def _begin(self, kind: str) -> int:
         """Runs ``kind``'s begin (the headers posted) for round ``wire.seq``; returns its code
         (0, or ``RC_LOCAL_INPUT``: nothing sent, no round taken). :meth:`_post` with
         ``begun=True`` continues the round."""
-        wire, st, wst = self.wire, self.st, self._nw.st
-        st.seq = wire.seq
-        wst.r_writes = wst.r_wire_bytes = wst.r_messages = wst.r_rows = 0
+        wire = self.wire
+        self._start_round()
         try:
             return self._call(kind, "begin")
         except BaseException:
@@ -97,8 +103,7 @@ class HostOps:
         headers say (every rank the same)."""
         wire, st, wst = self.wire, self.st, self._nw.st
         if not begun:
-            st.seq = wire.seq
-            wst.r_writes = wst.r_wire_bytes = wst.r_messages = wst.r_rows = 0
+            self._start_round()
         rc = -1
         try:
             rc = self._call(kind, "post")

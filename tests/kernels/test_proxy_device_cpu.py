@@ -301,38 +301,13 @@ def _late_rank(rank, world):
     from efa_ep.kernels.proxy import device as dk, device_path
 
     torch.set_num_threads(1)
-    real_pack = dk.pack_dispatch
+    real_pack, real_pack_rows = dk.pack_dispatch, dk.pack_rows
     threads = []
 
-    def late_pack(x, idx, w, lay, me, plane, meta, counts, progress, chunk_rows, **kw):
-        mine = torch.zeros_like(plane)
-        done = torch.zeros_like(progress)
-        real_pack(x, idx, w, lay, me, mine, meta, counts, done, chunk_rows, **kw)
-        num_send = counts[1:1 + world].tolist()
-        s_me, n_me, total = sum(num_send[:me]), num_send[me], sum(num_send)
-        row = x.shape[1] * x.element_size()
+    def store_late(plane, mine, progress, done, chunk_rows, total, own_start, own_end, row):
+        """Copies ``mine`` (what the kernel stored) into ``plane`` chunk by chunk from a thread,
+        each chunk's rows before its progress word; the plane holds 0xFF until then."""
         plane.fill_(0xFF)  # what a peer would read if a chunk went out before it was stored
-
-        def store():
-            for c in range(1, max(done.tolist(), default=0) + 1):
-                time.sleep(0.005)  # a slow device (pacing only: nothing waits on it)
-                end = min(c * chunk_rows, total)
-                peer_rows = end - min(max(end - s_me, 0), n_me)
-                plane[:peer_rows * row].copy_(mine[:peer_rows * row])
-                progress[:] = c
-
-        threads.append(threading.Thread(target=store))
-        threads[-1].start()
-
-    real_pack_rows = dk.pack_rows
-
-    def late_pack_rows(src, idx, own_start, own_end, plane, progress, chunk_rows, **kw):
-        mine = torch.zeros_like(plane)
-        done = torch.zeros_like(progress)
-        real_pack_rows(src, idx, own_start, own_end, mine, done, chunk_rows, **kw)
-        row = src.shape[1] * src.element_size()
-        total = src.shape[0] if idx is None else idx.numel()
-        plane.fill_(0xFF)
 
         def store():
             for c in range(1, max(done.tolist(), default=0) + 1):
@@ -344,6 +319,21 @@ def _late_rank(rank, world):
 
         threads.append(threading.Thread(target=store))
         threads[-1].start()
+
+    def late_pack(x, idx, w, lay, me, plane, meta, counts, progress, chunk_rows, **kw):
+        mine, done = torch.zeros_like(plane), torch.zeros_like(progress)
+        real_pack(x, idx, w, lay, me, mine, meta, counts, done, chunk_rows, **kw)
+        num_send = counts[1:1 + world].tolist()
+        s_me = sum(num_send[:me])
+        store_late(plane, mine, progress, done, chunk_rows, sum(num_send), s_me,
+                   s_me + num_send[me], x.shape[1] * x.element_size())
+
+    def late_pack_rows(src, idx, own_start, own_end, plane, progress, chunk_rows, **kw):
+        mine, done = torch.zeros_like(plane), torch.zeros_like(progress)
+        real_pack_rows(src, idx, own_start, own_end, mine, done, chunk_rows, **kw)
+        store_late(plane, mine, progress, done, chunk_rows,
+                   src.shape[0] if idx is None else idx.numel(), own_start, own_end,
+                   src.shape[1] * src.element_size())
 
     dk.pack_dispatch, dk.pack_rows = late_pack, late_pack_rows
     device_path._CHUNK_BYTES = 1  # one row per program per chunk
