@@ -60,9 +60,7 @@ class DevicePath:
         Returns: (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights
             ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU).
         """
-        n_recv = sum(num_recv)
-        in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
-        in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+        in_idx, in_w = self._recv_routing(sum(num_recv) * k)
         tokens_per_expert = self._unpack_meta(num_recv, own_meta_address, k, got, in_idx, in_w)
         return self._gather_outputs(x, send_token_idx, num_recv, own_start, in_idx, in_w, k) + (
             tokens_per_expert,)
@@ -75,36 +73,64 @@ class DevicePath:
         float32)."""
         from . import device as dk
 
-        w, me = self.world_size, self.rank
-        dev = x.device
+        me, dev = self.rank, x.device
         n_recv = sum(num_recv)
-        recv_off = self._pinned("recv_off", w + 1, torch.int64)
-        recv_off.numpy()[:] = _prefix(num_recv)
+        recv_off, offs = self._recv_off()
+        offs[:] = _prefix(num_recv)
         recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
         recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
         recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
-        src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
         outs = (recv_x, recv_topk_idx, recv_topk_weights)
-
-        def launch(plan):
-            dk.gather_dispatch(x, send_token_idx, src_ptrs, recv_off,
-                               in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
-                               in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
-                               *outs, me=me, own_start=own_start, num_programs=nprog, plan=plan)
-
         # one native launch, bound per shape and host buffers (the received row count varies)
-        key = ("gather", dev.index, k, x.shape[1], x.dtype, x.stride(0), src_ptrs.data_ptr(),
-               recv_off.data_ptr(), in_idx.data_ptr(), in_w.data_ptr())
-        tensors = (x, send_token_idx) + outs
-        prog = self._device_program(key, launch, tensors, ("own_start", "num_rows"), (0,)) \
-            if n_recv else None
-        if prog is None:
-            launch(None)
-        else:
-            prog.run(tuple(a.data_ptr() for a in tensors) + (own_start, n_recv, min(n_recv, nprog)),
-                     self._cuda_stream(dev))
+        key = ("gather", dev.index, k, x.shape[1], x.dtype, x.stride(0), recv_off.data_ptr(),
+               in_idx.data_ptr(), in_w.data_ptr(), self.window.data_ptr())
+        prog = self._programs.get(key)
+        xp, ip = x.data_ptr(), send_token_idx.data_ptr()
+        if prog is None or not n_recv or (xp | ip) & 15:
+            src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+
+            def launch(plan):
+                dk.gather_dispatch(x, send_token_idx, src_ptrs, recv_off,
+                                   in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
+                                   in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
+                                   *outs, me=me, own_start=own_start, num_programs=nprog,
+                                   plan=plan)
+
+            prog = self._device_program(key, launch, (x, send_token_idx) + outs,
+                                        ("own_start", "num_rows"), (0,)) if n_recv else None
+            if prog is None:
+                launch(None)
+                self._record_reads(dev)
+                return outs
+        prog.run((xp, ip, recv_x.data_ptr(), recv_topk_idx.data_ptr(),
+                  recv_topk_weights.data_ptr(), own_start, n_recv,
+                  min(n_recv, self._num_programs(dev))), self._cuda_stream(dev))
         self._record_reads(dev)
-        return recv_x, recv_topk_idx, recv_topk_weights
+        return outs
+
+    def _recv_off(self):
+        """(``[W + 1]`` int64 pinned, its numpy view): rows per source as a prefix, the
+        gather's host argument (one buffer per transport: every bound gather keeps its
+        address)."""
+        r = self._buffers.get("recv_off")
+        if r is None:
+            t = torch.zeros(self.world_size + 1, dtype=torch.int64,
+                            pin_memory=torch.cuda.is_available())
+            r = self._buffers["recv_off"] = (t, t.numpy())
+        return r
+
+    def _recv_routing(self, n: int):
+        """(ids ``[>= n]`` int64, weights ``[>= n]`` float32, pinned): where a dispatch's
+        checked routing rows (``n`` = rows x top-k) are unpacked on the host for the gather.
+        Grown by doubling, so their addresses (constants of the bound gathers) rarely move."""
+        bufs = self._buffers.get("recv_routing")
+        if bufs is None or bufs[0].numel() < n:
+            cap = max(n, 1024, 2 * bufs[0].numel() if bufs is not None else 0)
+            pin = torch.cuda.is_available()
+            bufs = self._buffers["recv_routing"] = (
+                torch.empty(cap, dtype=torch.int64, pin_memory=pin),
+                torch.empty(cap, dtype=torch.float32, pin_memory=pin))
+        return bufs
 
     def _packed_ops(self):
         """The native operations (``hostop.py``) for rows the device packed into the send area,
@@ -201,9 +227,6 @@ class DevicePath:
         straight into the window, the wire posted as they progress (with the host layout path's
         Python round: after one stream synchronization), then one kernel for the outputs (no
         synchronization: the next op waits for its event before its header)."""
-        from ..gda import launches as kern
-        from . import device as dk
-
         cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire
         dev = x.device
         error = self._checked("dispatch", lambda: self._dispatch_error(x, topk_idx, topk_weights)
@@ -213,35 +236,19 @@ class DevicePath:
             wire.round(OP_DISPATCH, {}, [0], None, None, error)  # raises on every rank
             raise TransportError(f"rank {me}: dispatch error round did not raise: {error}")
         t, k = topk_idx.shape
-        H, L, E = cfg.hidden, cfg.num_local_experts, cfg.num_experts
+        L, E = cfg.num_local_experts, cfg.num_experts
         xd, idx, wts = dense(x), topk_idx.contiguous(), topk_weights.contiguous()
-        meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
-        counts = self._pinned("counts", 2 + w + E, torch.int64)  # then the ready word
-        nsm = self._num_programs(dev)
-        row_x = H * x.element_size()
-        grid = dk.pack_grid(t * min(w, k), nsm)
+        front = self._front_plan(xd, idx, wts)
+        meta, counts, cn, row_x, grid, o_send, words, prog = front[:8]
         progress, chunk_rows = self._progress(grid, row_x)
-        o_send, words = kern._layout_offsets(t, E, w, k)[5::2]
         scratch = torch.empty(words, dtype=torch.int64, device=dev)  # the handle keeps a view
-        plane = self.window[self.layout.off_data_send:self.layout.off_recv]
-
-        def launch(plan):
-            lay = kern.layout(idx, wts, E, w, scratch=scratch, plan=plan)
-            dk.pack_dispatch(xd, idx, wts, lay, me, plane, meta, counts, progress, chunk_rows,
-                             num_programs=nsm, plan=plan)
-
-        # layout and packing in one native launch, bound per shape and host buffers
-        key = ("front", dev.index, t, k, H, xd.dtype, xd.stride(0), meta.data_ptr(),
-               counts.data_ptr(), progress.data_ptr(), plane.data_ptr())
-        prog = self._device_program(key, launch, (xd, idx, wts, scratch)) if t else None
         wire.quiesce()  # our previous writes have left the send plane the kernel overwrites
-        cn = counts.numpy()
         cn[-1] = 0  # the ready word: the kernel sets it once the counts are in host memory
-        if prog is None:
-            launch(None)
+        xp, ip, wp = xd.data_ptr(), idx.data_ptr(), wts.data_ptr()
+        if prog is None or (xp | ip | wp) & 15:
+            front[8](xd, idx, wts, scratch, progress, chunk_rows)
         else:
-            prog.run((xd.data_ptr(), idx.data_ptr(), wts.data_ptr(), scratch.data_ptr()),
-                     self._cuda_stream(dev))
+            prog.run((xp, ip, wp, scratch.data_ptr()), self._cuda_stream(dev))
         send_token_idx = scratch[o_send:o_send + max(1, t * w)]
         ops = self._packed_ops()
         # the previous op's kernels have read the window and the pinned buffers before this
@@ -256,9 +263,7 @@ class DevicePath:
             num_recv = self._after_packing(dev, ops.dispatch_packed_post)
             num_send = ops.num_send.tolist()
             s_me = sum(num_send[:me])
-            n_recv = sum(num_recv)
-            in_idx = self._pinned("recv_idx", max(1, n_recv * k), torch.int64)
-            in_w = self._pinned("recv_w", max(1, n_recv * k), torch.float32)
+            in_idx, in_w = self._recv_routing(sum(num_recv) * k)
             tokens_per_expert = torch.empty(L, dtype=torch.int64)
             ops.dispatch_packed_complete(in_idx, in_w, tokens_per_expert)
             recv_x, recv_topk_idx, recv_topk_weights = self._gather_outputs(
@@ -291,6 +296,51 @@ class DevicePath:
         return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
             t, topk_idx, send_token_idx[:s_all], None, num_send, num_recv, recv_topk_idx)
 
+    def _front_plan(self, xd, idx, wts):
+        """What a dispatch's device front (layout and packing, see :meth:`_dispatch_device`)
+        needs for this shape, made once per shape: (meta, counts, counts' numpy view, row
+        bytes, packing grid, word offset of the sent rows' token indices in the scratch,
+        scratch words, the bound program or None, the Python launch
+        ``(xd, idx, wts, scratch, progress, chunk_rows)``). Its buffers and the send plane are
+        the program's constants."""
+        from ..gda import launches as kern
+        from . import device as dk
+
+        dev = xd.device
+        t, k = idx.shape
+        key = ("front_plan", dev.index, t, k, xd.dtype, xd.stride(0), self.window.data_ptr())
+        front = self._buffers.get(key)
+        if front is not None:
+            return front
+        cfg, w, me = self.cfg, self.world_size, self.rank
+        E = cfg.num_experts
+        meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
+        counts = self._pinned("counts", 2 + w + E, torch.int64)  # then the ready word
+        nsm = self._num_programs(dev)
+        row_x = cfg.hidden * xd.element_size()
+        grid = dk.pack_grid(t * min(w, k), nsm)
+        o_send, words = kern._layout_offsets(t, E, w, k)[5::2]
+        plane = self.window[self.layout.off_data_send:self.layout.off_recv]
+
+        def run(xd, idx, wts, scratch, progress, chunk_rows, plan=None):
+            lay = kern.layout(idx, wts, E, w, scratch=scratch, plan=plan)
+            dk.pack_dispatch(xd, idx, wts, lay, me, plane, meta, counts, progress, chunk_rows,
+                             num_programs=nsm, plan=plan)
+
+        prog = None
+        if t:  # bound from this call's tensors (a program keeps only their addresses)
+            progress, chunk_rows = self._progress(grid, row_x)
+            scratch = torch.empty(words, dtype=torch.int64, device=dev)
+            prog = self._device_program(
+                ("front", dev.index, t, k, xd.dtype, xd.stride(0), meta.data_ptr(),
+                 counts.data_ptr(), progress.data_ptr(), plane.data_ptr()),
+                lambda plan: run(xd, idx, wts, scratch, progress, chunk_rows, plan),
+                (xd, idx, wts, scratch))
+        front = (meta, counts, counts.numpy(), row_x, grid, o_send, words, prog, run)
+        if prog is not None or self._native_off is not None or not t:
+            self._buffers[key] = front  # (a refused binding, e.g. misaligned x: try again)
+        return front
+
     def _after_packing(self, dev: torch.device, post):
         """Runs ``post`` (a packed round's post); when the group refuses the op for a rank's
         input (the transport stays usable) the packing kernel may still be storing: waits for
@@ -305,9 +355,19 @@ class DevicePath:
     def _progress(self, grid: int, row_bytes: int):
         """(progress ``[grid]`` int64 pinned, zeroed; rows per chunk) of a packing kernel that
         stores rows of ``row_bytes`` with ``grid`` programs: ~``_CHUNK_BYTES`` a chunk, whole
-        rows for every program."""
-        progress = self._pinned("progress", grid, torch.int64)
-        progress.numpy()[:] = 0
+        rows for every program. The words are the first ``grid`` of one buffer sized for the
+        largest grid (every program bound to it keeps its address)."""
+        views = self._buffers.get("progress_views")
+        if views is None or grid not in views:
+            cap = max(grid, 1024)
+            buf = self._buffers.get("progress")
+            if buf is None or buf.numel() < grid:
+                buf = self._buffers["progress"] = torch.zeros(
+                    cap, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+                views = self._buffers["progress_views"] = {}
+            views[grid] = (buf[:grid], buf[:grid].numpy())
+        progress, words = views[grid]
+        words[:] = 0
         return progress, grid * max(1, -(-_CHUNK_BYTES // (row_bytes * grid)))
 
     def _device_routing_error(self, idx, wts, status: int) -> None:

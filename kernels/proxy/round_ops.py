@@ -448,20 +448,26 @@ class RoundOps:
         dev = src.device
         plane = self.window[lay.off_data_send:lay.off_recv]
         nprog = self._num_programs(dev)
-        progress, chunk_rows = self._progress(dk.pack_grid(n, nprog), row)
+        grid = dk.pack_grid(n, nprog)
+        progress, chunk_rows = self._progress(grid, row)
 
         def launch(plan):
             dk.pack_rows(src, idx, s_me, e_me, plane, progress, chunk_rows, num_programs=nprog,
                          plan=plan)
 
-        key = ("pack_rows", dev.index, n, d_cols, src.dtype, src.stride(0), idx is None,
-               chunk_rows, progress.data_ptr(), plane.data_ptr())
+        # one program per row shape: the row count, the chunk size and the grid are the call's
+        # (a combine's row count changes with every routing)
+        key = ("pack_rows", dev.index, d_cols, src.dtype, src.stride(0), idx is None,
+               progress.data_ptr(), plane.data_ptr())
         tensors = (src,) if idx is None else (src, idx)
-        prog = self._device_program(key, launch, tensors, ("own_start", "own_end")) if n else None
+        prog = self._device_program(key, launch, tensors,
+                                    ("own_start", "own_end", "num_rows", "chunk_rows"),
+                                    (0,)) if n else None
         if prog is None:
             launch(None)
         else:
-            prog.run(tuple(t.data_ptr() for t in tensors) + (s_me, e_me), self._cuda_stream(dev))
+            prog.run(tuple(t.data_ptr() for t in tensors) + (s_me, e_me, n, max(1, chunk_rows),
+                                                             grid), self._cuda_stream(dev))
         return progress, chunk_rows
 
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
@@ -470,30 +476,44 @@ class RoundOps:
         the reads' event (the next op waits for it before its header)."""
         from . import device as dk
 
-        w, me, d_cols = self.world_size, self.rank, yc.shape[1]
+        me, d_cols = self.rank, yc.shape[1]
         dev, t = yc.device, num_tokens
         out = torch.empty(t, d_cols, dtype=yc.dtype, device=dev)
-        send_off = self._pinned("send_off", w + 1, torch.int64)
-        send_off.numpy()[:] = sstarts
+        send_off, offs = self._send_off()
+        offs[:] = sstarts
         idx = idx.contiguous()
-        src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
-
-        def launch(plan):
-            dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=own_start,
-                              num_programs=nprog, plan=plan)
-
         # one native launch per shape (the kernel's search depth follows the token count)
         key = ("reduce", dev.index, d_cols, yc.dtype, yc.stride(0), (t + 1).bit_length(),
-               send_off.data_ptr(), src_ptrs.data_ptr())
-        prog = self._device_program(key, launch, (yc, idx, out), ("own_start", "num_tokens"),
-                                    (0,)) if t else None
-        if prog is None:
-            launch(None)
-        else:
-            prog.run((yc.data_ptr(), idx.data_ptr(), out.data_ptr(), own_start, t, min(t, nprog)),
-                     self._cuda_stream(dev))
+               send_off.data_ptr(), self.window.data_ptr())
+        prog = self._programs.get(key)
+        yp, ip = yc.data_ptr(), idx.data_ptr()
+        if prog is None or not t or not idx.numel() or (yp | ip) & 15:
+            src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+
+            def launch(plan):
+                dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=own_start,
+                                  num_programs=nprog, plan=plan)
+
+            prog = self._device_program(key, launch, (yc, idx, out), ("own_start", "num_tokens"),
+                                        (0,)) if t else None
+            if prog is None:
+                launch(None)
+                self._record_reads(dev)
+                return out
+        prog.run((yp, ip, out.data_ptr(), own_start, t, min(t, self._num_programs(dev))),
+                 self._cuda_stream(dev))
         self._record_reads(dev)
         return out
+
+    def _send_off(self):
+        """(``[W + 1]`` int64 pinned, its numpy view): rows sent to each rank as a prefix, the
+        reduction's host argument (one buffer per transport, kept by every bound reduction)."""
+        r = self._buffers.get("send_off")
+        if r is None:
+            t = torch.zeros(self.world_size + 1, dtype=torch.int64,
+                            pin_memory=torch.cuda.is_available())
+            r = self._buffers["send_off"] = (t, t.numpy())
+        return r
 
     def _reduce_torch(self, views, idx, n_send, sstarts, num_tokens: int, yc):
         """The reduction with torch ops on the output's device (GPU inputs, other dtypes)."""
