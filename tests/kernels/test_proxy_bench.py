@@ -30,3 +30,16 @@ def test_wire_part_moves_the_decode_rows_and_reports_them():
         assert 0 < r["bytes_per_op_rank0"] // (7168 * 2 + 16 * 8) <= tokens
     copy = [r for r in recs if r["kind"] == "host_copy"]
     assert len(copy) == 1 and copy[0]["bytes"] == wires[0]["bytes_per_op_rank0"]
+
+
+def test_fresh_routes_time_a_new_route_per_iteration_and_check_each():
+    """``--fresh-routes``: every timed iteration dispatches another route (row counts change
+    per call, as in training) and its outputs are compared with torch's after the timing; a
+    proxy that returned the wrong rows for any of them would clear ``bit_identical_to_torch``."""
+    from efa_ep.tools.bench import proxy as bp
+
+    iters = 2
+    (rec,) = bp.bench_a2a("shm", [("decode", 8)], iters, 1, time_torch=False, fresh_routes=True)
+    assert rec["route"] == "random, fresh per iteration"
+    assert rec["bit_identical_to_torch"] is True
+    assert rec["proxy_ms"]["n"] == iters and rec["wire_ms"]["n"] == iters

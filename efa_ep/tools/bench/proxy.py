@@ -11,7 +11,8 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    each channel counting its arrivals in its own counter.
 3. ``a2a``: dispatch+combine latency, 2 ranks as processes (gloo group for setup), decode
    (128 tokens/rank) and prefill profiles (``--profiles``), hidden 7168, top-8 of 256 experts,
-   bf16, random route; checked bit-identical against ``torch`` before timing; per iteration the
+   bf16, random route (``--fresh-routes``: a new one every iteration, each checked after its
+   timed call); checked bit-identical against ``torch`` before timing; per iteration the
    slowest rank's wall time, the **host part** (``proxy_host_ms``: the calling thread's wall time
    outside the engine's blocking waits, i.e. layout, packing, copies, checks, reduction and
    Python; the larger rank), and the calling thread's CPU time (``*_cpu_ms``, less sensitive to
@@ -198,6 +199,12 @@ def bench_gpu_roundtrip(provider: str, iters: int):
     return out
 
 
+def _bits(t):
+    """``t`` on the host, bfloat16 as its bytes (compared bit for bit)."""
+    t = t.cpu()
+    return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
+
+
 class _WireFloor:
     """The two wire rounds of one rank's dispatch+combine alone (headers, the rows' bytes,
     footers; no layout, packing, copies or checks of the rows), on a proxy transport's own wire:
@@ -232,7 +239,8 @@ class _WireFloor:
 
 
 def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device="cpu", hmem="off",
-              torch_staging=False, chunk_bytes=None, spin_us=None, time_torch=True):
+              torch_staging=False, chunk_bytes=None, spin_us=None, time_torch=True,
+              fresh_routes=False):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route as make_route
@@ -257,47 +265,61 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
                                     provider=provider, num_channels=num_channels, hmem=hmem, **chunk)
             px_l.device_layout = False  # the dispatch's layout on the host, its round in steps
             arms.append(("proxy_host_layout", px_l))
-        idx, w = make_route("random", tokens, experts, topk, world, seed + rank)
+        # one route, or (fresh_routes) a new one for every warm-up and timed iteration, as in
+        # training (a transport that binds or allocates per routing shape pays for it here)
+        n_routes = 4 + iters if fresh_routes else 1
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
-        floor = _WireFloor(px, idx, world, rank, topk, hidden, 2)
-        if device != "cpu":
-            x, idx, w = x.to(device), idx.to(device), w.to(device)
-        # correctness before timing (a failed check voids the cell)
-        r, ok = ref.dispatch(x, idx, w), True
-        want = ref.combine(r[0], r[4]).cpu().view(torch.uint8)
+        x = x.to(device) if device != "cpu" else x
+        routes = []
+        for j in range(n_routes):
+            idx, w = make_route("random", tokens, experts, topk, world, seed + rank + 1000 * j)
+            floor = _WireFloor(px, idx, world, rank, topk, hidden, 2)
+            if device != "cpu":
+                idx, w = idx.to(device), w.to(device)
+            r = ref.dispatch(x, idx, w)
+            want = ([a.cpu() for a in r[:4]], ref.combine(r[0], r[4]).cpu())
+            routes.append((idx, w, floor, want))
+
+        def same(p, out, want):
+            """The proxy's dispatch outputs ``p`` and combine output ``out`` equal torch's."""
+            return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(want[0], p[:4])) and \
+                torch.equal(_bits(want[1]), _bits(out))
+
+        # correctness before timing (a failed check voids the cell); fresh routes are checked
+        # again after each timed call, outside its timing
+        ok = True
         for t in [t for _, t in arms if t is not ref]:  # every proxy arm
-            p = t.dispatch(x, idx, w)
-            ok = ok and all(torch.equal(a.cpu().view(torch.uint8) if a.dtype == torch.bfloat16 else a.cpu(),
-                                        b.cpu().view(torch.uint8) if b.dtype == torch.bfloat16 else b.cpu())
-                            for a, b in zip(r[:4], p[:4]))
-            ok = ok and torch.equal(want, t.combine(p[0], p[4]).cpu().view(torch.uint8))
+            p = t.dispatch(x, routes[0][0], routes[0][1])
+            ok = ok and same(p, t.combine(p[0], p[4]), routes[0][3])
         if not time_torch:  # torch checked the results above; proxy and its floor back to back
             arms = [(a, t) for a, t in arms if t is not ref]
-        arms.append(("wire", floor))  # not a transport: the floor, timed like the arms
+        arms.append(("wire", None))  # not a transport: the floor, timed like the arms
         times = {a: [] for a, _ in arms}
         cpu = {a: [] for a, _ in arms}  # this rank's main-thread CPU time (load-robust)
         proc = {a: [] for a, _ in arms}  # the rank process's CPU time, every thread (channels too)
         host = []  # proxy: wall time outside the engine's blocking waits
         waited = _wait_clock(px)
-        for _ in range(3):  # warm-up: first-touch of outputs, allocator, connections
+        for i in range(3):  # warm-up: first-touch of outputs, allocator, connections
+            idx, w, floor, _ = routes[(1 + i) % n_routes]
             for _, t in arms:
-                if t is floor:
+                if t is None:
                     floor.run()
                     continue
                 o = t.dispatch(x, idx, w)
                 t.combine(o[0], o[4])
         for it in range(iters):
+            idx, w, floor, want = routes[(4 + it) % n_routes]
             # interleave the arms, rotated per iteration (ratios, not absolutes, on a shared machine)
             for arm, t in arms[it % len(arms):] + arms[:it % len(arms)]:
                 dist.barrier()
                 w0 = waited()
                 p0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0, c0 = time.perf_counter(), time.thread_time()
-                if t is floor:
+                if t is None:
                     floor.run()
                 else:
                     o = t.dispatch(x, idx, w)
-                    t.combine(o[0], o[4])
+                    out = t.combine(o[0], o[4])
                 if device != "cpu":
                     torch.cuda.synchronize()
                 times[arm].append(time.perf_counter() - t0)
@@ -306,9 +328,11 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
                 proc[arm].append(p1.ru_utime + p1.ru_stime - p0.ru_utime - p0.ru_stime)
                 if arm == "proxy":
                     host.append(times[arm][-1] - (waited() - w0))
+                if fresh_routes and t is not None and t is not ref:
+                    ok = ok and same(o, out, want)
         stats = px.stats()
         for _, t in arms:
-            if t is not ref and t is not floor:
+            if t is not ref and t is not None:
                 t.close()
         res.append({"profile": name, "tokens": tokens, "ok": ok, "times": times, "cpu": cpu, "proc": proc,
                     "host": host, "stats": stats})
@@ -395,23 +419,28 @@ def bench_wire(provider: str, tokens: int, iters: int, channel_counts, starts: i
 
 def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: str = "cpu",
               hmem: str = "off", starts: int = 1, torch_staging: bool = False,
-              chunk_bytes: int = 0, spin_us=None, time_torch: bool = True):
+              chunk_bytes: int = 0, spin_us=None, time_torch: bool = True,
+              fresh_routes: bool = False):
     """Each start is a fresh pair of rank processes (new transports); every figure is the
     slowest (or larger) rank per iteration, pooled over all iterations of all starts, plus
     each start's median. ``time_torch=False``: torch only checks the results (the proxy and
-    its wire floor alternate with no gloo operation between them)."""
+    its wire floor alternate with no gloo operation between them). ``fresh_routes``: every
+    warm-up and timed iteration routes the tokens anew (row counts change per call, as in
+    training); else one route for all."""
     from efa_ep.distributed import run_ranks
 
     env = _rank_env(provider)
     runs = [run_ranks(_a2a_rank, 2, (provider, profiles, iters, num_channels, 7 + s, device, hmem,
-                                     torch_staging, chunk_bytes, spin_us, time_torch),
+                                     torch_staging, chunk_bytes, spin_us, time_torch, fresh_routes),
                       timeout_s=1200, pg_timeout_s=600, env=env) for s in range(starts)]
     out = []
     for i, (name, tokens) in enumerate(profiles):
         rec = {"kind": "a2a", "provider": provider, "profile": name, "tokens_per_rank": tokens,
                "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "dtype": "bfloat16", "ranks": 2,
                "num_channels": num_channels, "chunk_bytes": chunk_bytes or "default",
-               "spin_us": "default" if spin_us is None else spin_us, "route": "random", "device": device, "hmem": hmem,
+               "spin_us": "default" if spin_us is None else spin_us,
+               "route": "random, fresh per iteration" if fresh_routes else "random",
+               "device": device, "hmem": hmem,
                "starts": starts, "iters_per_start": iters, "torch_timed": time_torch,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}
@@ -511,6 +540,9 @@ def main(argv=None):
                     help="a2a: torch (gloo) only checks the results and is not timed, so the proxy "
                          "and its wire floor run back to back (no idle gap of a gloo operation "
                          "between them)")
+    ap.add_argument("--fresh-routes", action="store_true",
+                    help="a2a: a new random route for every iteration (row counts change per call, "
+                         "as in training), each checked against torch after its timed call")
     ap.add_argument("--profiles", default="decode,prefill",
                     help="dispatch+combine profiles to run (comma list of decode, prefill)")
     args = ap.parse_args(argv)
@@ -548,7 +580,7 @@ def main(argv=None):
             profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
             records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
                                  args.starts, args.torch_staging, args.chunk_bytes, args.spin_us,
-                                 not args.untimed_torch)
+                                 not args.untimed_torch, args.fresh_routes)
             for r in records[-len(profiles):]:
                 print(f"[bench_proxy] {prov} {r['profile']}: proxy D+C {r['proxy_ms']['median']:.3f} ms "
                       f"[p10 {r['proxy_ms']['p10']:.3f}, p90 {r['proxy_ms']['p90']:.3f}] (host part "
