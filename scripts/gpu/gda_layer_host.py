@@ -10,7 +10,8 @@ Per step: CUDA events around forward + backward; the figure is the slowest rank'
 dispatcher's six steps (forward) and of its autograd functions' backward (outermost calls only),
 minus the time its transport reports blocked on the device or on peers (``blocked_s``, where the
 transport has it; without it the figure includes the one count read per dispatch and is marked
-``includes_wait``).
+``includes_wait``). The record also splits it by wrapped step (``host_ms_by_step``: each
+step's median over the timed steps).
 
     python3 scripts/gpu/gda_layer_host.py [--world 4] [--steps 10] [--options fast_launch=0]
 
@@ -36,13 +37,15 @@ class _HostClock:
     def __init__(self):
         self.depth = 0
         self.total = 0.0
-        self.transports = []
+        self.by_name = {}  # wrapped name -> host seconds (outermost calls)
+        self.transports = lambda: ()  # the transports whose blocked_s counts (read per call)
 
     def blocked(self):
-        return sum(getattr(t, "blocked_s", 0.0) or 0.0 for t in self.transports)
+        return sum(getattr(t, "blocked_s", 0.0) or 0.0 for t in self.transports())
 
-    def wrap(self, fn):
+    def wrap(self, fn, name=None, profiler=None):
         clock = self
+        name = name or fn.__name__
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -51,15 +54,25 @@ class _HostClock:
             clock.depth += 1
             b0 = clock.blocked()
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             try:
                 return fn(*args, **kwargs)
             finally:
-                clock.total += (time.perf_counter() - t0) - (clock.blocked() - b0)
+                if profiler is not None:
+                    profiler.disable()
+                host = (time.perf_counter() - t0) - (clock.blocked() - b0)
+                clock.total += host
+                clock.by_name[name] = clock.by_name.get(name, 0.0) + host
                 clock.depth -= 1
         return timed
 
 
-def _rank(rank, world, steps, warmup, options):
+def _rank(rank, world, steps, warmup, options, profile_step=""):
+    import cProfile
+    import io
+    import pstats
+
     import torch
     import torch.distributed as dist
 
@@ -68,13 +81,18 @@ def _rank(rank, world, steps, warmup, options):
     from efa_ep.tiny_moe import TinyMoEConfig, init_megatron, transformer_config
 
     clock = _HostClock()
+    prof = cProfile.Profile() if profile_step else None
+
+    def wrap(fn, name):
+        return clock.wrap(fn, name, prof if name == profile_step else None)
+
     for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                  "combine_preprocess", "token_combine", "combine_postprocess"):
-        setattr(td.EfaTokenDispatcher, name, clock.wrap(getattr(td.EfaTokenDispatcher, name)))
+        setattr(td.EfaTokenDispatcher, name, wrap(getattr(td.EfaTokenDispatcher, name), name))
     for cls_name in ("_Dispatch", "_Combine", "_DispatchPadded", "_CombinePadded"):
         cls = getattr(td, cls_name, None)
         if cls is not None:
-            cls.backward = staticmethod(clock.wrap(cls.backward))
+            cls.backward = staticmethod(wrap(cls.backward, f"{cls_name}.backward"))
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     init_megatron(world)
@@ -98,17 +116,16 @@ def _rank(rank, world, steps, warmup, options):
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(TOKENS, 1, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
     g = torch.randn(TOKENS, 1, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
-    step_ms, host_ms = [], []
+    # the dispatcher makes its transport in its first dispatch: read it at every wrapped call
+    clock.transports = lambda: (layer.token_dispatcher.transport,)
+    step_ms, host_ms, by_name = [], [], []
     for i in range(warmup + steps):
-        if i == 0:  # the transport exists after the first forward
-            tr = layer.token_dispatcher.transport
-            clock.transports = [tr]
         torch.cuda.synchronize()
         dist.barrier()
         for p in layer.parameters():
             p.grad = None
         xi = x.clone().requires_grad_(True)
-        h0 = clock.total
+        h0, n0 = clock.total, dict(clock.by_name)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         out, _ = layer(xi)
@@ -118,9 +135,17 @@ def _rank(rank, world, steps, warmup, options):
         if i >= warmup:
             step_ms.append(e0.elapsed_time(e1))
             host_ms.append((clock.total - h0) * 1e3)
+            by_name.append({k: (v - n0.get(k, 0.0)) * 1e3 for k, v in clock.by_name.items()})
     tr = layer.token_dispatcher.transport
-    return dict(rank=rank, transport=tr.name, step_ms=statistics.median(step_ms),
+    profile = ""
+    if prof is not None:  # every call of the step, warm-up included
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
+        profile = buf.getvalue()
+    return dict(rank=rank, profile=profile, transport=tr.name, step_ms=statistics.median(step_ms),
                 step_ms_all=step_ms, host_ms=statistics.median(host_ms),
+                host_ms_by_step={k: statistics.median(d.get(k, 0.0) for d in by_name)
+                                 for k in sorted(by_name[-1])},
                 includes_wait=not hasattr(tr, "blocked_s"),
                 fast_launch=getattr(tr, "fast_launch", None))
 
@@ -132,6 +157,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--options", default="", help="gda options k=v,...")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile-step", default="",
+                    help="a wrapped step (e.g. _Dispatch.backward) to run under cProfile; each "
+                         "rank prints its top functions by own time")
     args = ap.parse_args()
     import torch
 
@@ -141,7 +169,8 @@ def main():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(efa_ep.dispatcher.__file__)))
 
     options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv)
-    res = run_ranks(_rank, args.world, (args.steps, args.warmup, options), timeout_s=500,
+    res = run_ranks(_rank, args.world, (args.steps, args.warmup, options, args.profile_step),
+                    timeout_s=500,
                     pg_timeout_s=400, env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
     step = max(r["step_ms"] for r in res)
     host = max(r["host_ms"] for r in res)
@@ -157,7 +186,10 @@ def main():
         json.dump(rec, f, indent=1)
     for r in res:
         print(f"rank {r['rank']}: step {r['step_ms']:.2f} ms, dispatcher host {r['host_ms']:.2f} ms"
-              f"{' (includes the count wait)' if r['includes_wait'] else ''}")
+              f"{' (includes the count wait)' if r['includes_wait'] else ''}; by step: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_by_step"].items()))
+        if r["profile"]:
+            print(f"rank {r['rank']}: cProfile of {args.profile_step} (own time)\n{r['profile']}")
     print(f"layer fwd+bwd EP {args.world} H {HIDDEN} E {EXPERTS} top-{TOPK} {TOKENS} tok/rank bf16 "
           f"{options or ''}: step {step:.2f} ms (slowest rank median of {args.steps}), "
           f"dispatcher host {host:.2f} ms = {100 * host / step:.1f}%")
