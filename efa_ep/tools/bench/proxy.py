@@ -506,6 +506,18 @@ def _plot(records, path):
     fig.savefig(path, dpi=110)
 
 
+def _profile(spec: str, sizes) -> tuple:
+    """``decode`` / ``prefill`` (their token counts in ``sizes``) or ``NAME=TOKENS``."""
+    name, _, tokens = spec.partition("=")
+    if tokens:
+        if not tokens.isdigit() or int(tokens) < 1:
+            raise SystemExit(f"--profiles: {spec!r}: TOKENS must be a positive integer")
+        return name, int(tokens)
+    if name not in sizes:
+        raise SystemExit(f"--profiles: {spec!r}: expected decode, prefill or NAME=TOKENS")
+    return name, sizes[name]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (JSON + PNG)")
@@ -544,7 +556,8 @@ def main(argv=None):
                     help="a2a: a new random route for every iteration (row counts change per call, "
                          "as in training), each checked against torch after its timed call")
     ap.add_argument("--profiles", default="decode,prefill",
-                    help="dispatch+combine profiles to run (comma list of decode, prefill)")
+                    help="dispatch+combine profiles to run: comma list of decode, prefill, or "
+                         "NAME=TOKENS (tokens per rank, e.g. mid=1024)")
     args = ap.parse_args(argv)
     if args.num_channels is None:
         from efa_ep.kernels.proxy.options import default_num_channels
@@ -577,7 +590,7 @@ def main(argv=None):
                           f"({r['gb_per_s']:.1f} GB/s, one core)", flush=True)
         if "a2a" not in skip:
             sizes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
-            profiles = [(p, sizes[p]) for p in args.profiles.split(",") if p]
+            profiles = [_profile(p, sizes) for p in args.profiles.split(",") if p]
             records += bench_a2a(prov, profiles, args.iters, args.num_channels, args.device, args.hmem,
                                  args.starts, args.torch_staging, args.chunk_bytes, args.spin_us,
                                  not args.untimed_torch, args.fresh_routes)
