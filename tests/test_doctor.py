@@ -267,7 +267,7 @@ def test_auto_pick_and_advice():
     assert v["advice"] == "EP only for capacity", v["advice_detail"]
     # auto runs hier across nodes; where the planner's fastest efa path is another, the advice
     # says how to run that one
-    v = verdict.verdict(_host(), lay, dict(CFG, tokens_per_rank=512), [], None)
+    v = verdict.verdict(_host(), lay, dict(CFG, tokens_per_rank=1024), [], None)
     assert v["advice"] == "use efa" and v["planner"]["transport"] == "proxy", v["advice_detail"]
     k = v["planner"]["num_channels"]
     assert (f"auto runs hier:agg1, the planner's fastest efa path is proxy with {k} channels: set "

@@ -540,7 +540,6 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
              "results/gda_perop/gda_gpu_check_zerocopy_lease2_n2.json",
              "results/gda_perop/gda_gpu_check_zerocopy_pinned_n3.json",
-             "results/h200/bench_proxy_cuda_chunked_2026-12-03.json",
-             "results/h200/bench_proxy_cuda_cached_packed_2026-12-03.json",
+             "results/h200/bench_proxy_cuda_sizes_fresh_2026-12-03.json",
              "results/h200/bench_hier_ep4_overlap/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
