@@ -312,10 +312,10 @@ class DevicePath:
         front = self._buffers.get(key)
         if front is not None:
             return front
-        plans = [k for k in self._buffers if isinstance(k, tuple) and k[0] == "front_plan"]
+        plans = [p for p in self._buffers if isinstance(p, tuple) and p[0] == "front_plan"]
         if len(plans) >= 64:  # token counts that keep changing (inference): keep the table small
-            for k in plans:
-                del self._buffers[k]
+            for p in plans:
+                del self._buffers[p]
         cfg, w, me = self.cfg, self.world_size, self.rank
         E = cfg.num_experts
         meta = self._pinned("meta", max(1, t * min(w, k)) * 2 * k, torch.int64)
