@@ -431,3 +431,32 @@ def test_dispatch_packed_begin_takes_the_device_counts_and_keeps_its_deadline():
         op.call("dispatch_packed", "begin")
     assert e.value.code == -errno.ETIMEDOUT
     assert "rank 1: dispatch (round 5): the device did not write the routing counts within" in str(e.value)
+
+
+def _front_plans_rank(rank, world):
+    """The device path's per-shape dispatch fronts on one rank (CPU tensors: nothing bound or
+    launched, only the plans made): the same shape returns the same plan; a stream of token
+    counts keeps at most 64 plans, each with its own shape's top-k and grid."""
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.proxy import device as dk
+    from efa_ep.testing.routes import contract_route
+
+    px = create_transport("proxy", None, 8, 32, 128, torch.bfloat16, provider="tcp",
+                          num_channels=1, timeout_s=30)
+    seen, ok = [], True
+    for t in range(1, 101):
+        idx, w = contract_route("random", t, 8, 2, world, t)
+        x = torch.randn(t, 32).to(torch.bfloat16)
+        front = px._front_plan(x, idx, w)
+        ok &= px._front_plan(x, idx, w) is front
+        ok &= front[4] == dk.pack_grid(t * min(world, 2), px._num_programs(x.device))
+        ok &= front[1].numel() == 2 + world + 8  # the count block: status, W, E, ready word
+        seen.append(sum(isinstance(k, tuple) and k[0] == "front_plan" for k in px._buffers))
+    px.close()
+    return ok, max(seen), seen[-1]
+
+
+def test_dispatch_fronts_are_made_once_per_shape_and_kept_bounded():
+    (ok, most, last), = run_ranks(_front_plans_rank, 1, (), timeout_s=120, env=LOOPBACK)
+    assert ok
+    assert most == 64 and 1 <= last <= 64, (most, last)
