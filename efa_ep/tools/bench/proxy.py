@@ -11,8 +11,9 @@ Three measurements, one JSON record per cell into ``--out/bench_proxy.json`` plu
    each channel counting its arrivals in its own counter.
 3. ``a2a`` (:mod:`~efa_ep.tools.bench.proxy_dc`): dispatch+combine latency, 2 ranks as
    processes (gloo group for setup), decode (128 tokens/rank) and prefill profiles
-   (``--profiles``), hidden 7168, top-8 of 256 experts, bf16, random route (``--fresh-routes``: a new one every iteration, each checked after its
-   timed call); checked bit-identical against ``torch`` before timing; per iteration the
+   (``--profiles``), hidden 7168, top-8 of 256 experts, bf16, random route
+   (``--fresh-routes``: a new one every iteration, each checked after its timed call);
+   checked bit-identical against ``torch`` before timing; per iteration the
    slowest rank's wall time, the **host part** (``proxy_host_ms``: the calling thread's wall time
    outside the engine's blocking waits, i.e. layout, packing, copies, checks, reduction and
    Python; the larger rank), and the calling thread's CPU time (``*_cpu_ms``, less sensitive to
