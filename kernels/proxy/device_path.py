@@ -75,7 +75,7 @@ class DevicePath:
 
         me, dev = self.rank, x.device
         n_recv = sum(num_recv)
-        recv_off, offs = self._recv_off()
+        recv_off, offs = self._prefix_buffer("recv_off")
         offs[:] = _prefix(num_recv)
         recv_x = torch.empty(n_recv, x.shape[1], dtype=x.dtype, device=dev)
         recv_topk_idx = torch.empty(n_recv, k, dtype=torch.int64, device=dev)
@@ -108,15 +108,15 @@ class DevicePath:
         self._record_reads(dev)
         return outs
 
-    def _recv_off(self):
-        """(``[W + 1]`` int64 pinned, its numpy view): rows per source as a prefix, the
-        gather's host argument (one buffer per transport: every bound gather keeps its
-        address)."""
-        r = self._buffers.get("recv_off")
+    def _prefix_buffer(self, name: str):
+        """(``[W + 1]`` int64 pinned, its numpy view) named ``name``: rows per rank as a prefix,
+        a host argument of the gather (``recv_off``) or of the reduction (``send_off``); one
+        buffer each per transport, so every bound program keeps its address."""
+        r = self._buffers.get(name)
         if r is None:
             t = torch.zeros(self.world_size + 1, dtype=torch.int64,
                             pin_memory=torch.cuda.is_available())
-            r = self._buffers["recv_off"] = (t, t.numpy())
+            r = self._buffers[name] = (t, t.numpy())
         return r
 
     def _recv_routing(self, n: int):

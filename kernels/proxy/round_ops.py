@@ -479,7 +479,7 @@ class RoundOps:
         me, d_cols = self.rank, yc.shape[1]
         dev, t = yc.device, num_tokens
         out = torch.empty(t, d_cols, dtype=yc.dtype, device=dev)
-        send_off, offs = self._send_off()
+        send_off, offs = self._prefix_buffer("send_off")
         offs[:] = sstarts
         idx = idx.contiguous()
         # one native launch per shape (the kernel's search depth follows the token count)
@@ -504,16 +504,6 @@ class RoundOps:
                  self._cuda_stream(dev))
         self._record_reads(dev)
         return out
-
-    def _send_off(self):
-        """(``[W + 1]`` int64 pinned, its numpy view): rows sent to each rank as a prefix, the
-        reduction's host argument (one buffer per transport, kept by every bound reduction)."""
-        r = self._buffers.get("send_off")
-        if r is None:
-            t = torch.zeros(self.world_size + 1, dtype=torch.int64,
-                            pin_memory=torch.cuda.is_available())
-            r = self._buffers["send_off"] = (t, t.numpy())
-        return r
 
     def _reduce_torch(self, views, idx, n_send, sstarts, num_tokens: int, yc):
         """The reduction with torch ops on the output's device (GPU inputs, other dtypes)."""
