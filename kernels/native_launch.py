@@ -43,11 +43,12 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availability", "bind", "load",
-           "gate_publish_wait", "wait_flag", "RAN", "GATE_LATE", "FLAG_LATE"]
+           "gate_publish_wait", "wait_flag", "rows_received", "RAN", "GATE_LATE", "FLAG_LATE",
+           "NOT_GATHERED"]
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
@@ -55,6 +56,8 @@ _ERRLEN = 512
 #: :meth:`Program.run_gated` statuses: both programs ran; the gate was not passed in time (the
 #: second did not run); both ran but the completion word was not seen in time
 RAN, GATE_LATE, FLAG_LATE = 0, 1, 2
+#: :meth:`Program.run_dispatch`: both programs ran, the counts were not gathered (see there)
+NOT_GATHERED = 3
 
 # Triton signature type -> bytes of the kernel parameter
 _TYPE_BYTES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf16": 2,
@@ -121,6 +124,9 @@ _SIGS = {
     "efa_launch_wait_flag": ([_vp, _i64, _i64, _vp], _i32),
     "efa_launch_run_gated": ([_vp, _vp, _i64, _vp, _i32, _i32, _i64, _i64, _vp, _i64, _i64, _vp,
                               _vp, _vp, _sz], _i32),
+    "efa_gda_rows_received": ([_vp, _vp], _i64),
+    "efa_launch_dispatch": ([_vp, _vp, _vp, _i64, _vp, _i32, _i32, _i64, _i64, _vp, _i64, _i64,
+                             _vp, _vp, _vp, _vp, _vp, _sz], _i32),
 }
 
 
@@ -368,6 +374,40 @@ class Program:
         if rc < 0:
             raise NativeLaunchError(self._err.value.decode(errors="replace"))
         return rc, self._sync_ns.value * 1e-9, self._gate_ns.value * 1e-9
+
+    def run_dispatch(self, values: Sequence[int], second: "Program", values2: Sequence[int],
+                     third: "Program", values3: Sequence[int], stream: int, gate: int,
+                     world: int, rank: int, record: int, spin_ns: int, flag: int, value: int,
+                     wait_ns: int, shape: int, rows_out: int) -> Tuple[int, float, float]:
+        """A gda regular dispatch in one native call: :meth:`run_gated` (``second`` ends with the
+        wait for the header's completion word at ``flag``), then the counts before ``flag``
+        checked and, when clean with ``0 < rows <= cap``, ``third`` (the gather) with
+        ``values3`` whose row count and grid the library sets. ``shape``: address of the
+        ``[10]`` int64 ``[world, hdr_len, L, t_max, top-k, cap, max_grid, row-count variable,
+        grid variable, counts before flag]``; ``rows_out``: address of an int64 that receives
+        the rows (-1: counts not clean).
+
+        Returns:
+            (status, seconds waiting for the device, seconds waiting for the peers): the
+            statuses of :meth:`run_gated`, or :data:`NOT_GATHERED` (both phases ran, the
+            gather did not: the caller checks the counts and gathers).
+        """
+        self._pack(self._vars, 0, *values)
+        second._pack(second._vars, 0, *values2)
+        third._pack(third._vars, 0, *values3)
+        rc = self._lib.efa_launch_dispatch(
+            self._addr, second._addr, third._addr, stream, gate or None, world, rank, record,
+            spin_ns, flag, value, wait_ns, shape, rows_out, self._sync_ns_addr,
+            self._gate_ns_addr, self._err_addr, _ERRLEN)
+        if rc < 0:
+            raise NativeLaunchError(self._err.value.decode(errors="replace"))
+        return rc, self._sync_ns.value * 1e-9, self._gate_ns.value * 1e-9
+
+
+def rows_received(info: int, shape: int) -> int:
+    """The C check of a gda dispatch's counts alone (see :meth:`Program.run_dispatch`): the
+    rows received, or -1 when the counts at address ``info`` are not clean for ``shape``."""
+    return load().efa_gda_rows_received(info, shape)
 
 
 def bind(launch, tensors: Sequence[torch.Tensor], ints: Sequence[str] = (),

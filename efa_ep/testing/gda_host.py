@@ -60,16 +60,39 @@ int efa_launch_run_gated(const prog_t *a, const prog_t *b, int64_t s, int64_t *g
   if (gate) gate[r] = rec;
   return 0;
 }
+/* the real library's count check (efa_gda_rows_received), set from Python */
+static int64_t (*rows_received)(const int64_t *, const int64_t *);
+void stand_in_set_check(void *fn) { rows_received = fn; }
+int efa_launch_dispatch(const prog_t *a, const prog_t *b, const prog_t *c, int64_t s,
+                        int64_t *gate, int w, int r, int64_t rec, int64_t spin, int64_t *flag,
+                        int64_t value, int64_t wait, const int64_t *shape, int64_t *rows_out,
+                        int64_t *sync, int64_t *gns, void *e, size_t l) {
+  efa_launch_run_gated(a, b, s, gate, w, r, rec, spin, flag, value, wait, sync, gns, e, l);
+  int64_t rows = rows_received(flag - shape[9], shape);
+  *rows_out = rows;
+  if (rows <= 0 || rows > shape[5]) return 3;
+  int64_t *vars = (int64_t *)c->vars;
+  vars[shape[7]] = rows;
+  vars[shape[8]] = rows < shape[6] ? rows : shape[6];
+  bind(c);
+  return 0;
+}
 """
 
 
 def stand_in_library(directory: str):
-    """Builds (``cc``) and loads the stand-in native library in ``directory``."""
+    """Builds (``cc``) and loads the stand-in native library in ``directory``; its dispatch
+    checks the counts with the real library's check (which loads without a GPU)."""
+    from efa_ep.kernels import native_launch as nl
+
     src, lib = os.path.join(directory, "gda_stand_in.c"), os.path.join(directory, "libgda_stand_in.so")
     with open(src, "w") as f:
         f.write(_STAND_IN)
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
-    return ctypes.CDLL(lib)
+    stand_in = ctypes.CDLL(lib)
+    stand_in.stand_in_set_check.argtypes = [ctypes.c_void_p]
+    stand_in.stand_in_set_check(ctypes.cast(nl.load().efa_gda_rows_received, ctypes.c_void_p))
+    return stand_in
 
 
 def last_completion(lib) -> Tuple[int, int]:

@@ -37,12 +37,42 @@ from typing import Optional, Tuple
 import torch
 
 from . import launches as kern
-from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability, bind
+from ..native_launch import (
+    FLAG_LATE, GATE_LATE, RAN, NativeLaunchError, Program, availability, bind,
+)
 
 _EPOCH = ("epoch_delta",)
 #: how long one native call waits for the peers at the launch gate before the transport's own
 #: wait (deadline, failed peers) takes over; ranks in step publish within microseconds
 GATE_SPIN_NS = 200_000
+#: a regular dispatch whose outputs fit this many bytes allocates them before its count read, at
+#: the rows its shape's recent calls received, so that its one native call gathers too (a
+#: larger op costs the device far more than a second native call costs the host)
+GATHER_AHEAD_BYTES = 16 << 20
+
+
+class _GatherAhead:
+    """The gather of a bound dispatch plan (see :data:`GATHER_AHEAD_BYTES`): its program once
+    bound, the rows the outputs are allocated at (0: none ahead), and the native call's
+    ``[10]`` int64 shape block (``Program.run_dispatch``)."""
+
+    __slots__ = ("key", "prog", "cap", "row_bytes", "k", "shape", "shape_addr", "rows",
+                 "rows_addr")
+
+    def __init__(self, key, row_bytes: int, k: int, shape):
+        self.key, self.prog, self.cap, self.row_bytes, self.k = key, None, 0, row_bytes, k
+        self.shape = (ctypes.c_int64 * 10)(*shape)
+        self.shape_addr = ctypes.addressof(self.shape)
+        self.rows = ctypes.c_int64(-1)
+        self.rows_addr = ctypes.addressof(self.rows)
+
+    def fit(self, n: int) -> None:
+        """Sizes the next calls' outputs after a call that received ``n`` rows: grown when
+        outgrown, shrunk when a quarter of them went unused (1/8 headroom each time)."""
+        if n > self.cap or 4 * n < 3 * self.cap:
+            cap = n + n // 8
+            self.cap = cap if cap * self.row_bytes <= GATHER_AHEAD_BYTES else 0
+            self.shape[5] = self.cap
 
 
 def _aligned(*tensors) -> bool:
@@ -78,6 +108,7 @@ class GdaPhases:
         # silent after a few of them is stuck
         self._flag_wait_ns = int((3 * transport.timeout_s + 10) * 1e9)
         self._header_words = None
+        self._ahead: Optional[_GatherAhead] = None  # the gather of the last planned dispatch
 
     @property
     def native(self) -> bool:
@@ -271,8 +302,11 @@ class GdaPhases:
         Returns:
             (scratch (the dispatch's int64 device scratch), slot ``[T, W]`` int64 view of it,
             word offset of the sent rows' token indices in scratch, header info as a list of
-            ints (see :meth:`header`), tokens_per_expert ``[L]`` int64 CPU, offsets ``[W + 1]``
-            int64 device view of scratch).
+            ints (see :meth:`header`; None when gathered), tokens_per_expert ``[L]`` int64 CPU,
+            offsets ``[W + 1]`` int64 device view of scratch, gathered: None, or when the
+            native call gathered too (its counts clean, see :meth:`_dispatch_gather`)
+            (recv_x, recv_topk_idx, recv_topk_weights, rows sent per destination, rows
+            received per source)).
         """
         tr = self.tr
         t, k = topk_idx.shape
@@ -292,22 +326,76 @@ class GdaPhases:
             if first is not None and bad_status is None:
                 self._plan(parity, t, k, x)
             o_send = kern._layout_offsets(t, tr.cfg.num_experts, tr.world_size, k)[5]
-            return scratch, slot, o_send, vals, tokens_per_expert, offsets
-        front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info = plan
+            self._ahead = None
+            return scratch, slot, o_send, vals, tokens_per_expert, offsets, None
+        front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
         w = tr.world_size
         scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
         sp = scratch.data_ptr()
         delta = epoch - tr._dev_base
         buf_ptr, view = self._host
-        tr.blocked_s += self._gated((front, (xp, ip, wp, sp, delta)), header,
-                                    (sp + 8 * o_rank, sp + 8 * o_out, delta), epoch, "dispatch",
-                                    buf_ptr + 8 * n_info)
+        values, values2 = (xp, ip, wp, sp, delta), (sp + 8 * o_rank, sp + 8 * o_out, delta)
+        flag = buf_ptr + 8 * n_info
+        got = None
+        self._ahead = ahead
+        if ahead.cap and (ahead.prog or self._progs.get(ahead.key)) is not None:
+            got = self._dispatch_gather(front, values, header, values2, ahead, sp + 8 * o_offsets,
+                                        epoch, flag)
+        else:
+            tr.blocked_s += self._gated((front, values), header, values2, epoch, "dispatch", flag)
         num_local = tr.cfg.num_local_experts
         tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
         ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
                        8 * num_local)
-        return (scratch, scratch.as_strided((t, w), (w, 1), o_slot), o_send, view.tolist(),
-                tokens_per_expert, scratch.as_strided((w + 1,), (1,), o_offsets))
+        slot = scratch.as_strided((t, w), (w, 1), o_slot)
+        offsets = scratch.as_strided((w + 1,), (1,), o_offsets)
+        if got is not None:
+            end = 1 + w * (2 + num_local)
+            got += (view[end:end + w].tolist(), view[2:end:2 + num_local].tolist())
+            return scratch, slot, o_send, None, tokens_per_expert, offsets, got
+        return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None
+
+    def _dispatch_gather(self, front, values, header, values2, ahead: _GatherAhead,
+                         offsets: int, epoch: int, flag: int):
+        """Front, gate, header, count read and gather of a planned dispatch in one native call
+        (``Program.run_dispatch``) into outputs allocated ahead at ``ahead.cap`` rows. Returns
+        (recv_x ``[N, H]``, recv_topk_idx ``[N, K]``, recv_topk_weights ``[N, K]``: views of
+        them) when the gather ran, else None (counts that need the transport's checks, more
+        rows than the capacity, a late peer: both phases ran, the caller gathers)."""
+        tr = self.tr
+        if ahead.prog is None:
+            ahead.prog = self._progs[ahead.key]
+        cap, k, dev = ahead.cap, ahead.k, tr.device
+        recv_x = torch.empty(cap, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev)
+        recv_idx = torch.empty(cap, k, dtype=torch.int64, device=dev)
+        recv_w = torch.empty(cap, k, dtype=torch.float32, device=dev)
+        gate = tr._gate
+        stream = _stream(self._dev)
+        record = kern.wait_record(epoch, "dispatch")
+        status, sync_s, gate_s = front.run_dispatch(
+            values, header, values2, ahead.prog,
+            (offsets, recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), cap,
+             min(cap, tr.num_programs)), stream, gate.address if gate is not None else 0,
+            tr.world_size, tr.rank, record, GATE_SPIN_NS, flag, record, self._flag_wait_ns,
+            ahead.shape_addr, ahead.rows_addr)
+        tr.blocked_s += gate_s + sync_s
+        if status == RAN:
+            n = ahead.rows.value
+            ahead.fit(n)
+            return recv_x[:n], recv_idx[:n], recv_w[:n]
+        if status == GATE_LATE:
+            tr._await_peers(epoch, "dispatch")  # published already; raises on a deadline
+            tr.blocked_s += self._run_wait(header, values2, stream, flag, epoch, "dispatch")
+        elif status == FLAG_LATE:
+            tr._device_late(epoch, "dispatch", self._flag_wait_ns * 1e-9)  # raises
+        return None
+
+    def rows_seen(self, n: int) -> None:
+        """The last planned dispatch received ``n`` rows without gathering in its native call
+        (its first call, counts outside its capacity): sizes the next calls' outputs."""
+        if self._ahead is not None:
+            self._ahead.fit(n)
+            self._ahead = None
 
     def _plan(self, parity: int, t: int, k: int, x) -> None:
         """Records the plan of :meth:`dispatch_head` for this shape once both of its programs
@@ -321,9 +409,15 @@ class GdaPhases:
         _, _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(
             t, tr.cfg.num_experts, w, k)
         n_info = 1 + w * (2 + num_local) + w + num_local
+        hidden = tr.cfg.hidden
+        # the gather program's variables: 4 addresses, the row count, the grid (see gather)
+        ahead = _GatherAhead(("gather", parity, k, hidden, tr.cfg.dtype),
+                             hidden * tr.cfg.dtype.itemsize + 12 * k, k,
+                             (w, 2 + num_local, num_local, tr.cfg.max_tokens_per_rank, k, 0,
+                              tr.num_programs, 4, 5, n_info))
         self._plans[("dispatch", parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
             front, header, words + self.header_words(), o_slot, o_send, o_rank, words,
-            words + kern._even(n_info), n_info)
+            words + kern._even(n_info), n_info, ahead)
 
     def gather(self, offsets, recv_x, recv_idx, recv_w, epoch: int) -> None:
         """Copies the received rows (``offsets`` ``[W + 1]`` from :meth:`header`) out of the

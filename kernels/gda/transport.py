@@ -351,7 +351,7 @@ class GdaTransport(Transport):
             recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64 (local ids, -1 elsewhere),
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
-        cfg, world = self.cfg, self.world_size
+        cfg = self.cfg
         if self._capturing:
             raise TransportError(
                 f"rank {self.rank}: gda dispatch reads the receive counts on the host and cannot "
@@ -369,10 +369,34 @@ class GdaTransport(Transport):
         k = topk_idx.shape[1]
         phases = self._phases
         # layout, stores, the launch gate, then the one host sync per dispatch
-        scratch, slot, o_send, vals, tokens_per_expert, recv_offsets = phases.dispatch_head(
+        scratch, slot, o_send, vals, tokens_per_expert, recv_offsets, got = phases.dispatch_head(
             x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
+        if got is not None:  # gathered by the native call, its counts checked there
+            recv_x, recv_idx, recv_w, num_send, num_recv = got
+            n = recv_x.shape[0]
+        else:
+            recv_x, recv_idx, recv_w, num_send, num_recv = self._receive(
+                vals, recv_offsets, epoch, k, error, topk_idx, topk_weights)
+            n = recv_x.shape[0]
+            phases.rows_seen(n)
+        handle = DispatchHandle(
+            num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
+            send_token_idx=scratch.as_strided((sum(num_send),), (1,), o_send),
+            num_send_per_rank=tuple(num_send),
+            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
+            state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
+                                   epoch=epoch))
+        return recv_x, recv_idx, recv_w, tokens_per_expert, handle
+
+    def _receive(self, vals, recv_offsets, epoch: int, k: int, error, topk_idx, topk_weights):
+        """A regular dispatch after its count read, when its native call did not gather: the
+        counts ``vals`` (the header's info) checked (a source's bad input, error bits, counts
+        outside their bounds raise), the outputs allocated and the received rows gathered.
+        Returns (recv_x, recv_topk_idx, recv_topk_weights, rows sent per destination, rows
+        received per source)."""
+        cfg, world = self.cfg, self.world_size
         if vals[0]:
             self.check_errors()
         hdr_len = self.layout.hdr_len
@@ -402,15 +426,8 @@ class GdaTransport(Transport):
         recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
         recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
         recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
-        phases.gather(recv_offsets, recv_x, recv_idx, recv_w, epoch)
-        handle = DispatchHandle(
-            num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
-            send_token_idx=scratch.as_strided((sum(num_send),), (1,), o_send),
-            num_send_per_rank=tuple(num_send),
-            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
-            state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
-                                   epoch=epoch))
-        return recv_x, recv_idx, recv_w, tokens_per_expert, handle
+        self._phases.gather(recv_offsets, recv_x, recv_idx, recv_w, epoch)
+        return recv_x, recv_idx, recv_w, num_send, num_recv
 
     def dispatch_fixed(self, x, topk_idx, topk_weights):
         """Fixed-capacity dispatch: no host sync, no receive copy, static launch grids.

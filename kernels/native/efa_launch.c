@@ -18,6 +18,11 @@
  * then). A peer that is late leaves the rest to the caller, whose wait has the deadline and
  * names the missing ranks.
  *
+ * A gda regular dispatch runs whole in one call (efa_launch_dispatch): front, gate, header, the
+ * wait for the counts in host memory, their checks, and the gather of the received rows into
+ * outputs the caller allocated ahead at a capacity; counts that are not clean, or more rows than
+ * the capacity, leave the gather to the caller, whose checks name the problem.
+ *
  * Build: cc -O2 -std=c11 -shared -fPIC efa_launch.c -ldl -o libefa_launch.so
  */
 #define _GNU_SOURCE
@@ -29,7 +34,7 @@
 #include <string.h>
 #include <time.h>
 
-#define EFA_LAUNCH_ABI 4
+#define EFA_LAUNCH_ABI 5
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -292,4 +297,55 @@ int efa_launch_run_gated(const efa_program_t *first, const efa_program_t *second
     if (gate && !efa_gate_publish_wait(gate, world, rank, record, spin_ns, gate_ns)) return 1;
     if (flag) return efa_launch_run_wait(second, stream, flag, value, wait_ns, sync_ns, err, errlen);
     return run(second, (void *)(uintptr_t)stream, err, errlen);
+}
+
+
+/* The counts a gda dispatch's header kernel wrote into host memory (kernels/gda/launches.py,
+ * recv_header: [error bits, per source (status, rows, rows per local expert), rows sent per
+ * destination, rows received per local expert]), checked as the transport checks them.
+ * shape = [world, hdr_len (2 + L), L, t_max, top-k]. Returns the rows received (>= 0) when they
+ * are clean: no error bits, every source's status 0 and rows in [0, t_max] (the peers' counts
+ * are untrusted), per-expert rows >= 0 summing to at most rows * top-k; else -1. */
+int64_t efa_gda_rows_received(const int64_t *info, const int64_t *shape) {
+    const int64_t w = shape[0], hdr_len = shape[1], num_local = shape[2], t_max = shape[3],
+                  k = shape[4];
+    if (info[0] != 0) return -1;
+    int64_t rows = 0;
+    for (int64_t s = 0; s < w; s++) {
+        const int64_t status = info[1 + s * hdr_len], r = info[2 + s * hdr_len];
+        if (status != 0 || r < 0 || r > t_max) return -1;
+        rows += r;
+    }
+    const int64_t *per_expert = info + 1 + w * hdr_len + w;
+    int64_t pairs = 0;
+    for (int64_t e = 0; e < num_local; e++) {
+        if (per_expert[e] < 0) return -1;
+        pairs += per_expert[e];
+    }
+    return pairs > rows * k ? -1 : rows;
+}
+
+/* A gda regular dispatch in one call: efa_launch_run_gated(first, second, ...) with flag (the
+ * header's completion word; the n_info counts precede it), then, when efa_gda_rows_received
+ * finds them clean with 0 < rows <= cap, third (the gather) with its variables var_rows = rows
+ * and var_grid = min(rows, max_grid). shape = [world, hdr_len, L, t_max, top-k, cap, max_grid,
+ * var_rows, var_grid, n_info]. Returns 0 when the gather ran (*rows_out = rows); 3 when it did not
+ * (counts not clean: *rows_out = -1; no rows or more than cap: *rows_out = rows), the caller
+ * checks the counts and gathers; else what efa_launch_run_gated returns. */
+int efa_launch_dispatch(const efa_program_t *first, const efa_program_t *second,
+                        const efa_program_t *third, int64_t stream, int64_t *gate, int world,
+                        int rank, int64_t record, int64_t spin_ns, const int64_t *flag,
+                        int64_t value, int64_t wait_ns, const int64_t *shape, int64_t *rows_out,
+                        int64_t *sync_ns, int64_t *gate_ns, char *err, size_t errlen) {
+    *rows_out = -1;
+    int rc = efa_launch_run_gated(first, second, stream, gate, world, rank, record, spin_ns, flag,
+                                  value, wait_ns, sync_ns, gate_ns, err, errlen);
+    if (rc) return rc;
+    const int64_t rows = efa_gda_rows_received(flag - shape[9], shape);
+    *rows_out = rows;
+    if (rows <= 0 || rows > shape[5]) return 3;
+    int64_t *vars = (int64_t *)third->vars;
+    vars[shape[7]] = rows;
+    vars[shape[8]] = rows < shape[6] ? rows : shape[6];
+    return run(third, (void *)(uintptr_t)stream, err, errlen);
 }

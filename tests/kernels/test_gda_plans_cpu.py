@@ -4,6 +4,8 @@ methods hand it on the call that binds it: the call's tensors' addresses at the 
 the dispatch's scratch, the op's number, the row counts and grids. The transport runs its real
 host code over a stand-in library (:mod:`efa_ep.testing.gda_host`: no GPU); the GPU tests check
 what the kernels then do with these arguments."""
+import ctypes
+
 import pytest
 import torch
 
@@ -68,6 +70,78 @@ def test_dispatch_plan_passes_what_the_phase_methods_pass(tr):
         assert tpe.tolist() == [2] * L
         plans.append(sum(k[0] == "dispatch" for k in tr._phases._plans))
     assert plans == [1, 2, 2, 2]  # both parities' plans bound, then reused
+
+
+def _next_gather_prog(tr):
+    """The bound gather program the next dispatch (its parity) launches."""
+    return tr._phases._progs[("gather", (tr._epoch + 1) % 2, K, H, torch.bfloat16)]
+
+
+def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr):
+    # calls 0, 1 bind each parity's plan, 2, 3 learn the rows they receive; from call 4 the
+    # outputs are allocated ahead and the library checks the counts and launches the gather
+    _, x, idx, w = _inputs(6)
+    n = T + 5
+    for call in range(8):
+        gather = _next_gather_prog(tr) if call >= 2 else None
+        if gather is not None:
+            gather._vars[4] = -7  # the library must write the row count it read
+        recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
+        assert recv_x.shape == (n, H) and recv_idx.shape == recv_w.shape == (n, K)
+        assert h.num_recv_per_rank == (T, 5) and h.num_send_per_rank == (T, 6)
+        assert h.send_token_idx.numel() == T + 6 and tpe.tolist() == [2] * L
+        if call >= 4:
+            assert _vars(gather) == [h.state.recv_offsets.data_ptr(), recv_x.data_ptr(),
+                                     recv_idx.data_ptr(), recv_w.data_ptr(), n,
+                                     min(n, tr.num_programs)]
+            # allocated ahead with headroom: the outputs are views of larger blocks
+            assert recv_x.untyped_storage().nbytes() > n * H * 2
+        elif call >= 2:  # gathered from Python, into outputs of exactly n rows
+            assert recv_x.untyped_storage().nbytes() == n * H * 2
+
+
+def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr):
+    from efa_ep.kernels.base import ProtocolError
+    from efa_ep.testing.gda_host import header_info
+
+    _, x, idx, w = _inputs(7)
+    for _ in range(6):
+        tr.dispatch(x, idx, w)
+    # more rows than the capacity: gathered from Python into exact outputs, capacity grown
+    info = header_info(W, L, rows_from=[T, T_MAX], rows_to=[T, 6], per_expert=[2] * L)
+    tr.stand_in.stand_in_set_info((ctypes.c_int64 * len(info))(*info), len(info))
+    recv_x, *_, h = tr.dispatch(x, idx, w)
+    assert recv_x.shape == (T + T_MAX, H) and recv_x.untyped_storage().nbytes() == recv_x.nbytes
+    assert h.num_recv_per_rank == (T, T_MAX)
+    # a peer's count beyond max_tokens_per_rank: the transport's own check names it
+    info = header_info(W, L, rows_from=[T, T_MAX + 1], rows_to=[T, 6], per_expert=[2] * L)
+    tr.stand_in.stand_in_set_info((ctypes.c_int64 * len(info))(*info), len(info))
+    with pytest.raises(ProtocolError, match=r"source rank\(s\) \[1\] announced row counts"):
+        tr.dispatch(x, idx, w)
+
+
+@pytest.mark.parametrize("change, rows", [
+    ({}, 13), ({0: 1}, -1), ({1: 4}, -1), ({2: 33}, -1), ({2: -1}, -1), ("expert", -1),
+    ("pairs", -1)])
+def test_native_count_check_accepts_only_clean_counts(change, rows):
+    from efa_ep.kernels import native_launch as nl
+    from efa_ep.testing.gda_host import header_info
+
+    try:
+        nl.load()
+    except nl.NativeLaunchError as e:
+        pytest.skip(str(e))
+    info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
+    if change == "expert":
+        info[-1] = -1
+    elif change == "pairs":  # more (row, expert) pairs than rows x top-k
+        info[-1] = 13 * K - 2 * (L - 1) + 1
+    else:
+        for i, v in change.items():
+            info[i] = v
+    shape = (ctypes.c_int64 * 10)(W, 2 + L, L, T_MAX, K, 0, 0, 0, 0, len(info))
+    buf = (ctypes.c_int64 * len(info))(*info)
+    assert nl.rows_received(ctypes.addressof(buf), ctypes.addressof(shape)) == rows
 
 
 def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
