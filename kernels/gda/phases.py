@@ -19,6 +19,13 @@ programs they run in one native call with the gate's fast path between them
 hands the wait back to the transport's gate wait, which has the deadline and names the missing
 ranks. With ``fast_launch=2`` each phase is its own native call and the gate runs in Python.
 
+A regular dispatch whose shape has run before goes further: its outputs are allocated ahead at
+the rows the shape's recent calls received (at most
+:data:`~efa_ep.kernels.gda.gather_ahead.GATHER_AHEAD_BYTES`), and the one native call also
+waits for the counts, checks them as the transport does and launches the gather
+(:meth:`GdaPhases._dispatch_gather`); counts the check refuses, more rows than allocated or a
+late peer leave the gather to the transport's own checks.
+
 Both paths launch the same compiled kernels with the same arguments, so results are the same
 bit for bit. A program that cannot be bound (another Triton calling convention) turns native
 launching off for the transport, with the reason in :attr:`GdaPhases.native_off`; a launch
@@ -37,42 +44,14 @@ from typing import Optional, Tuple
 import torch
 
 from . import launches as kern
-from ..native_launch import (
-    FLAG_LATE, GATE_LATE, RAN, NativeLaunchError, Program, availability, bind,
-)
+from .gather_ahead import GatherAhead
+from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError, Program, availability
+from ..native_launch import bind
 
 _EPOCH = ("epoch_delta",)
 #: how long one native call waits for the peers at the launch gate before the transport's own
 #: wait (deadline, failed peers) takes over; ranks in step publish within microseconds
 GATE_SPIN_NS = 200_000
-#: a regular dispatch whose outputs fit this many bytes allocates them before its count read, at
-#: the rows its shape's recent calls received, so that its one native call gathers too (a
-#: larger op costs the device far more than a second native call costs the host)
-GATHER_AHEAD_BYTES = 16 << 20
-
-
-class _GatherAhead:
-    """The gather of a bound dispatch plan (see :data:`GATHER_AHEAD_BYTES`): its program once
-    bound, the rows the outputs are allocated at (0: none ahead), and the native call's
-    ``[10]`` int64 shape block (``Program.run_dispatch``)."""
-
-    __slots__ = ("key", "prog", "cap", "row_bytes", "k", "shape", "shape_addr", "rows",
-                 "rows_addr")
-
-    def __init__(self, key, row_bytes: int, k: int, shape):
-        self.key, self.prog, self.cap, self.row_bytes, self.k = key, None, 0, row_bytes, k
-        self.shape = (ctypes.c_int64 * 10)(*shape)
-        self.shape_addr = ctypes.addressof(self.shape)
-        self.rows = ctypes.c_int64(-1)
-        self.rows_addr = ctypes.addressof(self.rows)
-
-    def fit(self, n: int) -> None:
-        """Sizes the next calls' outputs after a call that received ``n`` rows: grown when
-        outgrown, shrunk when a quarter of them went unused (1/8 headroom each time)."""
-        if n > self.cap or 4 * n < 3 * self.cap:
-            cap = n + n // 8
-            self.cap = cap if cap * self.row_bytes <= GATHER_AHEAD_BYTES else 0
-            self.shape[5] = self.cap
 
 
 def _aligned(*tensors) -> bool:
@@ -108,7 +87,7 @@ class GdaPhases:
         # silent after a few of them is stuck
         self._flag_wait_ns = int((3 * transport.timeout_s + 10) * 1e9)
         self._header_words = None
-        self._ahead: Optional[_GatherAhead] = None  # the gather of the last planned dispatch
+        self._ahead: Optional[GatherAhead] = None  # the gather of the last planned dispatch
 
     @property
     def native(self) -> bool:
@@ -355,7 +334,7 @@ class GdaPhases:
             return scratch, slot, o_send, None, tokens_per_expert, offsets, got
         return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None
 
-    def _dispatch_gather(self, front, values, header, values2, ahead: _GatherAhead,
+    def _dispatch_gather(self, front, values, header, values2, ahead: GatherAhead,
                          offsets: int, epoch: int, flag: int):
         """Front, gate, header, count read and gather of a planned dispatch in one native call
         (``Program.run_dispatch``) into outputs allocated ahead at ``ahead.cap`` rows. Returns
@@ -365,13 +344,11 @@ class GdaPhases:
         tr = self.tr
         if ahead.prog is None:
             ahead.prog = self._progs[ahead.key]
-        cap, k, dev = ahead.cap, ahead.k, tr.device
+        cap, k, dev, gate = ahead.cap, ahead.k, tr.device, tr._gate
         recv_x = torch.empty(cap, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev)
         recv_idx = torch.empty(cap, k, dtype=torch.int64, device=dev)
         recv_w = torch.empty(cap, k, dtype=torch.float32, device=dev)
-        gate = tr._gate
-        stream = _stream(self._dev)
-        record = kern.wait_record(epoch, "dispatch")
+        stream, record = _stream(self._dev), kern.wait_record(epoch, "dispatch")
         status, sync_s, gate_s = front.run_dispatch(
             values, header, values2, ahead.prog,
             (offsets, recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), cap,
@@ -391,8 +368,8 @@ class GdaPhases:
         return None
 
     def rows_seen(self, n: int) -> None:
-        """The last planned dispatch received ``n`` rows without gathering in its native call
-        (its first call, counts outside its capacity): sizes the next calls' outputs."""
+        """The last planned dispatch received ``n`` rows and gathered them from Python: sizes
+        the next calls' outputs."""
         if self._ahead is not None:
             self._ahead.fit(n)
             self._ahead = None
@@ -411,7 +388,7 @@ class GdaPhases:
         n_info = 1 + w * (2 + num_local) + w + num_local
         hidden = tr.cfg.hidden
         # the gather program's variables: 4 addresses, the row count, the grid (see gather)
-        ahead = _GatherAhead(("gather", parity, k, hidden, tr.cfg.dtype),
+        ahead = GatherAhead(("gather", parity, k, hidden, tr.cfg.dtype),
                              hidden * tr.cfg.dtype.itemsize + 12 * k, k,
                              (w, 2 + num_local, num_local, tr.cfg.max_tokens_per_rank, k, 0,
                               tr.num_programs, 4, 5, n_info))
