@@ -20,7 +20,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 
-def _rank(rank, world, mode, iters, threads=0, options=None):
+def _line_profile(fns, step, calls: int) -> str:
+    """``step()`` ``calls`` times under line_profiler over ``fns``: the text of its report (us)."""
+    from line_profiler import LineProfiler
+
+    lp = LineProfiler(*fns)
+    lp.enable()
+    for _ in range(calls):
+        step()
+    lp.disable()
+    s = io.StringIO()
+    lp.print_stats(stream=s, output_unit=1e-6, stripzeros=True)
+    return s.getvalue()
+
+
+def _rank(rank, world, mode, iters, threads=0, options=None, lines=False):
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
 
@@ -65,6 +79,15 @@ def _rank(rank, world, mode, iters, threads=0, options=None):
     wall = (time.perf_counter() - t0) / iters * 1e6
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    if lines:  # where inside the hot functions (line_profiler's own cost included)
+        from efa_ep.kernels.gda import phases, transport
+
+        def step():
+            r = fn(x, idx, w)
+            tr.combine(r[0], r[-1])
+        s.write(_line_profile([transport.GdaTransport.dispatch, phases.GdaPhases.dispatch_head,
+                               phases.GdaPhases._dispatch_gather, transport.GdaTransport._combine,
+                               phases.GdaPhases.combine], step, iters))
     tr.check_errors()
     return dict(host_us_per_iter=host, wall_us_per_iter=wall, profile=s.getvalue(), **plain)
 
@@ -78,16 +101,18 @@ def main():
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in each rank")
     ap.add_argument("--options", default="", help="gda options k=v,...")
+    ap.add_argument("--lines", action="store_true",
+                    help="then a line profile of the hot functions (needs line_profiler)")
     a = ap.parse_args()
     options = dict(kv.split("=", 1) for kv in a.options.split(",") if kv)
-    res = run_ranks(_rank, a.world, (a.mode, a.iters, a.threads, options), timeout_s=300,
+    res = run_ranks(_rank, a.world, (a.mode, a.iters, a.threads, options, a.lines), timeout_s=300,
                     env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
     for r, out in enumerate(res):
         print(f"rank {r}: unprofiled: host dispatch {out['host_dispatch_us']:.0f} us, host "
               f"combine {out['host_combine_us']:.0f} us, wall D+C {out['wall_us']:.0f} us; "
               f"profiled: host {out['host_us_per_iter']:.0f} us/iter, "
               f"wall {out['wall_us_per_iter']:.0f} us/iter")
-    print(res[0]["profile"][-6000:])
+    print(res[0]["profile"][-(30000 if a.lines else 6000):])
 
 
 if __name__ == "__main__":

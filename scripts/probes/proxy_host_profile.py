@@ -39,7 +39,22 @@ def _wrap(owner, name, acc):
     setattr(owner, name, staticmethod(timed) if static else timed)
 
 
-def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda", programs=True):
+def _line_profile(fns, step, calls: int) -> str:
+    """``step()`` ``calls`` times under line_profiler over ``fns``: the text of its report (us)."""
+    from line_profiler import LineProfiler
+
+    lp = LineProfiler(*fns)
+    lp.enable()
+    for _ in range(calls):
+        step()
+    lp.disable()
+    s = io.StringIO()
+    lp.print_stats(stream=s, output_unit=1e-6, stripzeros=True)
+    return s.getvalue()
+
+
+def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda", programs=True,
+          lines=False):
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.gda import launches as gda_kernels
     from efa_ep.kernels.proxy import device as device_kernels, native, wire, transport
@@ -103,9 +118,18 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
     for _ in range(min(iters, 100)):
         dc()
     prof.disable()
-    px.close()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    if lines:  # where inside the hot functions (line_profiler's own cost included)
+        from efa_ep.kernels.proxy import device_path, hostop, round_ops
+
+        s.write(_line_profile([device_path.DevicePath._dispatch_device,
+                               device_path.DevicePath._gather_outputs,
+                               round_ops.RoundOps._combine, round_ops.RoundOps._pack_send_area,
+                               round_ops.RoundOps._reduce_device, transport.ProxyTransport._guarded,
+                               hostop.HostOps._post, hostop.HostOps._begin],
+                              dc, min(iters, 200)))
+    px.close()
     return wall * 1e6, steps, s.getvalue()
 
 
@@ -124,12 +148,14 @@ def main():
     ap.add_argument("--no-programs", action="store_true",
                     help="launch the device kernels from Python (compiled launchers), not as "
                          "native programs")
+    ap.add_argument("--lines", action="store_true",
+                    help="then a line profile of the hot functions (needs line_profiler)")
     args = ap.parse_args()
     from efa_ep.distributed import run_ranks
 
     env = {"FI_TCP_IFACE": "lo", "OMP_NUM_THREADS": "1"}
     res = run_ranks(_rank, 2, (args.provider, args.tokens, args.iters, args.staging, args.channels,
-                                      args.device, not args.no_programs),
+                                      args.device, not args.no_programs, args.lines),
                     timeout_s=600, env=env)
     for rank, (wall, steps, prof) in enumerate(res):
         print(f"== rank {rank}: {args.device} inputs, {args.staging} staging, "
@@ -139,7 +165,7 @@ def main():
             print(f"   {k:45s} {v:9.1f} us")
         print(f"   {'(sum of wrapped steps, nested ones twice)':45s} {sum(steps.values()):9.1f} us")
         if rank == 0:
-            print(prof[:6000])
+            print(prof[:40000 if args.lines else 6000])
 
 
 if __name__ == "__main__":
