@@ -36,7 +36,10 @@ static void bind(const prog_t *p) {
     p->recs[u[0]] = p->vars[u[1]] + u[2];
   }
 }
-static int64_t info[65536], ninfo, last_flag, last_value;
+static int64_t info[65536], ninfo, last_flag, last_value, gate_late;
+/* the next n gated calls find a peer late: the first program runs and is published, the
+ * second does not (efa_launch_run_gated's status 1) */
+void stand_in_gate_late(int64_t n) { gate_late = n; }
 void stand_in_set_info(const int64_t *p, int64_t n) { memcpy(info, p, 8 * n); ninfo = n; }
 void stand_in_last(int64_t *out) { out[0] = last_flag; out[1] = last_value; }
 static void header(int64_t *flag, int64_t value) {
@@ -54,10 +57,12 @@ int efa_launch_run_wait(const prog_t *p, int64_t s, int64_t *flag, int64_t value
 int efa_launch_run_gated(const prog_t *a, const prog_t *b, int64_t s, int64_t *gate, int w, int r,
                          int64_t rec, int64_t spin, int64_t *flag, int64_t value, int64_t wait,
                          int64_t *sync, int64_t *gns, void *e, size_t l) {
-  bind(a); bind(b);
-  if (flag) header(flag, value);
+  bind(a);
   *sync = 0; *gns = 0;
   if (gate) gate[r] = rec;
+  if (gate_late > 0) { gate_late--; return 1; }
+  bind(b);
+  if (flag) header(flag, value);
   return 0;
 }
 /* the real library's count check (efa_gda_rows_received), set from Python */
@@ -67,7 +72,8 @@ int efa_launch_dispatch(const prog_t *a, const prog_t *b, const prog_t *c, int64
                         int64_t *gate, int w, int r, int64_t rec, int64_t spin, int64_t *flag,
                         int64_t value, int64_t wait, const int64_t *shape, int64_t *rows_out,
                         int64_t *sync, int64_t *gns, void *e, size_t l) {
-  efa_launch_run_gated(a, b, s, gate, w, r, rec, spin, flag, value, wait, sync, gns, e, l);
+  int rc = efa_launch_run_gated(a, b, s, gate, w, r, rec, spin, flag, value, wait, sync, gns, e, l);
+  if (rc) return rc;
   int64_t rows = rows_received(flag - shape[9], shape);
   *rows_out = rows;
   if (rows <= 0 || rows > shape[5]) return 3;

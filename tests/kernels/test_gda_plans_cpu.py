@@ -120,6 +120,24 @@ def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr):
         tr.dispatch(x, idx, w)
 
 
+def test_dispatch_with_a_late_peer_gathers_after_the_transport_waited(tr):
+    # the peer is late at the launch gate of a dispatch that would gather in its native call:
+    # the transport waits for it (its deadline), runs the header, and gathers from Python
+    _, x, idx, w = _inputs(8)
+    for _ in range(6):
+        tr.dispatch(x, idx, w)
+    tr.stand_in.stand_in_gate_late(1)
+    recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
+    n = T + 5
+    assert recv_x.shape == (n, H) and recv_x.untyped_storage().nbytes() == n * H * 2
+    gather = tr._phases._progs[("gather", tr._epoch % 2, K, H, torch.bfloat16)]
+    assert _vars(gather) == [h.state.recv_offsets.data_ptr(), recv_x.data_ptr(),
+                             recv_idx.data_ptr(), recv_w.data_ptr(), n, min(n, tr.num_programs)]
+    assert h.num_recv_per_rank == (T, 5) and tpe.tolist() == [2] * L
+    recv_x, *_ = tr.dispatch(x, idx, w)  # and the next one gathers in its native call again
+    assert recv_x.untyped_storage().nbytes() > n * H * 2
+
+
 @pytest.mark.parametrize("change, rows", [
     ({}, 13), ({0: 1}, -1), ({1: 4}, -1), ({2: 33}, -1), ({2: -1}, -1), ("expert", -1),
     ("pairs", -1)])
