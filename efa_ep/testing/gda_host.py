@@ -126,15 +126,17 @@ def header_info(world: int, num_local: int, rows_from: Sequence[int], rows_to: S
 
 
 def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: int = 7168,
-                        t_max: int = 4096, info: Sequence[int] = (), patch=setattr):
+                        t_max: int = 4096, info: Sequence[int] = (), patch=setattr,
+                        cpp: bool = False):
     """A :class:`~efa_ep.kernels.gda.GdaTransport` of rank 0 of ``world`` on CPU tensors whose
     native calls go to ``lib`` (:func:`stand_in_library`); every dispatch's header reads
-    ``info`` (:func:`header_info`). bf16 rows, the launch gate on, ``fast_launch=3``."""
+    ``info`` (:func:`header_info`). bf16 rows, the launch gate on, ``fast_launch=3``, or with
+    ``cpp`` 4 (the C++ dispatch, :mod:`efa_ep.kernels.gda.cpp_op`, must build here)."""
     import numpy as np
 
     from efa_ep.kernels import native_launch as nl
     from efa_ep.kernels.base import TransportConfig, align_up
-    from efa_ep.kernels.gda import launches, phases, transport
+    from efa_ep.kernels.gda import cpp_op, launches, phases, transport
     from efa_ep.kernels.gda.gate import LaunchGate
     from efa_ep.kernels.gda.window import WindowLayout
 
@@ -180,6 +182,8 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     ph = object.__new__(phases.GdaPhases)
     ph.tr, ph.fast, ph.gated, ph.native_off, ph._progs, ph._plans = tr, True, True, None, {}, {}
     ph._dev, ph._header_words, ph._flag_wait_ns = 0, None, 10**9
+    ph._ahead, ph.cpp, ph.cpp_off = None, (cpp_op.load() if cpp else None), None
+    tr.fast_launch = 4 if cpp else 3
     n_info = 1 + W * (2 + L) + W + L
     ph._pinned = torch.full((n_info + 1,), -1, dtype=torch.int64)
     addr = ph._pinned.data_ptr()

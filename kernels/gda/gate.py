@@ -40,6 +40,9 @@ def _agreed(slots, record: int) -> bool:
 
 #: bytes of one rank's error text slot on the board (stamp, length, text)
 TEXT_SLOT_BYTES = 1024
+#: how long one native call waits for the peers at the launch gate before the transport's own
+#: wait (deadline, failed peers) takes over; ranks in step publish within microseconds
+GATE_SPIN_NS = 200_000
 
 
 class LaunchGate:

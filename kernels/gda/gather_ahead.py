@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
+from . import launches as kern
+from .gate import GATE_SPIN_NS
+from ..native_launch import FLAG_LATE, GATE_LATE, RAN
+
 #: a regular dispatch whose outputs fit this many bytes allocates them before its count read, at
 #: the rows its shape's recent calls received, so that its one native call gathers too (a
 #: larger op costs the device far more than a second native call costs the host)
@@ -17,10 +23,11 @@ class GatherAhead:
     ``[10]`` int64 shape block (:meth:`~efa_ep.kernels.native_launch.Program.run_dispatch`)."""
 
     __slots__ = ("key", "prog", "cap", "row_bytes", "k", "shape", "shape_addr", "rows",
-                 "rows_addr")
+                 "rows_addr", "cpp")
 
     def __init__(self, key, row_bytes: int, k: int, shape):
         self.key, self.prog, self.cap, self.row_bytes, self.k = key, None, 0, row_bytes, k
+        self.cpp = None  # the plan's constants for the C++ dispatch (cpp_op.CppPlan), once made
         self.shape = (ctypes.c_int64 * 10)(*shape)
         self.shape_addr = ctypes.addressof(self.shape)
         self.rows = ctypes.c_int64(-1)
@@ -34,3 +41,37 @@ class GatherAhead:
             self.cap = cap if cap * self.row_bytes <= GATHER_AHEAD_BYTES else 0
             self.shape[5] = self.cap
 
+
+def dispatch_gather(ph, front, values, header, values2, ahead: GatherAhead, offsets: int,
+                    epoch: int, flag: int, stream: int):
+    """Front, gate, header, count read and gather of a planned dispatch of ``ph`` (its
+    ``GdaPhases``) in one native call (``Program.run_dispatch``) on ``stream``, into outputs
+    allocated ahead at ``ahead.cap`` rows. Returns
+    (recv_x ``[N, H]``, recv_topk_idx ``[N, K]``, recv_topk_weights ``[N, K]``: views of
+    them) when the gather ran, else None (counts that need the transport's checks, more
+    rows than the capacity, a late peer: both phases ran, the caller gathers)."""
+    tr = ph.tr
+    if ahead.prog is None:
+        ahead.prog = ph._progs[ahead.key]
+    cap, k, dev, gate = ahead.cap, ahead.k, tr.device, tr._gate
+    recv_x = torch.empty(cap, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev)
+    recv_idx = torch.empty(cap, k, dtype=torch.int64, device=dev)
+    recv_w = torch.empty(cap, k, dtype=torch.float32, device=dev)
+    record = kern.wait_record(epoch, "dispatch")
+    status, sync_s, gate_s = front.run_dispatch(
+        values, header, values2, ahead.prog,
+        (offsets, recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), cap,
+         min(cap, tr.num_programs)), stream, gate.address if gate is not None else 0,
+        tr.world_size, tr.rank, record, GATE_SPIN_NS, flag, record, ph._flag_wait_ns,
+        ahead.shape_addr, ahead.rows_addr)
+    tr.blocked_s += gate_s + sync_s
+    if status == RAN:
+        n = ahead.rows.value
+        ahead.fit(n)
+        return recv_x[:n], recv_idx[:n], recv_w[:n]
+    if status == GATE_LATE:
+        tr._await_peers(epoch, "dispatch")  # published already; raises on a deadline
+        tr.blocked_s += ph._run_wait(header, values2, stream, flag, epoch, "dispatch")
+    elif status == FLAG_LATE:
+        tr._device_late(epoch, "dispatch", ph._flag_wait_ns * 1e-9)  # raises
+    return None

@@ -23,7 +23,7 @@ A regular dispatch whose shape has run before goes further: its outputs are allo
 the rows the shape's recent calls received (at most
 :data:`~efa_ep.kernels.gda.gather_ahead.GATHER_AHEAD_BYTES`), and the one native call also
 waits for the counts, checks them as the transport does and launches the gather
-(:meth:`GdaPhases._dispatch_gather`); counts the check refuses, more rows than allocated or a
+(:func:`~efa_ep.kernels.gda.gather_ahead.dispatch_gather`); counts the check refuses, more rows than allocated or a
 late peer leave the gather to the transport's own checks.
 
 Both paths launch the same compiled kernels with the same arguments, so results are the same
@@ -44,14 +44,14 @@ from typing import Optional, Tuple
 import torch
 
 from . import launches as kern
+from . import cpp_op
+from . import gather_ahead
+from .gate import GATE_SPIN_NS
 from .gather_ahead import GatherAhead
-from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError, Program, availability
+from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability
 from ..native_launch import bind
 
 _EPOCH = ("epoch_delta",)
-#: how long one native call waits for the peers at the launch gate before the transport's own
-#: wait (deadline, failed peers) takes over; ranks in step publish within microseconds
-GATE_SPIN_NS = 200_000
 
 
 def _aligned(*tensors) -> bool:
@@ -88,6 +88,11 @@ class GdaPhases:
         self._flag_wait_ns = int((3 * transport.timeout_s + 10) * 1e9)
         self._header_words = None
         self._ahead: Optional[GatherAhead] = None  # the gather of the last planned dispatch
+        # fast_launch=4: a planned dispatch in one C++ call (cpp_op), where it can be built
+        self.cpp, self.cpp_off = None, None if fast_launch >= 4 else "fast_launch < 4"
+        if self.cpp_off is None:
+            self.cpp_off = self.native_off or cpp_op.availability()
+            self.cpp = cpp_op.load() if self.cpp_off is None else None
 
     @property
     def native(self) -> bool:
@@ -308,6 +313,10 @@ class GdaPhases:
             self._ahead = None
             return scratch, slot, o_send, vals, tokens_per_expert, offsets, None
         front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
+        self._ahead = ahead
+        gathers = ahead.cap and (ahead.prog or self._progs.get(ahead.key)) is not None
+        if gathers and self.cpp is not None:  # the whole call in C++ (fast_launch=4)
+            return cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch, _stream(self._dev))
         w = tr.world_size
         scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
         sp = scratch.data_ptr()
@@ -316,10 +325,10 @@ class GdaPhases:
         values, values2 = (xp, ip, wp, sp, delta), (sp + 8 * o_rank, sp + 8 * o_out, delta)
         flag = buf_ptr + 8 * n_info
         got = None
-        self._ahead = ahead
-        if ahead.cap and (ahead.prog or self._progs.get(ahead.key)) is not None:
-            got = self._dispatch_gather(front, values, header, values2, ahead, sp + 8 * o_offsets,
-                                        epoch, flag)
+        if gathers:
+            got = gather_ahead.dispatch_gather(self, front, values, header, values2, ahead,
+                                               sp + 8 * o_offsets, epoch, flag,
+                                               _stream(self._dev))
         else:
             tr.blocked_s += self._gated((front, values), header, values2, epoch, "dispatch", flag)
         num_local = tr.cfg.num_local_experts
@@ -330,42 +339,9 @@ class GdaPhases:
         offsets = scratch.as_strided((w + 1,), (1,), o_offsets)
         if got is not None:
             end = 1 + w * (2 + num_local)
-            got += (view[end:end + w].tolist(), view[2:end:2 + num_local].tolist())
+            got += (view[end:end + w].tolist(), view[2:end:2 + num_local].tolist(), None)
             return scratch, slot, o_send, None, tokens_per_expert, offsets, got
         return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None
-
-    def _dispatch_gather(self, front, values, header, values2, ahead: GatherAhead,
-                         offsets: int, epoch: int, flag: int):
-        """Front, gate, header, count read and gather of a planned dispatch in one native call
-        (``Program.run_dispatch``) into outputs allocated ahead at ``ahead.cap`` rows. Returns
-        (recv_x ``[N, H]``, recv_topk_idx ``[N, K]``, recv_topk_weights ``[N, K]``: views of
-        them) when the gather ran, else None (counts that need the transport's checks, more
-        rows than the capacity, a late peer: both phases ran, the caller gathers)."""
-        tr = self.tr
-        if ahead.prog is None:
-            ahead.prog = self._progs[ahead.key]
-        cap, k, dev, gate = ahead.cap, ahead.k, tr.device, tr._gate
-        recv_x = torch.empty(cap, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev)
-        recv_idx = torch.empty(cap, k, dtype=torch.int64, device=dev)
-        recv_w = torch.empty(cap, k, dtype=torch.float32, device=dev)
-        stream, record = _stream(self._dev), kern.wait_record(epoch, "dispatch")
-        status, sync_s, gate_s = front.run_dispatch(
-            values, header, values2, ahead.prog,
-            (offsets, recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), cap,
-             min(cap, tr.num_programs)), stream, gate.address if gate is not None else 0,
-            tr.world_size, tr.rank, record, GATE_SPIN_NS, flag, record, self._flag_wait_ns,
-            ahead.shape_addr, ahead.rows_addr)
-        tr.blocked_s += gate_s + sync_s
-        if status == RAN:
-            n = ahead.rows.value
-            ahead.fit(n)
-            return recv_x[:n], recv_idx[:n], recv_w[:n]
-        if status == GATE_LATE:
-            tr._await_peers(epoch, "dispatch")  # published already; raises on a deadline
-            tr.blocked_s += self._run_wait(header, values2, stream, flag, epoch, "dispatch")
-        elif status == FLAG_LATE:
-            tr._device_late(epoch, "dispatch", self._flag_wait_ns * 1e-9)  # raises
-        return None
 
     def rows_seen(self, n: int) -> None:
         """The last planned dispatch received ``n`` rows and gathered them from Python: sizes

@@ -57,7 +57,9 @@ class GdaTransport(Transport):
     has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
     kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
     path runs, ``native_launch_off`` why not), 1 each kernel through its compiled launcher, 0
-    Triton's own path: same kernels, same results.
+    Triton's own path, 4 makes a repeated regular dispatch one C++ call
+    (:mod:`efa_ep.kernels.gda.cpp_op`; ``cpp_dispatch_off`` says why not): same kernels, same
+    results.
 
     Host time: ``blocked_s`` accumulates the seconds this transport's calls spent blocked on
     the device (the dispatch's count read) or on peers' hosts (the launch gate); a call's wall
@@ -179,6 +181,11 @@ class GdaTransport(Transport):
     def native_launch_off(self) -> Optional[str]:
         """Why op phases are not launched natively (None when they are)."""
         return self._phases.native_off
+
+    @property
+    def cpp_dispatch_off(self) -> Optional[str]:
+        """Why a repeated regular dispatch is not one C++ call (None when it is)."""
+        return self._phases.cpp_off
 
     # ------------------------------------------------------------------------------------
     def _wait_args(self):
@@ -373,17 +380,18 @@ class GdaTransport(Transport):
             x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
+        send_idx = None
         if got is not None:  # gathered by the native call, its counts checked there
-            recv_x, recv_idx, recv_w, num_send, num_recv = got
-            n = recv_x.shape[0]
+            recv_x, recv_idx, recv_w, num_send, num_recv, send_idx = got
         else:
             recv_x, recv_idx, recv_w, num_send, num_recv = self._receive(
                 vals, recv_offsets, epoch, k, error, topk_idx, topk_weights)
-            n = recv_x.shape[0]
-            phases.rows_seen(n)
+            phases.rows_seen(recv_x.shape[0])
+        if send_idx is None:
+            send_idx = scratch.as_strided((sum(num_send),), (1,), o_send)
         handle = DispatchHandle(
-            num_tokens=x.shape[0], num_recv_tokens=n, topk_idx=topk_idx,
-            send_token_idx=scratch.as_strided((sum(num_send),), (1,), o_send),
+            num_tokens=x.shape[0], num_recv_tokens=recv_x.shape[0], topk_idx=topk_idx,
+            send_token_idx=send_idx,
             num_send_per_rank=tuple(num_send),
             num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_idx,
             state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,

@@ -10,7 +10,8 @@ machine; device costs (launches, waits) are not in it: measure those on a GPU wi
 ``scripts/gpu/gda_gpu_check.py``. The machine's speed drifts: compare versions in one run of
 this script each, alternated, and read the best of several medians.
 
-    python3 scripts/probes/gda_python_cost.py [--calls 2000] [--repeats 6] [--profile]
+    python3 scripts/probes/gda_python_cost.py [--calls 2000] [--repeats 6] [--paths python,cpp]
+        [--profile]
 
 Shape: DeepSeek-V3 decode (H 7168 bf16, top-8 of 256, 128 tokens/rank), EP 2.
 """
@@ -30,49 +31,64 @@ from efa_ep.testing.gda_host import header_info, host_only_transport, stand_in_l
 W, E, H, T_MAX, K, T = 2, 256, 7168, 4096, 8, 128
 
 
+def _calls(tr, x, idx, w, calls: int):
+    """``calls`` rounds of the four ops: the median seconds of each."""
+    times = ([], [], [], [])
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        r = tr.dispatch(x, idx, w)
+        t1 = time.perf_counter()
+        tr.combine(r[0], r[-1])
+        t2 = time.perf_counter()
+        tr.dispatch_cached(x, r[-1])
+        t3 = time.perf_counter()
+        tr.combine_topk_weights(r[2], r[-1])
+        t4 = time.perf_counter()
+        for acc, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            acc.append(dt)
+    return [statistics.median(acc) * 1e6 for acc in times]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000, help="calls of each op per repeat")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--paths", default="python",
+                    help="comma list: python (fast_launch 3), cpp (4: the C++ dispatch); the "
+                         "paths alternate within each repeat")
     ap.add_argument("--profile", action="store_true", help="then a cProfile of D+C")
     a = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         L = E // W
+        lib = stand_in_library(tmp)
         # T rows from each source, T to each destination, 8 (token, expert) pairs per expert
-        tr = host_only_transport(stand_in_library(tmp), world=W, num_experts=E, hidden=H,
-                                 t_max=T_MAX, info=header_info(W, L, [T] * W, [T] * W, [8] * L))
+        trs = {p: host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX,
+                                      info=header_info(W, L, [T] * W, [T] * W, [8] * L),
+                                      cpp=p == "cpp")
+               for p in a.paths.split(",")}
         x = torch.randn(T, H).to(torch.bfloat16)
         idx = torch.randint(0, E, (T, K))
         w = torch.rand(T, K)
-        for _ in range(200):  # binds every program and plan
-            r = tr.dispatch(x, idx, w)
-            tr.combine(r[0], r[-1])
-            tr.dispatch_cached(x, r[-1])
-            tr.combine_topk_weights(r[2], r[-1])
-        best = None
-        for _ in range(a.repeats):
-            times = ([], [], [], [])
-            for _ in range(a.calls):
-                t0 = time.perf_counter()
+        for tr in trs.values():
+            for _ in range(200):  # binds every program and plan
                 r = tr.dispatch(x, idx, w)
-                t1 = time.perf_counter()
                 tr.combine(r[0], r[-1])
-                t2 = time.perf_counter()
                 tr.dispatch_cached(x, r[-1])
-                t3 = time.perf_counter()
                 tr.combine_topk_weights(r[2], r[-1])
-                t4 = time.perf_counter()
-                for acc, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                    acc.append(dt)
-            med = [statistics.median(acc) * 1e6 for acc in times]
-            best = med if best is None else [min(b, m) for b, m in zip(best, med)]
-        print("Python host cost per call, best of %d medians of %d calls (us): dispatch %.1f, "
-              "combine %.1f, cached dispatch %.1f, weight combine %.1f"
-              % ((a.repeats, a.calls) + tuple(best)))
+        best = {}
+        for _ in range(a.repeats):
+            for p, tr in trs.items():
+                med = _calls(tr, x, idx, w, a.calls)
+                best[p] = med if p not in best else [min(b, m) for b, m in zip(best[p], med)]
+        for p, b in best.items():
+            print("%s: Python host cost per call, best of %d medians of %d calls (us): dispatch "
+                  "%.1f, combine %.1f, cached dispatch %.1f, weight combine %.1f"
+                  % ((p, a.repeats, a.calls) + tuple(b)))
         if a.profile:
             import cProfile
             import pstats
+            tr = next(iter(trs.values()))
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(a.calls):

@@ -16,17 +16,33 @@ W, E, H, T_MAX, K, T = 2, 16, 64, 32, 2, 8
 L = E // W
 
 
-@pytest.fixture
-def tr(tmp_path, monkeypatch):
+def _transport(tmp_path, monkeypatch, cpp=False):
     try:
         lib = stand_in_library(str(tmp_path))
     except (OSError, FileNotFoundError) as e:
         pytest.skip(f"no C compiler here: {e}")
+    if cpp:
+        from efa_ep.kernels.gda import cpp_op
+
+        why = cpp_op.availability()
+        if why is not None:
+            pytest.skip(why)
     info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
     t = host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX, info=info,
-                            patch=monkeypatch.setattr)
+                            patch=monkeypatch.setattr, cpp=cpp)
     t.stand_in = lib
     return t
+
+
+@pytest.fixture
+def tr(tmp_path, monkeypatch):
+    return _transport(tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=["python", "cpp"])
+def tr_any(request, tmp_path, monkeypatch):
+    """The transport with a repeated dispatch in Python, or in one C++ call (fast_launch=4)."""
+    return _transport(tmp_path, monkeypatch, cpp=request.param == "cpp")
 
 
 def _inputs(seed):
@@ -77,7 +93,8 @@ def _next_gather_prog(tr):
     return tr._phases._progs[("gather", (tr._epoch + 1) % 2, K, H, torch.bfloat16)]
 
 
-def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr):
+def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr_any):
+    tr = tr_any
     # calls 0, 1 bind each parity's plan, 2, 3 learn the rows they receive; from call 4 the
     # outputs are allocated ahead and the library checks the counts and launches the gather
     _, x, idx, w = _inputs(6)
@@ -100,7 +117,8 @@ def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr):
             assert recv_x.untyped_storage().nbytes() == n * H * 2
 
 
-def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr):
+def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr_any):
+    tr = tr_any
     from efa_ep.kernels.base import ProtocolError
     from efa_ep.testing.gda_host import header_info
 
@@ -120,7 +138,8 @@ def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr):
         tr.dispatch(x, idx, w)
 
 
-def test_dispatch_with_a_late_peer_gathers_after_the_transport_waited(tr):
+def test_dispatch_with_a_late_peer_gathers_after_the_transport_waited(tr_any):
+    tr = tr_any
     # the peer is late at the launch gate of a dispatch that would gather in its native call:
     # the transport waits for it (its deadline), runs the header, and gathers from Python
     _, x, idx, w = _inputs(8)

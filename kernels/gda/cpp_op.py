@@ -1,0 +1,139 @@
+"""A planned ``gda`` regular dispatch as one C++ call (``kernels/native/efa_gda_op.cpp``).
+
+With ``fast_launch=4`` a dispatch whose plan gathers ahead (:mod:`.gather_ahead`) makes its
+tensors (scratch, outputs, their views, ``tokens_per_expert``) through ATen and writes its
+programs' variables in C++, then makes the same native call as the Python path
+(``efa_launch_dispatch``): the same kernels with the same arguments, so the same results. The
+extension is built on first use with torch's extension builder, which needs a C++ compiler and
+``ninja`` (``pip install ninja``); where it cannot be built, :func:`availability` says why and
+the transport stays on ``fast_launch=3`` (``GdaTransport.native_launch_off`` names it).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+from typing import Optional
+
+import torch
+
+from .gate import GATE_SPIN_NS, wait_record
+from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native",
+                      "efa_gda_op.cpp")
+# The plan's constants, in the order of the P_* fields of efa_gda_op.cpp.
+PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin_ns", "flag",
+               "wait_ns", "shape", "rows", "words", "o_slot", "o_send", "o_rank", "o_out",
+               "o_offsets", "n_info", "num_local", "hidden", "topk", "tokens")
+
+_lock = threading.Lock()
+_mod = None
+_why: Optional[str] = None
+
+
+def load():
+    """The built extension module (built once per source, into the package's cache folder).
+    Raises RuntimeError naming what is missing."""
+    global _mod, _why
+    with _lock:
+        if _mod is not None:
+            return _mod
+        if _why is not None:
+            raise RuntimeError(_why)
+        try:
+            import torch.utils.cpp_extension as cpp
+
+            from ..proxy.native import cache_dir
+
+            cpp.verify_ninja_availability()
+            with open(SOURCE, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()[:12]
+            name = f"efa_gda_op_{digest}"
+            build = os.path.join(cache_dir(), name)
+            os.makedirs(build, exist_ok=True)
+            mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
+                           extra_cflags=["-O2"], verbose=False)
+            if mod.PLAN_FIELDS != len(PLAN_FIELDS):
+                raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} plan fields, "
+                                   f"kernels/gda/cpp_op.py {len(PLAN_FIELDS)}")
+        except Exception as e:  # noqa: BLE001 (any build failure means: not available)
+            _why = (f"the C++ dispatch could not be built ({type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); it needs a "
+                    f"C++ compiler and ninja (pip install ninja)")
+            raise RuntimeError(_why) from e
+        _mod = mod
+        return mod
+
+
+def availability() -> Optional[str]:
+    """None when the C++ dispatch can run here, else why not."""
+    try:
+        load()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+class CppPlan:
+    """The constants of one dispatch plan for :func:`dispatch` (an int64 array the C++ call
+    reads by address): the native library's entry, the three programs, the launch gate, the
+    completion word, the shape block and the scratch layout."""
+
+    __slots__ = ("values", "address")
+
+    def __init__(self, **fields):
+        missing = set(PLAN_FIELDS) - set(fields)
+        if missing:
+            raise ValueError(f"CppPlan lacks {sorted(missing)}")
+        self.values = (ctypes.c_int64 * len(PLAN_FIELDS))(*(int(fields[f]) for f in PLAN_FIELDS))
+        self.address = ctypes.addressof(self.values)
+
+
+def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
+    """A planned regular dispatch whose outputs are allocated ahead, in one C++ call (see the
+    module); ``ph``: the transport's ``GdaPhases``, ``plan``: its bound dispatch plan for this
+    shape. Returns what ``GdaPhases.dispatch_head`` returns."""
+    tr = ph.tr
+    front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
+    w, t, num_local = tr.world_size, topk_idx.shape[0], tr.cfg.num_local_experts
+    buf_ptr, view = ph._host
+    flag = buf_ptr + 8 * n_info
+    if ahead.cpp is None:
+        if ahead.prog is None:
+            ahead.prog = ph._progs[ahead.key]
+        gate = tr._gate
+        ahead.cpp = CppPlan(
+            fn=ctypes.cast(front._lib.efa_launch_dispatch, ctypes.c_void_p).value,
+            front=front._addr, header=header._addr, gather=ahead.prog._addr,
+            gate=gate.address if gate is not None else 0, world=w, rank=tr.rank,
+            spin_ns=GATE_SPIN_NS, flag=flag, wait_ns=ph._flag_wait_ns, shape=ahead.shape_addr,
+            rows=ahead.rows_addr, words=words, o_slot=o_slot, o_send=o_send, o_rank=o_rank,
+            o_out=o_out, o_offsets=o_offsets, n_info=n_info, num_local=num_local,
+            hidden=tr.cfg.hidden, topk=ahead.k, tokens=t)
+    record = wait_record(epoch, "dispatch")
+    delta = epoch - tr._dev_base
+    res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, delta, record, stream)
+    status, scratch = res[0], res[3]
+    if status < 0:
+        raise NativeLaunchError(res[4])
+    tr.blocked_s += (res[1] + res[2]) * 1e-9
+    if status == RAN:
+        recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res[4:]
+        ahead.fit(recv_x.shape[0])
+        return (scratch, slot, o_send, None, tpe, offsets,
+                (recv_x, recv_idx, recv_w, num_send, num_recv, send_idx))
+    sp = scratch.data_ptr()
+    if status == GATE_LATE:  # the front ran and is published: wait (deadline), then the header
+        tr._await_peers(epoch, "dispatch")
+        tr.blocked_s += ph._run_wait(header, (sp + 8 * o_rank, sp + 8 * o_out, delta), stream,
+                                     flag, epoch, "dispatch")
+    elif status == FLAG_LATE:
+        tr._device_late(epoch, "dispatch", ph._flag_wait_ns * 1e-9)  # raises
+    # counts the native check refused, more rows than allocated, a late peer: the transport
+    # checks the counts and gathers
+    tpe = torch.empty(num_local, dtype=torch.int64)
+    ctypes.memmove(tpe.data_ptr(), buf_ptr + 8 * (n_info - num_local), 8 * num_local)
+    return (scratch, scratch.as_strided((t, w), (w, 1), o_slot), o_send, view.tolist(), tpe,
+            scratch.as_strided((w + 1,), (1,), o_offsets), None)

@@ -1,0 +1,104 @@
+// efa_gda_op.cpp: a planned gda regular dispatch as one C++ call (a torch extension).
+//
+// The Python path of a planned dispatch (kernels/gda/phases.py) makes a dozen tensor objects per
+// call (scratch, outputs, their views, tokens_per_expert) and packs three programs' variables
+// before its one native call (efa_launch_dispatch of kernels/native/efa_launch.c). This does the
+// same here: the tensors through ATen, the variables written straight into the programs, the
+// native call through its function pointer, then the views of a call that gathered. Python keeps
+// the plan, the checks of a call that did not gather, and the handle. Built on first use by
+// kernels/gda/cpp_op.py (torch.utils.cpp_extension); without it the Python path runs.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// efa_program_t of efa_launch.c: only its variables are written here
+struct Program {
+    void *recs;
+    int64_t num_recs;
+    const int64_t *uses;
+    int64_t num_uses;
+    int64_t *vars;
+};
+
+typedef int (*DispatchFn)(const void *, const void *, const void *, int64_t, int64_t *, int, int,
+                          int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
+                          int64_t *, int64_t *, int64_t *, char *, size_t);
+
+// The plan's constants, an int64 array the caller keeps (kernels/gda/cpp_op.py, PLAN_FIELDS).
+enum {
+    P_FN, P_FRONT, P_HEADER, P_GATHER, P_GATE, P_WORLD, P_RANK, P_SPIN_NS, P_FLAG, P_WAIT_NS,
+    P_SHAPE, P_ROWS, P_WORDS, P_O_SLOT, P_O_SEND, P_O_RANK, P_O_OUT, P_O_OFFSETS, P_N_INFO,
+    P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_NUM_FIELDS
+};
+
+}  // namespace
+
+// Returns (status, sync_ns, gate_ns, scratch, then when status is 0: recv_x, recv_topk_idx,
+// recv_topk_weights [rows, ...] (views of outputs allocated at the plan's capacity), slot [T, W],
+// offsets [W + 1], send_token_idx [S] (views of scratch), tokens_per_expert [L] int64 CPU,
+// rows sent per destination, rows received per source; when negative: the library's error
+// text). The GIL is released during the native call (it waits for peers and the device).
+py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Tensor &topk_weights,
+                   int64_t plan_address, int64_t delta, int64_t record, int64_t stream) {
+    const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
+    const int64_t *shape = reinterpret_cast<const int64_t *>(p[P_SHAPE]);
+    const int64_t w = p[P_WORLD], cap = shape[5], k = p[P_TOPK], t = p[P_TOKENS];
+    auto scratch = at::empty({p[P_WORDS]}, x.options().dtype(at::kLong));
+    auto recv_x = at::empty({cap, p[P_HIDDEN]}, x.options());
+    auto recv_idx = at::empty({cap, k}, topk_idx.options());
+    auto recv_w = at::empty({cap, k}, topk_weights.options());
+    const int64_t sp = reinterpret_cast<int64_t>(scratch.data_ptr());
+    auto *front = reinterpret_cast<Program *>(p[P_FRONT]);
+    auto *header = reinterpret_cast<Program *>(p[P_HEADER]);
+    auto *gather = reinterpret_cast<Program *>(p[P_GATHER]);
+    const int64_t fv[5] = {reinterpret_cast<int64_t>(x.data_ptr()),
+                           reinterpret_cast<int64_t>(topk_idx.data_ptr()),
+                           reinterpret_cast<int64_t>(topk_weights.data_ptr()), sp, delta};
+    std::memcpy(front->vars, fv, sizeof fv);
+    const int64_t hv[3] = {sp + 8 * p[P_O_RANK], sp + 8 * p[P_O_OUT], delta};
+    std::memcpy(header->vars, hv, sizeof hv);
+    const int64_t gv[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(recv_x.data_ptr()),
+                           reinterpret_cast<int64_t>(recv_idx.data_ptr()),
+                           reinterpret_cast<int64_t>(recv_w.data_ptr()), cap,
+                           cap < shape[6] ? cap : shape[6]};
+    std::memcpy(gather->vars, gv, sizeof gv);
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    auto fn = reinterpret_cast<DispatchFn>(p[P_FN]);
+    auto *rows_out = reinterpret_cast<int64_t *>(p[P_ROWS]);
+    int rc;
+    {
+        py::gil_scoped_release unlocked;  // the call waits for peers and the device
+        rc = fn(front, header, gather, stream, reinterpret_cast<int64_t *>(p[P_GATE]),
+                static_cast<int>(w), static_cast<int>(p[P_RANK]), record, p[P_SPIN_NS],
+                reinterpret_cast<const int64_t *>(p[P_FLAG]), record, p[P_WAIT_NS], shape,
+                rows_out, &sync_ns, &gate_ns, err, sizeof err);
+    }
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+    if (rc != 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch);
+    const int64_t n = *rows_out, num_local = p[P_LOCAL], n_info = p[P_N_INFO];
+    const int64_t *info = reinterpret_cast<const int64_t *>(p[P_FLAG]) - n_info;
+    auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
+    std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
+    const int64_t end = 1 + w * (2 + num_local);
+    std::vector<int64_t> num_send(info + end, info + end + w), num_recv(w);
+    int64_t sent = 0;
+    for (int64_t s = 0; s < w; s++) {
+        num_recv[s] = info[2 + s * (2 + num_local)];
+        sent += num_send[s];
+    }
+    return py::make_tuple(
+        rc, sync_ns, gate_ns, scratch, recv_x.narrow(0, 0, n), recv_idx.narrow(0, 0, n),
+        recv_w.narrow(0, 0, n), scratch.as_strided({t, w}, {w, 1}, p[P_O_SLOT]),
+        scratch.as_strided({w + 1}, {1}, p[P_O_OFFSETS]),
+        scratch.as_strided({sent}, {1}, p[P_O_SEND]), tokens_per_expert, num_send, num_recv);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("dispatch", &dispatch, "a planned gda regular dispatch in one call (see the file)");
+    m.attr("PLAN_FIELDS") = static_cast<int64_t>(P_NUM_FIELDS);
+}
