@@ -283,3 +283,23 @@ def test_backward_check_runs_once_when_the_pass_ends(tr):
     events.clear()
     Layer.apply(x).sum().backward()
     assert events == ["layer backward", "check"], events
+
+
+def test_cpp_dispatch_says_why_it_is_off(monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    from efa_ep.kernels.gda import cpp_op, phases
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_op, "_mod", None)
+    monkeypatch.setattr(cpp_op, "_why", None)
+    monkeypatch.setattr(cpp, "verify_ninja_availability", no_ninja)
+    why = cpp_op.availability()
+    assert why is not None and "ninja" in why and "pip install ninja" in why
+    # a transport asking for it (fast_launch=4) keeps the Python path and says why
+    tr = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0})()
+    ph = phases.GdaPhases(tr, 4)
+    assert ph.cpp is None and ph.cpp_off is not None
+    assert phases.GdaPhases(tr, 3).cpp_off == "fast_launch < 4"
