@@ -288,9 +288,10 @@ class GdaPhases:
             word offset of the sent rows' token indices in scratch, header info as a list of
             ints (see :meth:`header`; None when gathered), tokens_per_expert ``[L]`` int64 CPU,
             offsets ``[W + 1]`` int64 device view of scratch, gathered: None, or when the
-            native call gathered too (its counts clean, see :meth:`_dispatch_gather`)
-            (recv_x, recv_topk_idx, recv_topk_weights, rows sent per destination, rows
-            received per source)).
+            native call gathered too (its counts clean, see
+            :func:`~efa_ep.kernels.gda.gather_ahead.dispatch_gather`) (recv_x, recv_topk_idx,
+            recv_topk_weights, rows sent per destination, rows received per source, the sent
+            rows' token indices ``[S]`` int64 view of scratch or None)).
         """
         tr = self.tr
         t, k = topk_idx.shape

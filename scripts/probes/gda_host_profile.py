@@ -80,14 +80,15 @@ def _rank(rank, world, mode, iters, threads=0, options=None, lines=False):
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     if lines:  # where inside the hot functions (line_profiler's own cost included)
-        from efa_ep.kernels.gda import phases, transport
+        from efa_ep.kernels.gda import cpp_op, gather_ahead, phases, transport
 
         def step():
             r = fn(x, idx, w)
             tr.combine(r[0], r[-1])
         s.write(_line_profile([transport.GdaTransport.dispatch, phases.GdaPhases.dispatch_head,
-                               phases.GdaPhases._dispatch_gather, transport.GdaTransport._combine,
-                               phases.GdaPhases.combine], step, iters))
+                               gather_ahead.dispatch_gather, cpp_op.dispatch,
+                               transport.GdaTransport._combine, phases.GdaPhases.combine],
+                              step, iters))
     tr.check_errors()
     return dict(host_us_per_iter=host, wall_us_per_iter=wall, profile=s.getvalue(), **plain)
 
