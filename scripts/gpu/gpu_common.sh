@@ -13,14 +13,16 @@ mps_start() {
   nvidia-cuda-mps-control -d && echo "MPS on"
 }
 mps_stop() { echo quit | nvidia-cuda-mps-control; }
-# The carried wheels (.whl: megatron-core and friends for the GPU's Python) into /tmp/site, this
+# The carried wheels (.whl: megatron-core and friends for the GPU's Python; ninja) into /tmp/site, this
 # checkout installed in place (the package maps dispatcher/, kernels/, recipes/ and conf/ under
 # efa_ep, so a bare PYTHONPATH does not find them), and the environment every GPU script runs with.
 gpu_setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
   package_setup || return 1
-  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  # (/tmp/site/bin: the carried wheels' programs, e.g. ninja for gda's C++ dispatch, fast_launch=4)
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 \
+    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
   # A fresh machine compiles every Triton kernel again (minutes): a carried .triton_cache (the
   # previous call's $OUT/triton_cache.tgz unpacked) starts it warm; triton_cache_save packs it.
   export TRITON_CACHE_DIR=$PWD/.triton_cache
