@@ -54,6 +54,11 @@ from ..native_launch import bind
 _EPOCH = ("epoch_delta",)
 
 
+#: bound programs kept per transport: a dispatch of a token count not seen before binds new ones
+#: (its front and plan); past this many, all are dropped and bound again as calls need them
+MAX_PROGRAMS = 512
+
+
 def _aligned(*tensors) -> bool:
     p = 0
     for t in tensors:
@@ -304,6 +309,9 @@ class GdaPhases:
             if (xp | ip | wp) & 15:
                 plan = None
         if plan is None:
+            if len(self._progs) >= MAX_PROGRAMS:  # token counts that keep changing (inference)
+                self._progs.clear()  # bound again on use; the plans hold programs: them too
+                self._plans.clear()
             scratch, slot, _, first = self.front(x, topk_idx, topk_weights, epoch, bad_status,
                                                  defer=True)
             vals, tokens_per_expert, offsets, blocked = self.header(scratch, epoch, first)

@@ -22,6 +22,9 @@ _STREAMS: dict = {}  # (stream id, device index, device type) -> torch.cuda.Stre
 # (each chunk's end costs every storing program a system-scope release; larger chunks start
 # the wire later).
 _CHUNK_BYTES = 4 << 20
+#: bound programs kept per transport (a new token count binds new ones); past this many, all
+#: are dropped and bound again as calls need them
+MAX_PROGRAMS = 512
 
 
 def _current_stream(dev: torch.device):
@@ -154,6 +157,8 @@ class DevicePath:
             return None
         prog = self._programs.get(key)
         if prog is None:
+            if len(self._programs) >= MAX_PROGRAMS:  # row counts that keep changing: bound
+                self._programs.clear()  # again on use (front plans keep their own)
             try:
                 prog = bind(launch, tensors, ints, grid_steps)
             except NativeLaunchError as e:

@@ -303,3 +303,20 @@ def test_cpp_dispatch_says_why_it_is_off(monkeypatch):
     ph = phases.GdaPhases(tr, 4)
     assert ph.cpp is None and ph.cpp_off is not None
     assert phases.GdaPhases(tr, 3).cpp_off == "fast_launch < 4"
+
+
+def test_token_counts_that_keep_changing_keep_the_program_tables_bounded(tr, monkeypatch):
+    from efa_ep.kernels.gda import phases
+
+    monkeypatch.setattr(phases, "MAX_PROGRAMS", 12)
+    ph = tr._phases
+    most = 0
+    for t in [1, 2, 3, 4, 5, 6, 7, 8] * 2 + list(range(9, 30)):  # seen, seen again, then new
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, E, (t, K), generator=g)
+        recv_x, *_, h = tr.dispatch(x, idx, torch.rand(t, K, generator=g))
+        assert recv_x.shape == (T + 5, H) and h.num_tokens == t
+        most = max(most, len(ph._progs))
+    # without the bound every token count would keep its front programs and plans (> 50 here)
+    assert most <= 12 + 4 and len(ph._plans) <= 12
