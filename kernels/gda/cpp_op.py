@@ -16,8 +16,6 @@ import os
 import threading
 from typing import Optional
 
-import torch
-
 from .gate import GATE_SPIN_NS, wait_record
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
 
@@ -94,7 +92,8 @@ class CppPlan:
 def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
     """A planned regular dispatch whose outputs are allocated ahead, in one C++ call (see the
     module); ``ph``: the transport's ``GdaPhases``, ``plan``: its bound dispatch plan for this
-    shape. Returns what ``GdaPhases.dispatch_head`` returns."""
+    shape. Returns what ``GdaPhases.dispatch_head`` returns when the call gathered, else the
+    dispatch's scratch (its header ran; the caller reads the counts and gathers)."""
     tr = ph.tr
     front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
     w, t, num_local = tr.world_size, topk_idx.shape[0], tr.cfg.num_local_experts
@@ -131,9 +130,6 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
                                      flag, epoch, "dispatch")
     elif status == FLAG_LATE:
         tr._device_late(epoch, "dispatch", ph._flag_wait_ns * 1e-9)  # raises
-    # counts the native check refused, more rows than allocated, a late peer: the transport
-    # checks the counts and gathers
-    tpe = torch.empty(num_local, dtype=torch.int64)
-    ctypes.memmove(tpe.data_ptr(), buf_ptr + 8 * (n_info - num_local), 8 * num_local)
-    return (scratch, scratch.as_strided((t, w), (w, 1), o_slot), o_send, view.tolist(), tpe,
-            scratch.as_strided((w + 1,), (1,), o_offsets), None)
+    # counts the native check refused, more rows than allocated, a late peer: the header ran,
+    # the caller checks the counts and gathers
+    return scratch

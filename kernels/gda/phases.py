@@ -324,22 +324,28 @@ class GdaPhases:
         front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
         self._ahead = ahead
         gathers = ahead.cap and (ahead.prog or self._progs.get(ahead.key)) is not None
-        if gathers and self.cpp is not None:  # the whole call in C++ (fast_launch=4)
-            return cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch, _stream(self._dev))
         w = tr.world_size
-        scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
-        sp = scratch.data_ptr()
-        delta = epoch - tr._dev_base
         buf_ptr, view = self._host
-        values, values2 = (xp, ip, wp, sp, delta), (sp + 8 * o_rank, sp + 8 * o_out, delta)
-        flag = buf_ptr + 8 * n_info
         got = None
-        if gathers:
-            got = gather_ahead.dispatch_gather(self, front, values, header, values2, ahead,
-                                               sp + 8 * o_offsets, epoch, flag,
-                                               _stream(self._dev))
+        if gathers and self.cpp is not None:  # the whole call in C++ (fast_launch=4)
+            done = cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch,
+                                   _stream(self._dev))
+            if isinstance(done, tuple):
+                return done
+            scratch = done  # its header ran, the gather did not: the transport takes over
         else:
-            tr.blocked_s += self._gated((front, values), header, values2, epoch, "dispatch", flag)
+            scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
+            sp = scratch.data_ptr()
+            delta = epoch - tr._dev_base
+            values, values2 = (xp, ip, wp, sp, delta), (sp + 8 * o_rank, sp + 8 * o_out, delta)
+            flag = buf_ptr + 8 * n_info
+            if gathers:
+                got = gather_ahead.dispatch_gather(self, front, values, header, values2, ahead,
+                                                   sp + 8 * o_offsets, epoch, flag,
+                                                   _stream(self._dev))
+            else:
+                tr.blocked_s += self._gated((front, values), header, values2, epoch, "dispatch",
+                                            flag)
         num_local = tr.cfg.num_local_experts
         tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
         ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),

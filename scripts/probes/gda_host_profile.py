@@ -20,20 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 
-def _line_profile(fns, step, calls: int) -> str:
-    """``step()`` ``calls`` times under line_profiler over ``fns``: the text of its report (us)."""
-    from line_profiler import LineProfiler
-
-    lp = LineProfiler(*fns)
-    lp.enable()
-    for _ in range(calls):
-        step()
-    lp.disable()
-    s = io.StringIO()
-    lp.print_stats(stream=s, output_unit=1e-6, stripzeros=True)
-    return s.getvalue()
-
-
 def _rank(rank, world, mode, iters, threads=0, options=None, lines=False):
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
@@ -81,11 +67,12 @@ def _rank(rank, world, mode, iters, threads=0, options=None, lines=False):
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     if lines:  # where inside the hot functions (line_profiler's own cost included)
         from efa_ep.kernels.gda import cpp_op, gather_ahead, phases, transport
+        from efa_ep.testing.line_profile import line_profile
 
         def step():
             r = fn(x, idx, w)
             tr.combine(r[0], r[-1])
-        s.write(_line_profile([transport.GdaTransport.dispatch, phases.GdaPhases.dispatch_head,
+        s.write(line_profile([transport.GdaTransport.dispatch, phases.GdaPhases.dispatch_head,
                                gather_ahead.dispatch_gather, cpp_op.dispatch,
                                transport.GdaTransport._combine, phases.GdaPhases.combine],
                               step, iters))

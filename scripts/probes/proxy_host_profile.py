@@ -39,20 +39,6 @@ def _wrap(owner, name, acc):
     setattr(owner, name, staticmethod(timed) if static else timed)
 
 
-def _line_profile(fns, step, calls: int) -> str:
-    """``step()`` ``calls`` times under line_profiler over ``fns``: the text of its report (us)."""
-    from line_profiler import LineProfiler
-
-    lp = LineProfiler(*fns)
-    lp.enable()
-    for _ in range(calls):
-        step()
-    lp.disable()
-    s = io.StringIO()
-    lp.print_stats(stream=s, output_unit=1e-6, stripzeros=True)
-    return s.getvalue()
-
-
 def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda", programs=True,
           lines=False):
     from efa_ep.kernels import create_transport
@@ -122,8 +108,9 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
     if lines:  # where inside the hot functions (line_profiler's own cost included)
         from efa_ep.kernels.proxy import device_path, hostop, round_ops
+        from efa_ep.testing.line_profile import line_profile
 
-        s.write(_line_profile([device_path.DevicePath._dispatch_device,
+        s.write(line_profile([device_path.DevicePath._dispatch_device,
                                device_path.DevicePath._gather_outputs,
                                round_ops.RoundOps._combine, round_ops.RoundOps._pack_send_area,
                                round_ops.RoundOps._reduce_device, transport.ProxyTransport._guarded,
