@@ -49,7 +49,7 @@ def _same(a, b, what, case):
                              f"{tuple(b.shape)}, mismatches {bad}")
 
 
-def _equal_to_torch(rank, world, cases):
+def _equal_to_torch(rank, world, cases, options=None):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
@@ -58,7 +58,8 @@ def _equal_to_torch(rank, world, cases):
     dev = torch.device("cuda", 0)
     gdas, refs = {}, {}
     for h in sorted({c[2] for c in cases}):
-        gdas[h] = create_transport("gda", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16, timeout_s=60)
+        gdas[h] = create_transport("gda", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16,
+                                   **{"timeout_s": 60, **(options or {})})
         refs[h] = create_transport("torch", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16)
     done = []
     for ci, (kind, t0, h, k) in enumerate(cases):
@@ -89,6 +90,8 @@ def _equal_to_torch(rank, world, cases):
         done.append(case)
     for tr in gdas.values():
         tr.check_errors()
+        if (options or {}).get("fast_launch") == 4:  # the C++ dispatch ran, not the fallback
+            assert tr.cpp_dispatch_off is None, tr.cpp_dispatch_off
     dist.barrier()
     return len(done)
 
@@ -99,6 +102,20 @@ def test_gda_bit_identical_to_torch(world):
     counts = run_ranks(_equal_to_torch, world, (CASES,), timeout_s=240, pg_timeout_s=200, env=ENV)
     assert counts == [len(CASES)] * world
     print(f"world={world}: {len(CASES)} cases bit-identical in {time.time() - t0:.1f}s")
+
+
+# Decode-sized shapes seen again take the planned path (outputs allocated ahead at the rows the
+# shape's recent calls received; with fast_launch=4 the whole dispatch in one C++ call). Each
+# repeat draws new routes, so a later call receives more or fewer rows than allocated.
+REPEATED = [("random", 128, 7168, 8), ("hot_experts", 128, 7168, 8), ("random", 1, 2048, 1),
+            ("dropped", 300, 2048, 4)] * 4
+
+
+@pytest.mark.parametrize("fast_launch", [3, 4])
+def test_gda_repeated_shapes_bit_identical_to_torch(fast_launch):
+    counts = run_ranks(_equal_to_torch, 2, (REPEATED, {"fast_launch": fast_launch}),
+                       timeout_s=240, pg_timeout_s=200, env=ENV)
+    assert counts == [len(REPEATED)] * 2
 
 
 def _peer_never_arrives(rank, world):
