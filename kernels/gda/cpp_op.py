@@ -1,19 +1,22 @@
 """A planned ``gda`` regular dispatch as one C++ call (``kernels/native/efa_gda_op.cpp``).
 
-With ``fast_launch=4`` a dispatch whose plan gathers ahead (:mod:`.gather_ahead`) makes its
+With ``fast_launch=4`` (the default) a dispatch whose plan gathers ahead (:mod:`.gather_ahead`) makes its
 tensors (scratch, outputs, their views, ``tokens_per_expert``) through ATen and writes its
 programs' variables in C++, then makes the same native call as the Python path
 (``efa_launch_dispatch``): the same kernels with the same arguments, so the same results. The
 extension is built on first use with torch's extension builder, which needs a C++ compiler and
-``ninja`` (``pip install ninja``); where it cannot be built, :func:`availability` says why and
-the transport stays on ``fast_launch=3`` (``GdaTransport.native_launch_off`` names it).
+``ninja`` (``pip install ninja``); where it cannot be built, :func:`availability` says why,
+the transport warns once and runs as ``fast_launch=3`` (``GdaTransport.cpp_dispatch_off`` names
+it).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import sys
 import threading
+import warnings
 from typing import Optional
 
 from .gate import GATE_SPIN_NS, wait_record
@@ -29,6 +32,7 @@ PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin
 _lock = threading.Lock()
 _mod = None
 _why: Optional[str] = None
+_warned = False
 
 
 def load():
@@ -51,6 +55,9 @@ def load():
             name = f"efa_gda_op_{digest}"
             build = os.path.join(cache_dir(), name)
             os.makedirs(build, exist_ok=True)
+            if not any(f.endswith(".so") for f in os.listdir(build)):  # say why the wait
+                print(f"efa-ep: building gda's C++ dispatch once for this install (about 30 s) "
+                      f"into {build}", file=sys.stderr, flush=True)
             mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
                            extra_cflags=["-O2"], verbose=False)
             if mod.PLAN_FIELDS != len(PLAN_FIELDS):
@@ -63,6 +70,15 @@ def load():
             raise RuntimeError(_why) from e
         _mod = mod
         return mod
+
+
+def warn_off(why: str) -> None:
+    """Warns once per process that the C++ dispatch (the default) is off, and why."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"gda: {why}; a repeated regular dispatch runs through Python instead "
+                      f"(as fast_launch=3: same results, more host time per call)", stacklevel=3)
 
 
 def availability() -> Optional[str]:

@@ -71,7 +71,8 @@ def _stream(device_index: int) -> int:
 
 
 class GdaPhases:
-    """Launches the phases of ``transport``'s ops (see the module). ``fast_launch``: 3 native
+    """Launches the phases of ``transport``'s ops (see the module). ``fast_launch``: 4 as 3 and a
+    repeated regular dispatch in one C++ call (:mod:`.cpp_op`, else as 3); 3 native
     programs, an op's two phases and the gate in one call; 2 native programs (either falls
     back to 1 with the reason in :attr:`native_off`); 1 compiled launchers; 0 Triton's own
     path."""
@@ -98,6 +99,8 @@ class GdaPhases:
         if self.cpp_off is None:
             self.cpp_off = self.native_off or cpp_op.availability()
             self.cpp = cpp_op.load() if self.cpp_off is None else None
+            if self.cpp is None and self.native_off is None:
+                cpp_op.warn_off(self.cpp_off)
 
     @property
     def native(self) -> bool:
@@ -284,7 +287,7 @@ class GdaPhases:
     def dispatch_head(self, x, topk_idx, topk_weights, epoch: int, bad_status=None):
         """Front, launch gate and header of a regular dispatch (:meth:`front`, :meth:`header`):
         with a plan bound for this shape (after the first call of it, native launching with
-        ``fast_launch=3``, 16-byte aligned inputs, good input) straight through one native call,
+        ``fast_launch`` >= 3, 16-byte aligned inputs, good input) straight through one native call,
         else through the two phase methods. The seconds blocked are added to the transport's
         ``blocked_s``.
 
@@ -422,7 +425,7 @@ class GdaPhases:
         """Store, launch gate and reduce of a combine (:meth:`combine_store`,
         :meth:`combine_reduce`) of ``y`` ``[N, D]`` along the dispatch state ``state`` into
         ``out`` ``[T, D]`` (``ids``: see :meth:`combine_store`): with a plan bound for this
-        shape (after the first call of it, ``fast_launch=3``, 16-byte aligned ``y``) straight
+        shape (after the first call of it, ``fast_launch`` >= 3, 16-byte aligned ``y``) straight
         through one native call."""
         tr = self.tr
         fixed = state.fixed
@@ -520,7 +523,7 @@ class GdaPhases:
         """Store, launch gate and gather of a cached dispatch (:meth:`cached_store`, the gate,
         :meth:`cached_gather`) of ``x`` ``[T, D]`` along the regular dispatch state ``state``
         into ``out`` ``[N, D]``: with a plan bound for this shape (after the first call of it,
-        ``fast_launch=3``, 16-byte aligned ``x``, rows both ways) straight through one native
+        ``fast_launch`` >= 3, 16-byte aligned ``x``, rows both ways) straight through one native
         call."""
         tr = self.tr
         parity = epoch & 1

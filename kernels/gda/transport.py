@@ -57,9 +57,10 @@ class GdaTransport(Transport):
     has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
     kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
     path runs, ``native_launch_off`` why not), 1 each kernel through its compiled launcher, 0
-    Triton's own path, 4 makes a repeated regular dispatch one C++ call
-    (:mod:`efa_ep.kernels.gda.cpp_op`; ``cpp_dispatch_off`` says why not): same kernels, same
-    results.
+    Triton's own path, 3 launches an op's two phases and the launch gate between them in one
+    native call, 4 (the default) also makes a repeated regular dispatch one C++ call
+    (:mod:`efa_ep.kernels.gda.cpp_op`; ``cpp_dispatch_off`` says why not, and a transport that
+    cannot build it warns once and runs as 3): same kernels, same results.
 
     Host time: ``blocked_s`` accumulates the seconds this transport's calls spent blocked on
     the device (the dispatch's count read) or on peers' hosts (the launch gate); a call's wall
@@ -99,7 +100,7 @@ class GdaTransport(Transport):
         # dispatch)
         self.check_backward = bool(int(opts.get("check_backward", 1)))
         self._check_queued = False  # a check waits for the end of the running backward pass
-        self.fast_launch = int(opts.get("fast_launch", 3))
+        self.fast_launch = int(opts.get("fast_launch", 4))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):

@@ -3,8 +3,9 @@
 # (started here, stopped at the end).
 #   PEROP_STEPS  which steps, default "tests bench"; also: before (the same bench from the
 #                checkout in .before/, a before/after comparison), nofast (fast_launch=0),
-#                fast2 (fast_launch=2: each op phase its own native call, the gate in Python;
-#                the A/B of the default 3), fast1 (fast_launch=1: one launch per kernel),
+#                fast3 (fast_launch=3: the dispatch's Python path, the A/B of the default 4),
+#                fast2 (fast_launch=2: each op phase its own native call, the gate in Python),
+#                fast1 (fast_launch=1: one launch per kernel),
 #                layer (Megatron layer at a training shape; layer_before, layer_nofast likewise;
 #                layers: PEROP_STARTS fresh starts of it),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds),
@@ -25,6 +26,8 @@ want tests && TAILN=20 step tests ${PEROP_TESTS_S:-240} python3 -m pytest -q -x 
   --durations=12 \
   tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "${PEROP_TESTS_K:-not stress}"
 want bench && TAILN=30 step bench "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py $BENCH --starts "$N" --tag _after
+want fast3 && TAILN=12 step fast3 "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py \
+  $BENCH --starts "$N" --options fast_launch=3 --tag _fast3
 want fast2 && TAILN=12 step fast2 "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py \
   $BENCH --starts "$N" --options fast_launch=2 --tag _fast2
 want fast1 && TAILN=12 step fast1 200 python3 scripts/gpu/gda_gpu_check.py $BENCH --starts 1 \

@@ -300,8 +300,11 @@ def test_cpp_dispatch_says_why_it_is_off(monkeypatch):
     assert why is not None and "ninja" in why and "pip install ninja" in why
     # a transport asking for it (fast_launch=4) keeps the Python path and says why
     tr = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0})()
-    ph = phases.GdaPhases(tr, 4)
-    assert ph.cpp is None and ph.cpp_off is not None
+    monkeypatch.setattr(cpp_op, "_warned", False)
+    monkeypatch.setattr(phases, "availability", lambda: None)  # native launching works here
+    with pytest.warns(UserWarning, match="ninja"):
+        ph = phases.GdaPhases(tr, 4)
+    assert ph.cpp is None and ph.cpp_off is not None and "ninja" in ph.cpp_off
     assert phases.GdaPhases(tr, 3).cpp_off == "fast_launch < 4"
 
 
