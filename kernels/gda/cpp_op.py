@@ -28,6 +28,9 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin_ns", "flag",
                "wait_ns", "shape", "rows", "words", "o_slot", "o_send", "o_rank", "o_out",
                "o_offsets", "n_info", "num_local", "hidden", "topk", "tokens")
+# A combine plan's constants, in the order of the C_* fields of efa_gda_op.cpp.
+COMBINE_FIELDS = ("fn", "store", "reduce", "gate", "world", "rank", "spin_ns", "max_grid",
+                  "fixed_rows")
 
 _lock = threading.Lock()
 _mod = None
@@ -60,9 +63,11 @@ def load():
                       f"into {build}", file=sys.stderr, flush=True)
             mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
                            extra_cflags=["-O2"], verbose=False)
-            if mod.PLAN_FIELDS != len(PLAN_FIELDS):
-                raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} plan fields, "
-                                   f"kernels/gda/cpp_op.py {len(PLAN_FIELDS)}")
+            if (mod.PLAN_FIELDS, mod.COMBINE_FIELDS) != (len(PLAN_FIELDS), len(COMBINE_FIELDS)):
+                raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} dispatch and "
+                                   f"{mod.COMBINE_FIELDS} combine plan fields, "
+                                   f"kernels/gda/cpp_op.py {len(PLAN_FIELDS)} and "
+                                   f"{len(COMBINE_FIELDS)}")
         except Exception as e:  # noqa: BLE001 (any build failure means: not available)
             _why = (f"the C++ dispatch could not be built ({type(e).__name__}: "
                     f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); it needs a "
@@ -91,18 +96,71 @@ def availability() -> Optional[str]:
 
 
 class CppPlan:
-    """The constants of one dispatch plan for :func:`dispatch` (an int64 array the C++ call
-    reads by address): the native library's entry, the three programs, the launch gate, the
-    completion word, the shape block and the scratch layout."""
+    """The constants of one plan (an int64 array the C++ call reads by address), in the order
+    of ``names``: :data:`PLAN_FIELDS` for :func:`dispatch` (the native library's entry, the
+    three programs, the launch gate, the completion word, the shape block and the scratch
+    layout), :data:`COMBINE_FIELDS` for :func:`combine` (the entry, the two programs, the gate
+    and the grid's bounds)."""
 
     __slots__ = ("values", "address")
 
-    def __init__(self, **fields):
-        missing = set(PLAN_FIELDS) - set(fields)
+    def __init__(self, names=PLAN_FIELDS, **fields):
+        missing = set(names) - set(fields)
         if missing:
             raise ValueError(f"CppPlan lacks {sorted(missing)}")
-        self.values = (ctypes.c_int64 * len(PLAN_FIELDS))(*(int(fields[f]) for f in PLAN_FIELDS))
+        self.values = (ctypes.c_int64 * len(names))(*(int(fields[f]) for f in names))
         self.address = ctypes.addressof(self.values)
+
+
+def combine_plan(ph, store, reduce, fixed: bool) -> CppPlan:
+    """The constants of a combine plan of :class:`GdaPhases` ``ph`` over its bound ``store``
+    and ``reduce`` programs (``fixed``: the store's grid covers max_tokens_per_rank rows)."""
+    tr = ph.tr
+    gate = tr._gate
+    return CppPlan(COMBINE_FIELDS,
+                   fn=ctypes.cast(store._lib.efa_launch_run_gated, ctypes.c_void_p).value,
+                   store=store._addr, reduce=reduce._addr,
+                   gate=gate.address if gate is not None else 0, world=tr.world_size,
+                   rank=tr.rank, spin_ns=GATE_SPIN_NS, max_grid=tr.num_programs,
+                   fixed_rows=tr.cfg.max_tokens_per_rank if fixed else 0)
+
+
+def combine(ph, y, offsets, ids, slot, num_tokens: int, plan: CppPlan, reduce, epoch: int,
+            kind: str, delta: int, stream: int):
+    """A planned combine of ``y`` ``[N, D]`` into a new ``[num_tokens, D]`` tensor in one C++
+    call: the store, the launch gate and the reduce (``reduce``: its program, run here when a
+    peer was late at the gate, after the transport's wait). Returns the output."""
+    res = ph.cpp.combine(y, offsets, ids, slot, num_tokens, plan.address, delta,
+                         wait_record(epoch, kind), stream)
+    return _second_after_gate(ph, res, reduce, slot, num_tokens, epoch, kind, delta, stream)
+
+
+def cached(ph, x, slot, offsets, num_rows: int, plan: CppPlan, gather, epoch: int, delta: int,
+           stream: int):
+    """A planned cached dispatch of ``x`` ``[T, D]`` into a new ``[num_rows, D]`` tensor in one
+    C++ call: the store, the launch gate and the gather (``gather``: its program, run here
+    when a peer was late). Returns the output."""
+    res = ph.cpp.cached(x, slot, offsets, num_rows, plan.address, delta,
+                        wait_record(epoch, "cached dispatch"), stream)
+    return _second_after_gate(ph, res, gather, offsets, num_rows, epoch, "cached dispatch",
+                              delta, stream)
+
+
+def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, delta: int,
+                       stream: int):
+    """The output of a C++ gated call's result ``res``; when a peer was late at the gate, the
+    transport's wait (deadline), then the ``second`` program with its variables (``lead``, the
+    output, delta, ``rows``, grid)."""
+    tr = ph.tr
+    status, out = res[0], res[3]
+    if status < 0:
+        raise NativeLaunchError(res[4])
+    tr.blocked_s += res[2] * 1e-9
+    if status == GATE_LATE:  # the first program ran and is published: wait, then the second
+        tr._await_peers(epoch, kind)
+        second.run((lead.data_ptr(), out.data_ptr(), delta, rows, min(rows, tr.num_programs)),
+                   stream)
+    return out
 
 
 def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
@@ -120,7 +178,7 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
             ahead.prog = ph._progs[ahead.key]
         gate = tr._gate
         ahead.cpp = CppPlan(
-            fn=ctypes.cast(front._lib.efa_launch_dispatch, ctypes.c_void_p).value,
+            PLAN_FIELDS, fn=ctypes.cast(front._lib.efa_launch_dispatch, ctypes.c_void_p).value,
             front=front._addr, header=header._addr, gather=ahead.prog._addr,
             gate=gate.address if gate is not None else 0, world=w, rank=tr.rank,
             spin_ns=GATE_SPIN_NS, flag=flag, wait_ns=ph._flag_wait_ns, shape=ahead.shape_addr,

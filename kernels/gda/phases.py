@@ -421,12 +421,14 @@ class GdaPhases:
                   n, min(n, tr.num_programs)), _stream(self._dev))
 
     # ---- combine ----------------------------------------------------------------------------
-    def combine(self, y, state, out, epoch: int, kind: str, ids=None) -> None:
+    def combine(self, y, state, num_tokens: int, epoch: int, kind: str, ids=None):
         """Store, launch gate and reduce of a combine (:meth:`combine_store`,
-        :meth:`combine_reduce`) of ``y`` ``[N, D]`` along the dispatch state ``state`` into
-        ``out`` ``[T, D]`` (``ids``: see :meth:`combine_store`): with a plan bound for this
-        shape (after the first call of it, ``fast_launch`` >= 3, 16-byte aligned ``y``) straight
-        through one native call."""
+        :meth:`combine_reduce`) of ``y`` ``[N, D]`` along the dispatch state ``state`` into a
+        new ``[num_tokens, D]`` tensor in y's dtype, returned (``ids``: see
+        :meth:`combine_store`): with a plan bound for this shape (after the first call of it,
+        ``fast_launch`` >= 3, 16-byte aligned ``y``) straight through one native call, and with
+        ``fast_launch=4`` that call, the output's allocation and the programs' variables in one
+        C++ call (:func:`.cpp_op.combine`)."""
         tr = self.tr
         fixed = state.fixed
         offsets = state.num_recv_W if fixed else state.recv_offsets
@@ -435,25 +437,32 @@ class GdaPhases:
         key = ("combine", parity, y.shape[1], y.dtype, y.stride(0), fixed, kind, masked)
         plan = self._plans.get(key)
         yp = y.data_ptr()
-        t = out.shape[0]
+        t = num_tokens
         if plan is None or yp & 15 or not t:
+            out = torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
             first = self.combine_store(y, offsets, fixed, epoch, defer=True, ids=ids)
             self.combine_reduce(state.slot_TW, out, epoch, kind, first)
             store = self._progs.get(("cstore", parity, y.shape[1], y.dtype, y.stride(0), fixed,
                                      masked))
             reduce = self._progs.get(("creduce", parity, out.shape[1], out.dtype, kind))
             if first is not None and store is not None and reduce is not None:
-                self._plans[key] = (store, reduce)
-            return
-        store, reduce = plan
-        n = y.shape[0]
+                cpp = cpp_op.combine_plan(self, store, reduce, fixed) if self.cpp else None
+                self._plans[key] = (store, reduce, cpp)
+            return out
+        store, reduce, cpp = plan
         delta = epoch - tr._dev_base
+        if cpp is not None:
+            return cpp_op.combine(self, y, offsets, ids, state.slot_TW, t, cpp, reduce, epoch,
+                                  kind, delta, _stream(self._dev))
+        out = torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
+        n = y.shape[0]
         grid = max(1, min(tr.cfg.max_tokens_per_rank if fixed else n, tr.num_programs))
         values = (yp, offsets.data_ptr(), n, delta, grid) if not masked else \
             (yp, offsets.data_ptr(), ids.data_ptr(), n, delta, grid)
         self._gated((store, values), reduce,
                     (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, tr.num_programs)),
                     epoch, kind)
+        return out
 
     def combine_store(self, y, offsets, fixed: bool, epoch: int, defer: bool = False, ids=None):
         """Returns the rows of ``y`` to their sources' windows and signals (``offsets``: the
@@ -519,32 +528,40 @@ class GdaPhases:
         prog.run(values, _stream(self._dev))
 
     # ---- cached dispatch --------------------------------------------------------------------
-    def cached(self, x, state, out, epoch: int) -> None:
+    def cached(self, x, state, num_rows: int, epoch: int):
         """Store, launch gate and gather of a cached dispatch (:meth:`cached_store`, the gate,
         :meth:`cached_gather`) of ``x`` ``[T, D]`` along the regular dispatch state ``state``
-        into ``out`` ``[N, D]``: with a plan bound for this shape (after the first call of it,
-        ``fast_launch`` >= 3, 16-byte aligned ``x``, rows both ways) straight through one native
-        call."""
+        into a new ``[num_rows, D]`` tensor in x's dtype, returned: with a plan bound for this
+        shape (after the first call of it, ``fast_launch`` >= 3, 16-byte aligned ``x``, rows
+        both ways) straight through one native call, with ``fast_launch=4`` one C++ call
+        (:func:`.cpp_op.cached`)."""
         tr = self.tr
         parity = epoch & 1
-        t, n = x.shape[0], out.shape[0]
+        t, n = x.shape[0], num_rows
         key = ("cached", parity, t, x.shape[1], x.dtype, x.stride(0))
         plan = self._plans.get(key)
         xp = x.data_ptr()
         if plan is None or xp & 15 or not n:
+            out = x.new_empty((n, x.shape[1]))
             self.cached_store(x, state.slot_TW, epoch)
             tr._issued(epoch, "cached dispatch")
             self.cached_gather(state.recv_offsets, out, epoch)
             store = self._progs.get(("cstore_x", parity, t, x.shape[1], x.dtype, x.stride(0)))
             gather = self._progs.get(("cgather", parity, out.shape[1], out.dtype))
             if self.gated and store is not None and gather is not None and t:
-                self._plans[key] = (store, gather)
-            return
-        store, gather = plan
+                cpp = cpp_op.combine_plan(self, store, gather, False) if self.cpp else None
+                self._plans[key] = (store, gather, cpp)
+            return out
+        store, gather, cpp = plan
         delta = epoch - tr._dev_base
+        if cpp is not None:
+            return cpp_op.cached(self, x, state.slot_TW, state.recv_offsets, n, cpp, gather,
+                                 epoch, delta, _stream(self._dev))
+        out = x.new_empty((n, x.shape[1]))
         self._gated((store, (xp, state.slot_TW.data_ptr(), delta)), gather,
                     (state.recv_offsets.data_ptr(), out.data_ptr(), delta, n,
                      min(n, tr.num_programs)), epoch, "cached dispatch")
+        return out
 
     def cached_store(self, x, slot, epoch: int) -> None:
         """Stores ``x``'s rows along a dispatch's layout ``slot`` (no ids, no header)."""

@@ -525,8 +525,7 @@ class GdaTransport(Transport):
             rows = handle.num_recv_tokens
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
-        out = x.new_empty((handle.num_recv_tokens, x.shape[1]))
-        self._phases.cached(x, st, out, epoch)  # store, the launch gate, gather
+        out = self._phases.cached(x, st, handle.num_recv_tokens, epoch)  # store, gate, gather
         refusal.raise_if_refused(self, epoch, "cached dispatch")
         if self.check_every_call and not self._capturing:
             self.check_errors("dispatch_cached")
@@ -570,8 +569,7 @@ class GdaTransport(Transport):
             refusal.refuse(self, str(e), kind)
         epoch = self._begin_op(kind)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
-        out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        self._phases.combine(y, st, out, epoch, kind, ids)  # with the launch gate
+        out = self._phases.combine(y, st, handle.num_tokens, epoch, kind, ids)  # launch gate too
         refusal.raise_if_refused(self, epoch, kind)
         if self.check_every_call and not self._capturing:
             self.check_errors(kind)

@@ -1,4 +1,5 @@
-// efa_gda_op.cpp: a planned gda regular dispatch as one C++ call (a torch extension).
+// efa_gda_op.cpp: a planned gda regular dispatch, combine and cached dispatch, each as one C++
+// call (a torch extension).
 //
 // The Python path of a planned dispatch (kernels/gda/phases.py) makes a dozen tensor objects per
 // call (scratch, outputs, their views, tokens_per_expert) and packs three programs' variables
@@ -9,6 +10,7 @@
 // kernels/gda/cpp_op.py (torch.utils.cpp_extension); without it the Python path runs.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -24,6 +26,9 @@ struct Program {
     int64_t *vars;
 };
 
+typedef int (*GatedFn)(const void *, const void *, int64_t, int64_t *, int, int, int64_t, int64_t,
+                       const int64_t *, int64_t, int64_t, int64_t *, int64_t *, char *, size_t);
+
 typedef int (*DispatchFn)(const void *, const void *, const void *, int64_t, int64_t *, int, int,
                           int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
                           int64_t *, int64_t *, int64_t *, char *, size_t);
@@ -33,6 +38,12 @@ enum {
     P_FN, P_FRONT, P_HEADER, P_GATHER, P_GATE, P_WORLD, P_RANK, P_SPIN_NS, P_FLAG, P_WAIT_NS,
     P_SHAPE, P_ROWS, P_WORDS, P_O_SLOT, P_O_SEND, P_O_RANK, P_O_OUT, P_O_OFFSETS, P_N_INFO,
     P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_NUM_FIELDS
+};
+
+// A combine plan's constants (kernels/gda/cpp_op.py, COMBINE_FIELDS).
+enum {
+    C_FN, C_STORE, C_REDUCE, C_GATE, C_WORLD, C_RANK, C_SPIN_NS, C_MAX_GRID, C_FIXED_ROWS,
+    C_NUM_FIELDS
 };
 
 }  // namespace
@@ -98,7 +109,85 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
         scratch.as_strided({sent}, {1}, p[P_O_SEND]), tokens_per_expert, num_send, num_recv);
 }
 
+// A planned combine (or weight combine, with ids) of y [N, D] into a new out [T, D] in y's
+// dtype: the store program's variables (y, offsets, [ids], N, delta, grid), the reduce
+// program's (slot, out, delta, T, grid), then the store, the launch gate and the reduce in one
+// native call (efa_launch_run_gated), the GIL released. Returns (status, sync_ns, gate_ns, out),
+// and when negative the library's error text; status 1 (a peer late at the gate): the store ran
+// and is published, the reduce's variables are written, the caller waits and runs it.
+py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
+                  const c10::optional<at::Tensor> &ids, const at::Tensor &slot,
+                  int64_t num_tokens, int64_t plan_address, int64_t delta, int64_t record,
+                  int64_t stream) {
+    const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
+    auto out = at::empty({num_tokens, y.size(1)}, y.options());
+    auto *store = reinterpret_cast<Program *>(p[C_STORE]);
+    auto *reduce = reinterpret_cast<Program *>(p[C_REDUCE]);
+    const int64_t n = y.size(0), max_grid = p[C_MAX_GRID];
+    const int64_t rows = p[C_FIXED_ROWS] ? p[C_FIXED_ROWS] : n;
+    const int64_t grid = std::max<int64_t>(1, std::min(rows, max_grid));
+    int64_t *sv = store->vars;
+    int i = 0;
+    sv[i++] = reinterpret_cast<int64_t>(y.data_ptr());
+    sv[i++] = reinterpret_cast<int64_t>(offsets.data_ptr());
+    if (ids.has_value()) sv[i++] = reinterpret_cast<int64_t>(ids->data_ptr());
+    sv[i++] = n;
+    sv[i++] = delta;
+    sv[i++] = grid;
+    const int64_t rv[5] = {reinterpret_cast<int64_t>(slot.data_ptr()),
+                           reinterpret_cast<int64_t>(out.data_ptr()), delta, num_tokens,
+                           std::min(num_tokens, max_grid)};
+    std::memcpy(reduce->vars, rv, sizeof rv);
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
+    int rc;
+    {
+        py::gil_scoped_release unlocked;  // the gate may wait for peers
+        rc = fn(store, reduce, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
+                static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
+                p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
+    }
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
+    return py::make_tuple(rc, sync_ns, gate_ns, out);
+}
+
+// A planned cached dispatch of x [T, D] into a new out [N, D] in x's dtype (N = num_rows): the
+// store program's variables (x, slot, delta), the gather's (offsets, out, delta, N, grid), then
+// the store, the launch gate and the gather in one native call; the plan is a combine plan
+// (C_STORE: the store, C_REDUCE: the gather). Returns as combine.
+py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &offsets,
+                 int64_t num_rows, int64_t plan_address, int64_t delta, int64_t record,
+                 int64_t stream) {
+    const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
+    auto out = at::empty({num_rows, x.size(1)}, x.options());
+    auto *store = reinterpret_cast<Program *>(p[C_STORE]);
+    auto *gather = reinterpret_cast<Program *>(p[C_REDUCE]);
+    const int64_t sv[3] = {reinterpret_cast<int64_t>(x.data_ptr()),
+                           reinterpret_cast<int64_t>(slot.data_ptr()), delta};
+    std::memcpy(store->vars, sv, sizeof sv);
+    const int64_t gv[5] = {reinterpret_cast<int64_t>(offsets.data_ptr()),
+                           reinterpret_cast<int64_t>(out.data_ptr()), delta, num_rows,
+                           std::min(num_rows, p[C_MAX_GRID])};
+    std::memcpy(gather->vars, gv, sizeof gv);
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
+    int rc;
+    {
+        py::gil_scoped_release unlocked;  // the gate may wait for peers
+        rc = fn(store, gather, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
+                static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
+                p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
+    }
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
+    return py::make_tuple(rc, sync_ns, gate_ns, out);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("cached", &cached, "a planned gda cached dispatch in one call (see the file)");
     m.def("dispatch", &dispatch, "a planned gda regular dispatch in one call (see the file)");
+    m.def("combine", &combine, "a planned gda combine in one call (see the file)");
     m.attr("PLAN_FIELDS") = static_cast<int64_t>(P_NUM_FIELDS);
+    m.attr("COMBINE_FIELDS") = static_cast<int64_t>(C_NUM_FIELDS);
 }

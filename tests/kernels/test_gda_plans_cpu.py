@@ -181,7 +181,8 @@ def test_native_count_check_accepts_only_clean_counts(change, rows):
     assert nl.rows_received(ctypes.addressof(buf), ctypes.addressof(shape)) == rows
 
 
-def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
+def test_combine_and_weight_combine_plans_pass_their_tensors(tr_any):
+    tr = tr_any
     g, x, idx, w = _inputs(4)
     ph = tr._phases
     for call in range(4):  # the dispatch, its combine and weight combine on alternating parities
@@ -204,9 +205,50 @@ def test_combine_and_weight_combine_plans_pass_their_tensors(tr):
                                 h.recv_topk_idx.data_ptr(), n, tr._epoch, grid]
         assert back.shape == (T, K) and back.dtype == torch.float32
     assert {k[-1] for k in ph._plans if k[0] == "combine"} == {False, True}
+    # with fast_launch=4 the planned combines were C++ calls (the plans carry their constants)
+    assert all((p[2] is not None) == (tr.fast_launch == 4)
+               for k, p in ph._plans.items() if k[0] == "combine")
 
 
-def test_cached_dispatch_plan_passes_its_tensors(tr):
+def test_combine_and_cached_dispatch_with_a_late_peer_finish_after_the_transport_waited(tr_any):
+    tr = tr_any
+    g, x, idx, w = _inputs(6)
+    ph = tr._phases
+    waits = []
+    await_peers = tr._await_peers
+    tr._await_peers = lambda epoch, kind: (waits.append((epoch, kind)), await_peers(epoch, kind))
+    lib, ran = tr.stand_in, []
+    run = lib.efa_launch_run
+    lib.efa_launch_run = lambda prog, *a: (ran.append(prog), run(prog, *a))[1]
+    for call in range(4):  # the first calls bind the plans (one per parity), the later take them
+        recv_x, *_, h = tr.dispatch(x, idx, w)
+        y = torch.randn(recv_x.shape[0], H, generator=g).to(torch.bfloat16)
+        tr.stand_in.stand_in_gate_late(1)  # the combine's store runs, a peer is late at the gate
+        out = tr.combine(y, h)
+        parity = tr._epoch % 2
+        reduce = ph._progs[("creduce", parity, H, out.dtype, "combine")]
+        # the reduce ran on its own after the wait, with this call's output
+        assert ran[-1] == reduce._addr and waits[-1] == (tr._epoch, "combine")
+        assert _vars(reduce) == [h.state.slot_TW.data_ptr(), out.data_ptr(), tr._epoch, T,
+                                 min(T, tr.num_programs)]
+        assert out.shape == (T, H)
+        # likewise a cached dispatch's store and gather, once its plan is bound (before that
+        # its gate is the transport's own, which finds the peers ahead here)
+        x2 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        planned = ("cached", (tr._epoch + 1) % 2, T, H, x2.dtype, H) in ph._plans
+        tr.stand_in.stand_in_gate_late(int(planned))
+        back = tr.dispatch_cached(x2, h)
+        if planned:
+            gather = ph._progs[("cgather", tr._epoch % 2, H, back.dtype)]
+            n = h.num_recv_tokens
+            assert ran[-1] == gather._addr and waits[-1] == (tr._epoch, "cached dispatch")
+            assert _vars(gather) == [h.state.recv_offsets.data_ptr(), back.data_ptr(),
+                                     tr._epoch, n, min(n, tr.num_programs)]
+    assert len(waits) == 4 + 2  # every combine, the cached dispatches of calls 3 and 4
+
+
+def test_cached_dispatch_plan_passes_its_tensors(tr_any):
+    tr = tr_any
     g, x, idx, w = _inputs(5)
     ph = tr._phases
     *_, h = tr.dispatch(x, idx, w)
@@ -223,6 +265,8 @@ def test_cached_dispatch_plan_passes_its_tensors(tr):
                                  min(n, tr.num_programs)]
         assert tr._gate.issued[0] == kern.wait_record(tr._epoch, "cached dispatch")
     assert sum(k[0] == "cached" for k in ph._plans) == 2
+    assert all((p[2] is not None) == (tr.fast_launch == 4)
+               for k, p in ph._plans.items() if k[0] == "cached")
 
 
 def test_no_program_is_bound_from_a_call_with_an_empty_tensor():
