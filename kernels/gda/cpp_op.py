@@ -36,6 +36,8 @@ _lock = threading.Lock()
 _mod = None
 _why: Optional[str] = None
 _warned = False
+# efa_gda_op.cpp's status of a dispatch whose inputs are not its plan's case (nothing ran)
+NOT_PLANNED = 100
 
 
 def load():
@@ -63,7 +65,8 @@ def load():
                       f"into {build}", file=sys.stderr, flush=True)
             mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
                            extra_cflags=["-O2"], verbose=False)
-            if (mod.PLAN_FIELDS, mod.COMBINE_FIELDS) != (len(PLAN_FIELDS), len(COMBINE_FIELDS)):
+            if (mod.PLAN_FIELDS, mod.COMBINE_FIELDS, mod.NOT_PLANNED) != (
+                    len(PLAN_FIELDS), len(COMBINE_FIELDS), NOT_PLANNED):
                 raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} dispatch and "
                                    f"{mod.COMBINE_FIELDS} combine plan fields, "
                                    f"kernels/gda/cpp_op.py {len(PLAN_FIELDS)} and "
@@ -163,11 +166,16 @@ def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, 
     return out
 
 
-def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
+def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, device: int = -1):
     """A planned regular dispatch whose outputs are allocated ahead, in one C++ call (see the
     module); ``ph``: the transport's ``GdaPhases``, ``plan``: its bound dispatch plan for this
-    shape. Returns what ``GdaPhases.dispatch_head`` returns when the call gathered, else the
-    dispatch's scratch (its header ran; the caller reads the counts and gathers)."""
+    shape, ``epoch``: the op's number. Returns what ``GdaPhases.dispatch_head`` returns when
+    the call gathered, else the dispatch's scratch (its header ran; the caller reads the counts
+    and gathers). With ``device`` (the CUDA device index; -2: CPU tensors of the host-only
+    stand-in) the C++ call first checks that the inputs are the plan's case (shapes, dtypes,
+    dense rows, the device, 16-byte alignment) and returns None when not (nothing ran, the
+    transport's op number is not taken); otherwise the op's number is the transport's from
+    the call on."""
     tr = ph.tr
     front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
     w, t, num_local = tr.world_size, topk_idx.shape[0], tr.cfg.num_local_experts
@@ -187,8 +195,13 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int):
             hidden=tr.cfg.hidden, topk=ahead.k, tokens=t)
     record = wait_record(epoch, "dispatch")
     delta = epoch - tr._dev_base
-    res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, delta, record, stream)
-    status, scratch = res[0], res[3]
+    res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, delta, record, stream,
+                          device)
+    status = res[0]
+    if status == NOT_PLANNED:
+        return None
+    tr._epoch = epoch  # (already, on the checked path) the op began: its number is taken
+    scratch = res[3]
     if status < 0:
         raise NativeLaunchError(res[4])
     tr.blocked_s += (res[1] + res[2]) * 1e-9

@@ -101,6 +101,8 @@ class GdaPhases:
             self.cpp = cpp_op.load() if self.cpp_off is None else None
             if self.cpp is None and self.native_off is None:
                 cpp_op.warn_off(self.cpp_off)
+        # the C++ input check's device: the CUDA index (-2: CPU tensors, the tests' stand-in)
+        self._cpp_device = transport.device.index if transport.device.type == "cuda" else -2
 
     @property
     def native(self) -> bool:
@@ -327,15 +329,14 @@ class GdaPhases:
         front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
         self._ahead = ahead
         gathers = ahead.cap and (ahead.prog or self._progs.get(ahead.key)) is not None
-        w = tr.world_size
-        buf_ptr, view = self._host
+        buf_ptr = self._host[0]
         got = None
         if gathers and self.cpp is not None:  # the whole call in C++ (fast_launch=4)
             done = cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch,
                                    _stream(self._dev))
             if isinstance(done, tuple):
                 return done
-            scratch = done  # its header ran, the gather did not: the transport takes over
+            return self._head_tail(done, t, plan)  # no gather: the transport checks, gathers
         else:
             scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
             sp = scratch.data_ptr()
@@ -349,7 +350,15 @@ class GdaPhases:
             else:
                 tr.blocked_s += self._gated((front, values), header, values2, epoch, "dispatch",
                                             flag)
-        num_local = tr.cfg.num_local_experts
+        return self._head_tail(scratch, t, plan, got)
+
+    def _head_tail(self, scratch, t: int, plan, got=None):
+        """:meth:`dispatch_head`'s result of a planned dispatch whose header ran (the counts are
+        in the page-locked buffer): ``got`` the native gather's outputs, or None (the
+        transport checks the counts and gathers)."""
+        w, num_local = self.tr.world_size, self.tr.cfg.num_local_experts
+        o_slot, o_send, o_offsets, n_info = plan[3], plan[4], plan[7], plan[8]
+        buf_ptr, view = self._host
         tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
         ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
                        8 * num_local)
@@ -360,6 +369,32 @@ class GdaPhases:
             got += (view[end:end + w].tolist(), view[2:end:2 + num_local].tolist(), None)
             return scratch, slot, o_send, None, tokens_per_expert, offsets, got
         return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None
+
+    def dispatch_planned(self, x, topk_idx, topk_weights):
+        """A regular dispatch straight to the C++ call (``fast_launch=4``), before the
+        transport's own input checks: when its shape has a plan that gathers ahead and the C++
+        call finds the inputs the plan's case (:func:`.cpp_op.dispatch`). Returns (the op's
+        number, what :meth:`dispatch_head` returns), or None when the call is not that case
+        (nothing ran; the transport's checked path takes it and names any problem)."""
+        tr = self.tr
+        if tr._capturing or tr._broken is not None:
+            return None
+        epoch = tr._epoch + 1
+        try:
+            key = ("dispatch", epoch & 1, *topk_idx.shape, x.dtype, x.stride(0), x.shape[1])
+        except (AttributeError, IndexError, TypeError, RuntimeError):
+            return None  # not tensors of two dimensions
+        plan = self._plans.get(key)
+        if plan is None or plan[-1].cpp is None or not plan[-1].cap or epoch >= 2**31 - 1:
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None  # the checked path raises, naming the capture
+        done = cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch, _stream(self._dev),
+                               self._cpp_device)
+        if done is None:
+            return None
+        self._ahead = plan[-1]
+        return epoch, (done if isinstance(done, tuple) else self._head_tail(done, key[2], plan))
 
     def rows_seen(self, n: int) -> None:
         """The last planned dispatch received ``n`` rows and gathered them from Python: sizes

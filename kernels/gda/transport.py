@@ -360,25 +360,32 @@ class GdaTransport(Transport):
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
         cfg = self.cfg
-        if self._capturing:
-            raise TransportError(
-                f"rank {self.rank}: gda dispatch reads the receive counts on the host and cannot "
-                f"be captured in a CUDA graph; use dispatch_fixed inside capture()")
-        error = self._host_check(x, topk_idx, topk_weights)
-        epoch = self._begin_op("dispatch")
-        if error is not None:  # take part with no rows and a bad status: nobody waits forever
-            if self._gate is not None:
-                self._gate.post_text(epoch, error)  # before publishing: peers read it later
-            x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
-            topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
-            topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
-        x = x.contiguous() if x.stride(-1) != 1 else x
-        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-        k = topk_idx.shape[1]
         phases = self._phases
-        # layout, stores, the launch gate, then the one host sync per dispatch
-        scratch, slot, o_send, vals, tokens_per_expert, recv_offsets, got = phases.dispatch_head(
-            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
+        # a shape seen before, its inputs as then: one C++ call that checks them and runs it all
+        planned = phases.dispatch_planned(x, topk_idx, topk_weights) if phases.cpp else None
+        if planned is not None:
+            epoch, head = planned
+            error = None
+        else:
+            if self._capturing:
+                raise TransportError(
+                    f"rank {self.rank}: gda dispatch reads the receive counts on the host and "
+                    f"cannot be captured in a CUDA graph; use dispatch_fixed inside capture()")
+            error = self._host_check(x, topk_idx, topk_weights)
+            epoch = self._begin_op("dispatch")
+            if error is not None:  # take part with no rows and a bad status: nobody waits
+                if self._gate is not None:
+                    self._gate.post_text(epoch, error)  # before publishing: peers read it later
+                x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
+                topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
+                topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
+            x = x.contiguous() if x.stride(-1) != 1 else x
+            topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+            # layout, stores, the launch gate, then the one host sync per dispatch
+            head = phases.dispatch_head(x, topk_idx, topk_weights, epoch,
+                                        None if error is None else STATUS_BAD_INPUT)
+        k = topk_idx.shape[1]
+        scratch, slot, o_send, vals, tokens_per_expert, recv_offsets, got = head
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
         send_idx = None

@@ -48,16 +48,42 @@ enum {
 
 }  // namespace
 
+// Status of a dispatch whose inputs are not the plan's clean case (see inputs_fit): nothing
+// ran, the caller takes the checked path.
+constexpr int NOT_PLANNED = 100;
+
+// Whether a dispatch's inputs are the case the plan was bound for, as the caller found it by
+// (top-k shape, x's dtype, x's row stride, x's width): x [T, H] rows dense, topk_idx [T, K]
+// int64 and topk_weights [T, K] float32 contiguous, all on CUDA device `device`, each 16-byte
+// aligned (`device` -2: CPU tensors, for the host-only stand-in of the tests). The caller's
+// checks produce the error for anything else (this only decides).
+static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Tensor &w,
+                       int64_t t, int64_t k, int64_t device) {
+    auto on = [device](const at::Tensor &a) {
+        const bool here = device == -2 ? a.is_cpu() : a.is_cuda() && a.get_device() == device;
+        return here && (reinterpret_cast<uintptr_t>(a.data_ptr()) & 15) == 0;
+    };
+    return x.dim() == 2 && x.size(0) == t && x.stride(1) == 1 && on(x) && idx.dim() == 2 &&
+           idx.size(0) == t && idx.size(1) == k && idx.scalar_type() == at::kLong &&
+           idx.is_contiguous() && on(idx) && w.dim() == 2 && w.size(0) == t && w.size(1) == k &&
+           w.scalar_type() == at::kFloat && w.is_contiguous() && on(w);
+}
+
 // Returns (status, sync_ns, gate_ns, scratch, then when status is 0: recv_x, recv_topk_idx,
 // recv_topk_weights [rows, ...] (views of outputs allocated at the plan's capacity), slot [T, W],
 // offsets [W + 1], send_token_idx [S] (views of scratch), tokens_per_expert [L] int64 CPU,
 // rows sent per destination, rows received per source; when negative: the library's error
 // text). The GIL is released during the native call (it waits for peers and the device).
+// With `device` >= 0 (or -2) the inputs are checked first (inputs_fit): (NOT_PLANNED,) when
+// they are not the plan's case.
 py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Tensor &topk_weights,
-                   int64_t plan_address, int64_t delta, int64_t record, int64_t stream) {
+                   int64_t plan_address, int64_t delta, int64_t record, int64_t stream,
+                   int64_t device) {
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     const int64_t *shape = reinterpret_cast<const int64_t *>(p[P_SHAPE]);
     const int64_t w = p[P_WORLD], cap = shape[5], k = p[P_TOPK], t = p[P_TOKENS];
+    if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
+        return py::make_tuple(NOT_PLANNED);
     auto scratch = at::empty({p[P_WORDS]}, x.options().dtype(at::kLong));
     auto recv_x = at::empty({cap, p[P_HIDDEN]}, x.options());
     auto recv_idx = at::empty({cap, k}, topk_idx.options());
@@ -190,4 +216,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("combine", &combine, "a planned gda combine in one call (see the file)");
     m.attr("PLAN_FIELDS") = static_cast<int64_t>(P_NUM_FIELDS);
     m.attr("COMBINE_FIELDS") = static_cast<int64_t>(C_NUM_FIELDS);
+    m.attr("NOT_PLANNED") = static_cast<int64_t>(NOT_PLANNED);
 }

@@ -117,6 +117,42 @@ def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr_any):
             assert recv_x.untyped_storage().nbytes() == n * H * 2
 
 
+def test_cpp_dispatch_checks_its_inputs_and_leaves_other_cases_to_the_checked_path(tmp_path,
+                                                                                 monkeypatch):
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    _, x, idx, w = _inputs(6)
+    checked, errors = [], []
+    host_check = tr._host_check
+    tr._host_check = lambda *a: (checked.append(tr._epoch + 1), errors.append(host_check(*a)),
+                                 errors[-1])[2]
+    # per parity: one call binds the plan, one learns the rows, one makes the C++ constants
+    for call in range(6):
+        tr.dispatch(x, idx, w)
+    assert checked == [1, 2, 3, 4, 5, 6]
+
+    def run(*args):
+        before, n_checked = tr._epoch, len(checked)
+        out = tr.dispatch(*args)
+        assert tr._epoch == before + 1 and out[-1].state.epoch == before + 1  # one op number
+        assert out[-1].num_recv_per_rank == (T, 5) and out[0].shape == (T + 5, H)
+        return len(checked) > n_checked  # whether the checked path ran
+
+    # from then on the C++ call checks the inputs, straight from Python: the same tensors,
+    # other tensors of the plan's case
+    other = torch.empty(T * H + 8, dtype=torch.bfloat16)[8:].view(T, H)  # 16-byte aligned
+    other.copy_(x)
+    assert not run(x, idx, w) and not run(x, idx, w) and not run(other, idx.clone(), w.clone())
+    # inputs that are not the plan's case take the checked path: valid ones run there...
+    assert run(x, idx, w.t().contiguous().t())  # the same values, not contiguous
+    # ...and invalid ones reach its checks, which name the tensor (the bad-input round that
+    # follows launches kernels: not on this machine)
+    for bad, what in ((idx.to(torch.int32), "topk_idx must be torch.int64"),
+                      (idx.view(T, K, 1), "topk_idx must be [")):
+        with pytest.raises(Exception):
+            tr.dispatch(x, bad, w)
+        assert what in errors[-1]
+
+
 def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr_any):
     tr = tr_any
     from efa_ep.kernels.base import ProtocolError
