@@ -129,33 +129,43 @@ def combine_plan(ph, store, reduce, fixed: bool) -> CppPlan:
 
 
 def combine(ph, y, offsets, ids, slot, num_tokens: int, plan: CppPlan, reduce, epoch: int,
-            kind: str, delta: int, stream: int):
+            kind: str, stream: int, num_rows: int = 0, device: int = -1):
     """A planned combine of ``y`` ``[N, D]`` into a new ``[num_tokens, D]`` tensor in one C++
     call: the store, the launch gate and the reduce (``reduce``: its program, run here when a
-    peer was late at the gate, after the transport's wait). Returns the output."""
+    peer was late at the gate, after the transport's wait). Returns the output. With
+    ``device`` (as :func:`dispatch`'s) the call first checks that ``y`` is ``[num_rows, D]``
+    with dense rows on that device, 16-byte aligned, and returns None when not (nothing ran,
+    the op's number not taken)."""
+    delta = epoch - ph.tr._dev_base
     res = ph.cpp.combine(y, offsets, ids, slot, num_tokens, plan.address, delta,
-                         wait_record(epoch, kind), stream)
+                         wait_record(epoch, kind), stream, num_rows, device)
     return _second_after_gate(ph, res, reduce, slot, num_tokens, epoch, kind, delta, stream)
 
 
-def cached(ph, x, slot, offsets, num_rows: int, plan: CppPlan, gather, epoch: int, delta: int,
-           stream: int):
+def cached(ph, x, slot, offsets, num_rows: int, plan: CppPlan, gather, epoch: int, stream: int,
+           num_tokens: int = 0, device: int = -1):
     """A planned cached dispatch of ``x`` ``[T, D]`` into a new ``[num_rows, D]`` tensor in one
     C++ call: the store, the launch gate and the gather (``gather``: its program, run here
-    when a peer was late). Returns the output."""
+    when a peer was late). Returns the output; with ``device``, None unless ``x`` is
+    ``[num_tokens, D]`` as :func:`combine` checks ``y``."""
+    delta = epoch - ph.tr._dev_base
     res = ph.cpp.cached(x, slot, offsets, num_rows, plan.address, delta,
-                        wait_record(epoch, "cached dispatch"), stream)
+                        wait_record(epoch, "cached dispatch"), stream, num_tokens, device)
     return _second_after_gate(ph, res, gather, offsets, num_rows, epoch, "cached dispatch",
                               delta, stream)
 
 
 def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, delta: int,
                        stream: int):
-    """The output of a C++ gated call's result ``res``; when a peer was late at the gate, the
-    transport's wait (deadline), then the ``second`` program with its variables (``lead``, the
-    output, delta, ``rows``, grid)."""
+    """The output of a C++ gated call's result ``res`` (None: its inputs were not the plan's
+    case); when a peer was late at the gate, the transport's wait (deadline), then the
+    ``second`` program with its variables (``lead``, the output, delta, ``rows``, grid)."""
     tr = ph.tr
-    status, out = res[0], res[3]
+    status = res[0]
+    if status == NOT_PLANNED:
+        return None
+    tr._epoch = epoch  # (already, on the checked path) the op began: its number is taken
+    out = res[3]
     if status < 0:
         raise NativeLaunchError(res[4])
     tr.blocked_s += res[2] * 1e-9

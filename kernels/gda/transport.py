@@ -510,6 +510,10 @@ class GdaTransport(Transport):
     def dispatch_cached(self, x, handle):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
         row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
+        phases = self._phases
+        out = phases.cached_planned(x, handle) if phases.cpp else None  # (as combine's)
+        if out is not None:
+            return self._finish(self._epoch, "cached dispatch", out, "dispatch_cached")
         try:
             st = self.handle_state(handle)
             error = rows_input_error(self.rank, "cached dispatch input x", x, handle.num_tokens,
@@ -533,16 +537,26 @@ class GdaTransport(Transport):
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),
                                 x.dtype).view(rows, x.shape[1])
         out = self._phases.cached(x, st, handle.num_recv_tokens, epoch)  # store, gate, gather
-        refusal.raise_if_refused(self, epoch, "cached dispatch")
-        if self.check_every_call and not self._capturing:
-            self.check_errors("dispatch_cached")
-        return out
+        return self._finish(epoch, "cached dispatch", out, "dispatch_cached")
 
     def combine(self, y, handle):
         """``y`` ``[N, D]`` (rows received by ``handle``'s dispatch) -> ``[T, D]`` in y's dtype:
         per token the float32 sum over destination ranks ascending, bit-equal to ``torch``.
         No host sync (deadline errors are deferred, see the class)."""
-        return self._combine(y, handle, "combine")
+        phases = self._phases
+        # a shape seen before, its input as then: one C++ call that checks it and runs it all
+        out = phases.combine_planned(y, handle) if phases.cpp else None
+        if out is None:
+            return self._combine(y, handle, "combine")
+        return self._finish(self._epoch, "combine", out)
+
+    def _finish(self, epoch: int, kind: str, out, op: Optional[str] = None):
+        """``out`` of op ``epoch`` (of ``kind``, the call ``op``) after the group's refusal
+        check (and with ``check_every_call``, the deferred errors)."""
+        refusal.raise_if_refused(self, epoch, kind)
+        if self.check_every_call and not self._capturing:
+            self.check_errors(op or kind)
+        return out
 
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """See ``Transport.combine_topk_weights``; ``[N, K]`` float32 -> ``[T, K]`` float32."""
@@ -577,10 +591,7 @@ class GdaTransport(Transport):
         epoch = self._begin_op(kind)
         y = y.contiguous() if (y.shape[1] > 1 and y.stride(1) != 1) else y
         out = self._phases.combine(y, st, handle.num_tokens, epoch, kind, ids)  # launch gate too
-        refusal.raise_if_refused(self, epoch, kind)
-        if self.check_every_call and not self._capturing:
-            self.check_errors(kind)
-        return out
+        return self._finish(epoch, kind, out)
 
     def _barrier_op(self) -> None:
         """An op that moves no data: every rank signals every peer and waits for all of them

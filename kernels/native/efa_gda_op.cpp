@@ -57,16 +57,24 @@ constexpr int NOT_PLANNED = 100;
 // int64 and topk_weights [T, K] float32 contiguous, all on CUDA device `device`, each 16-byte
 // aligned (`device` -2: CPU tensors, for the host-only stand-in of the tests). The caller's
 // checks produce the error for anything else (this only decides).
+static bool on(const at::Tensor &a, int64_t device) {
+    const bool here = device == -2 ? a.is_cpu() : a.is_cuda() && a.get_device() == device;
+    return here && (reinterpret_cast<uintptr_t>(a.data_ptr()) & 15) == 0;
+}
+
+// rows [num_rows, D] with dense rows on `device` (see on), for combine and cached dispatch
+static bool rows_fit(const at::Tensor &a, int64_t num_rows, int64_t device) {
+    return a.dim() == 2 && a.size(0) == num_rows && (a.stride(1) == 1 || a.size(1) == 1) &&
+           on(a, device);
+}
+
 static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Tensor &w,
                        int64_t t, int64_t k, int64_t device) {
-    auto on = [device](const at::Tensor &a) {
-        const bool here = device == -2 ? a.is_cpu() : a.is_cuda() && a.get_device() == device;
-        return here && (reinterpret_cast<uintptr_t>(a.data_ptr()) & 15) == 0;
-    };
-    return x.dim() == 2 && x.size(0) == t && x.stride(1) == 1 && on(x) && idx.dim() == 2 &&
-           idx.size(0) == t && idx.size(1) == k && idx.scalar_type() == at::kLong &&
-           idx.is_contiguous() && on(idx) && w.dim() == 2 && w.size(0) == t && w.size(1) == k &&
-           w.scalar_type() == at::kFloat && w.is_contiguous() && on(w);
+    return x.dim() == 2 && x.size(0) == t && x.stride(1) == 1 && on(x, device) &&
+           idx.dim() == 2 && idx.size(0) == t && idx.size(1) == k &&
+           idx.scalar_type() == at::kLong && idx.is_contiguous() && on(idx, device) &&
+           w.dim() == 2 && w.size(0) == t && w.size(1) == k && w.scalar_type() == at::kFloat &&
+           w.is_contiguous() && on(w, device);
 }
 
 // Returns (status, sync_ns, gate_ns, scratch, then when status is 0: recv_x, recv_topk_idx,
@@ -140,11 +148,13 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
 // program's (slot, out, delta, T, grid), then the store, the launch gate and the reduce in one
 // native call (efa_launch_run_gated), the GIL released. Returns (status, sync_ns, gate_ns, out),
 // and when negative the library's error text; status 1 (a peer late at the gate): the store ran
-// and is published, the reduce's variables are written, the caller waits and runs it.
+// and is published, the reduce's variables are written, the caller waits and runs it. With
+// `device` != -1, (NOT_PLANNED,) unless y is [num_rows, D] with dense rows there (rows_fit).
 py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
                   const c10::optional<at::Tensor> &ids, const at::Tensor &slot,
                   int64_t num_tokens, int64_t plan_address, int64_t delta, int64_t record,
-                  int64_t stream) {
+                  int64_t stream, int64_t num_rows, int64_t device) {
+    if (device != -1 && !rows_fit(y, num_rows, device)) return py::make_tuple(NOT_PLANNED);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     auto out = at::empty({num_tokens, y.size(1)}, y.options());
     auto *store = reinterpret_cast<Program *>(p[C_STORE]);
@@ -181,10 +191,12 @@ py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
 // A planned cached dispatch of x [T, D] into a new out [N, D] in x's dtype (N = num_rows): the
 // store program's variables (x, slot, delta), the gather's (offsets, out, delta, N, grid), then
 // the store, the launch gate and the gather in one native call; the plan is a combine plan
-// (C_STORE: the store, C_REDUCE: the gather). Returns as combine.
+// (C_STORE: the store, C_REDUCE: the gather). Returns as combine; with `device` != -1,
+// (NOT_PLANNED,) unless x is [num_tokens, D] with dense rows there.
 py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &offsets,
                  int64_t num_rows, int64_t plan_address, int64_t delta, int64_t record,
-                 int64_t stream) {
+                 int64_t stream, int64_t num_tokens, int64_t device) {
+    if (device != -1 && !rows_fit(x, num_tokens, device)) return py::make_tuple(NOT_PLANNED);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     auto out = at::empty({num_rows, x.size(1)}, x.options());
     auto *store = reinterpret_cast<Program *>(p[C_STORE]);

@@ -153,6 +153,44 @@ def test_cpp_dispatch_checks_its_inputs_and_leaves_other_cases_to_the_checked_pa
         assert what in errors[-1]
 
 
+def test_cpp_combine_and_cached_dispatch_check_their_input_else_the_checked_path_runs(
+        tmp_path, monkeypatch):
+    from efa_ep.kernels.base import DispatchInputError
+
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    g, x, idx, w = _inputs(8)
+    checked = []
+    row_fits = tr._check_row_fits
+    tr._check_row_fits = lambda d, dt, what: (checked.append(what), row_fits(d, dt, what))[1]
+    recv_x, *_, h = tr.dispatch(x, idx, w)
+    n = h.num_recv_tokens
+    y = torch.randn(n, H, generator=g).to(torch.bfloat16)
+
+    def both(y, x2):
+        before = len(checked), tr._epoch
+        out, back = tr.combine(y, h), tr.dispatch_cached(x2, h)
+        assert tr._epoch == before[1] + 2 and out.shape == (T, H) and back.shape == (n, H)
+        return checked[before[0]:]
+
+    # these bind the plans (the two ops alternate parities: each has one plan)...
+    assert both(y, x) == ["combine", "cached dispatch"]
+    assert both(y, x) == [] and both(y.clone(), x.clone()) == []  # ...then C++ checks them
+    yt = torch.randn(H, n, generator=g).to(torch.bfloat16).t()  # rows not dense
+    assert both(yt, x) == ["combine"]
+    # input errors reach the checked path's message (its round that tells the peers launches
+    # kernels: not on this machine)
+    from efa_ep.kernels.gda import refusal
+
+    def refuse(tr, msg, kind):
+        raise DispatchInputError(msg)
+
+    monkeypatch.setattr(refusal, "refuse", refuse)
+    with pytest.raises(DispatchInputError, match=rf"combine input y must be \[{n}, D\]"):
+        tr.combine(y[:-1], h)
+    with pytest.raises(DispatchInputError, match=rf"cached dispatch input x must be \[{T}, D\]"):
+        tr.dispatch_cached(x[:-1], h)
+
+
 def test_dispatch_leaves_counts_the_library_refuses_to_the_transport(tr_any):
     tr = tr_any
     from efa_ep.kernels.base import ProtocolError
