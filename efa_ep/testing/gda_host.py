@@ -145,6 +145,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
     patch(phases, "_stream", lambda dev: 0)
+    patch(cpp_op, "_stream", lambda dev: 0)
     W, L = world, num_experts // world
     cfg = TransportConfig(name="gda", world_size=W, num_experts=num_experts, hidden=hidden,
                           max_tokens_per_rank=t_max, dtype=torch.bfloat16)

@@ -1,13 +1,21 @@
-"""A planned ``gda`` regular dispatch as one C++ call (``kernels/native/efa_gda_op.cpp``).
+"""Planned ``gda`` ops as one C++ call each (``kernels/native/efa_gda_op.cpp``).
 
-With ``fast_launch=4`` (the default) a dispatch whose plan gathers ahead (:mod:`.gather_ahead`) makes its
-tensors (scratch, outputs, their views, ``tokens_per_expert``) through ATen and writes its
-programs' variables in C++, then makes the same native call as the Python path
-(``efa_launch_dispatch``): the same kernels with the same arguments, so the same results. The
-extension is built on first use with torch's extension builder, which needs a C++ compiler and
-``ninja`` (``pip install ninja``); where it cannot be built, :func:`availability` says why,
-the transport warns once and runs as ``fast_launch=3`` (``GdaTransport.cpp_dispatch_off`` names
-it).
+With ``fast_launch=4`` (the default) a regular dispatch whose plan gathers ahead
+(:mod:`.gather_ahead`) makes its tensors (scratch, outputs, their views, ``tokens_per_expert``)
+through ATen and writes its programs' variables in C++, then makes the same native call as the
+Python path (``efa_launch_dispatch``); a planned combine, weight combine or cached dispatch
+likewise allocates its output and writes both programs' variables, then makes the gated native
+call (``efa_launch_run_gated``). Same kernels with the same arguments, so the same results.
+
+A call whose shape has such a plan goes from the transport's method straight to C++
+(``GdaPhases.dispatch_planned``, ``combine_planned``, ``cached_planned``): the C++ call first
+checks that the inputs are the case the plan was bound for (dimensions, dtypes, dense rows,
+the handle's row counts, the device, 16-byte alignment) and otherwise returns
+:data:`NOT_PLANNED` having run nothing; the transport's checked path then takes the call, so
+every input error keeps its message. The extension is built once per install with torch's
+extension builder, which needs a C++ compiler and ``ninja`` (``pip install ninja``); where it
+cannot be built, :func:`availability` says why, the transport warns once and runs as
+``fast_launch=3`` (``GdaTransport.cpp_dispatch_off`` names it).
 """
 from __future__ import annotations
 
@@ -19,7 +27,11 @@ import threading
 import warnings
 from typing import Optional
 
+import torch
+
 from .gate import GATE_SPIN_NS, wait_record
+from .window import GdaDispatchState
+from ..base import DispatchHandle
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native",
@@ -31,6 +43,10 @@ PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin
 # A combine plan's constants, in the order of the C_* fields of efa_gda_op.cpp.
 COMBINE_FIELDS = ("fn", "store", "reduce", "gate", "world", "rank", "spin_ns", "max_grid",
                   "fixed_rows")
+
+def _stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
 
 _lock = threading.Lock()
 _mod = None
@@ -230,3 +246,83 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
     # counts the native check refused, more rows than allocated, a late peer: the header ran,
     # the caller checks the counts and gathers
     return scratch
+
+
+# ---- straight from the transport's methods ----------------------------------------------
+def dispatch_planned(ph, x, topk_idx, topk_weights):
+    """A regular dispatch of ``GdaPhases`` ``ph`` straight to the C++ call, before the
+    transport's own input checks: when its shape has a plan that gathers ahead and the C++
+    call finds the inputs the plan's case (:func:`dispatch`). Returns (the op's number, what
+    ``GdaPhases.dispatch_head`` returns), or None when the call is not that case (nothing
+    ran; the transport's checked path takes it and names any problem)."""
+    tr = ph.tr
+    if tr._capturing or tr._broken is not None:
+        return None
+    epoch = tr._epoch + 1
+    try:
+        key = ("dispatch", epoch & 1, *topk_idx.shape, x.dtype, x.stride(0), x.shape[1])
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None  # not tensors of two dimensions
+    plan = ph._plans.get(key)
+    if plan is None or plan[-1].cpp is None or not plan[-1].cap or epoch >= 2**31 - 1:
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None  # the checked path raises, naming the capture
+    done = dispatch(ph, x, topk_idx, topk_weights, plan, epoch, _stream(ph._dev),
+                    ph._cpp_device)
+    if done is None:
+        return None
+    ph._ahead = plan[-1]
+    return epoch, (done if isinstance(done, tuple) else ph._head_tail(done, key[2], plan))
+
+
+def _planned_op(ph, handle):
+    """(the op's number, the handle's state) when a combine or cached dispatch along
+    ``handle`` may go straight to its C++ call (``fast_launch=4``): the transport usable
+    and not capturing, the handle one of this transport's regular dispatches; else None."""
+    tr = ph.tr
+    st = getattr(handle, "state", None)
+    if (tr._capturing or tr._broken is not None or type(st) is not GdaDispatchState
+            or st.owner != tr.uid or st.fixed or not isinstance(handle, DispatchHandle)
+            or tr._epoch + 1 >= 2**31 - 1 or torch.cuda.is_current_stream_capturing()):
+        return None
+    return tr._epoch + 1, st
+
+
+def combine_planned(ph, y, handle):
+    """A combine of ``GdaPhases`` ``ph`` straight to its C++ call, before the transport's checks: when this shape
+    has a plan and the call finds ``y`` the handle's rows, dense, on this device (see
+    :func:`combine`). Returns the output, or None when not that case (nothing ran;
+    the transport's checked path takes it and names any problem)."""
+    op = _planned_op(ph, handle)
+    if op is None or not handle.num_tokens:
+        return None
+    epoch, st = op
+    try:
+        key = ("combine", epoch & 1, y.shape[1], y.dtype, y.stride(0), False, "combine", False)
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    plan = ph._plans.get(key)
+    if plan is None or plan[2] is None:
+        return None
+    return combine(ph, y, st.recv_offsets, None, st.slot_TW, handle.num_tokens, plan[2],
+                   plan[1], epoch, "combine", _stream(ph._dev), handle.num_recv_tokens,
+                   ph._cpp_device)
+
+
+def cached_planned(ph, x, handle):
+    """A cached dispatch straight to its C++ call, as :func:`combine_planned` (``x``: the
+    handle's tokens' rows). Returns the output or None."""
+    op = _planned_op(ph, handle)
+    if op is None or not handle.num_recv_tokens:
+        return None
+    epoch, st = op
+    try:
+        key = ("cached", epoch & 1, handle.num_tokens, x.shape[1], x.dtype, x.stride(0))
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    plan = ph._plans.get(key)
+    if plan is None or plan[2] is None:
+        return None
+    return cached(ph, x, st.slot_TW, st.recv_offsets, handle.num_recv_tokens, plan[2],
+                  plan[1], epoch, _stream(ph._dev), handle.num_tokens, ph._cpp_device)

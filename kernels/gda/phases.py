@@ -48,8 +48,6 @@ from . import cpp_op
 from . import gather_ahead
 from .gate import GATE_SPIN_NS
 from .gather_ahead import GatherAhead
-from .window import GdaDispatchState
-from ..base import DispatchHandle
 from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability
 from ..native_launch import bind
 
@@ -372,32 +370,6 @@ class GdaPhases:
             return scratch, slot, o_send, None, tokens_per_expert, offsets, got
         return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None
 
-    def dispatch_planned(self, x, topk_idx, topk_weights):
-        """A regular dispatch straight to the C++ call (``fast_launch=4``), before the
-        transport's own input checks: when its shape has a plan that gathers ahead and the C++
-        call finds the inputs the plan's case (:func:`.cpp_op.dispatch`). Returns (the op's
-        number, what :meth:`dispatch_head` returns), or None when the call is not that case
-        (nothing ran; the transport's checked path takes it and names any problem)."""
-        tr = self.tr
-        if tr._capturing or tr._broken is not None:
-            return None
-        epoch = tr._epoch + 1
-        try:
-            key = ("dispatch", epoch & 1, *topk_idx.shape, x.dtype, x.stride(0), x.shape[1])
-        except (AttributeError, IndexError, TypeError, RuntimeError):
-            return None  # not tensors of two dimensions
-        plan = self._plans.get(key)
-        if plan is None or plan[-1].cpp is None or not plan[-1].cap or epoch >= 2**31 - 1:
-            return None
-        if torch.cuda.is_current_stream_capturing():
-            return None  # the checked path raises, naming the capture
-        done = cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch, _stream(self._dev),
-                               self._cpp_device)
-        if done is None:
-            return None
-        self._ahead = plan[-1]
-        return epoch, (done if isinstance(done, tuple) else self._head_tail(done, key[2], plan))
-
     def rows_seen(self, n: int) -> None:
         """The last planned dispatch received ``n`` rows and gathered them from Python: sizes
         the next calls' outputs."""
@@ -500,56 +472,6 @@ class GdaPhases:
                     (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, tr.num_programs)),
                     epoch, kind)
         return out
-
-    def _planned_op(self, handle):
-        """(the op's number, the handle's state) when a combine or cached dispatch along
-        ``handle`` may go straight to its C++ call (``fast_launch=4``): the transport usable
-        and not capturing, the handle one of this transport's regular dispatches; else None."""
-        tr = self.tr
-        st = getattr(handle, "state", None)
-        if (tr._capturing or tr._broken is not None or type(st) is not GdaDispatchState
-                or st.owner != tr.uid or st.fixed or not isinstance(handle, DispatchHandle)
-                or tr._epoch + 1 >= 2**31 - 1 or torch.cuda.is_current_stream_capturing()):
-            return None
-        return tr._epoch + 1, st
-
-    def combine_planned(self, y, handle):
-        """A combine straight to its C++ call, before the transport's checks: when this shape
-        has a plan and the call finds ``y`` the handle's rows, dense, on this device (see
-        :func:`.cpp_op.combine`). Returns the output, or None when not that case (nothing ran;
-        the transport's checked path takes it and names any problem)."""
-        op = self._planned_op(handle)
-        if op is None or not handle.num_tokens:
-            return None
-        epoch, st = op
-        try:
-            key = ("combine", epoch & 1, y.shape[1], y.dtype, y.stride(0), False, "combine", False)
-        except (AttributeError, IndexError, TypeError, RuntimeError):
-            return None
-        plan = self._plans.get(key)
-        if plan is None or plan[2] is None:
-            return None
-        return cpp_op.combine(self, y, st.recv_offsets, None, st.slot_TW, handle.num_tokens,
-                              plan[2], plan[1], epoch, "combine", _stream(self._dev),
-                              handle.num_recv_tokens, self._cpp_device)
-
-    def cached_planned(self, x, handle):
-        """A cached dispatch straight to its C++ call, as :meth:`combine_planned` (``x``: the
-        handle's tokens' rows). Returns the output or None."""
-        op = self._planned_op(handle)
-        if op is None or not handle.num_recv_tokens:
-            return None
-        epoch, st = op
-        try:
-            key = ("cached", epoch & 1, handle.num_tokens, x.shape[1], x.dtype, x.stride(0))
-        except (AttributeError, IndexError, TypeError, RuntimeError):
-            return None
-        plan = self._plans.get(key)
-        if plan is None or plan[2] is None:
-            return None
-        return cpp_op.cached(self, x, st.slot_TW, st.recv_offsets, handle.num_recv_tokens,
-                             plan[2], plan[1], epoch, _stream(self._dev), handle.num_tokens,
-                             self._cpp_device)
 
     def combine_store(self, y, offsets, fixed: bool, epoch: int, defer: bool = False, ids=None):
         """Returns the rows of ``y`` to their sources' windows and signals (``offsets``: the

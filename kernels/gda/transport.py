@@ -18,7 +18,7 @@ from ..base import (
     rows_input_error, validate_dispatch_inputs,
 )
 
-from . import refusal
+from . import cpp_op, refusal
 from .gate import LaunchGate, PeerTimeoutError
 from .graph import GdaGraph, capture
 from .window import GdaDispatchState, WindowLayout
@@ -362,7 +362,8 @@ class GdaTransport(Transport):
         cfg = self.cfg
         phases = self._phases
         # a shape seen before, its inputs as then: one C++ call that checks them and runs it all
-        planned = phases.dispatch_planned(x, topk_idx, topk_weights) if phases.cpp else None
+        planned = (cpp_op.dispatch_planned(phases, x, topk_idx, topk_weights) if phases.cpp
+                   else None)
         if planned is not None:
             epoch, head = planned
             error = None
@@ -511,7 +512,7 @@ class GdaTransport(Transport):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
         row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
         phases = self._phases
-        out = phases.cached_planned(x, handle) if phases.cpp else None  # (as combine's)
+        out = cpp_op.cached_planned(phases, x, handle) if phases.cpp else None  # as combine's
         if out is not None:
             return self._finish(self._epoch, "cached dispatch", out, "dispatch_cached")
         try:
@@ -545,7 +546,7 @@ class GdaTransport(Transport):
         No host sync (deadline errors are deferred, see the class)."""
         phases = self._phases
         # a shape seen before, its input as then: one C++ call that checks it and runs it all
-        out = phases.combine_planned(y, handle) if phases.cpp else None
+        out = cpp_op.combine_planned(phases, y, handle) if phases.cpp else None
         if out is None:
             return self._combine(y, handle, "combine")
         return self._finish(self._epoch, "combine", out)
