@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from . import gather_ahead
 from .gate import GATE_SPIN_NS, wait_record
 from .window import GdaDispatchState
 from ..base import DispatchHandle
@@ -273,7 +274,7 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
     if done is None:
         return None
     ph._ahead = plan[-1]
-    return epoch, (done if isinstance(done, tuple) else ph._head_tail(done, key[2], plan))
+    return epoch, (done if isinstance(done, tuple) else gather_ahead.head_tail(ph, done, key[2], plan))
 
 
 def _planned_op(ph, handle):

@@ -1,6 +1,6 @@
-"""The outputs of a planned ``gda`` regular dispatch allocated before its count read, so that
-its one native call also gathers (see :mod:`efa_ep.kernels.gda.phases`): how many rows, and the
-shape block the native call reads."""
+"""The plan of a ``gda`` regular dispatch of a shape seen before (:func:`record_plan`), and its
+outputs allocated before its count read, so that its one native call also gathers (see
+:mod:`efa_ep.kernels.gda.phases`): how many rows, and the shape block the native call reads."""
 from __future__ import annotations
 
 import ctypes
@@ -75,3 +75,45 @@ def dispatch_gather(ph, front, values, header, values2, ahead: GatherAhead, offs
     elif status == FLAG_LATE:
         tr._device_late(epoch, "dispatch", ph._flag_wait_ns * 1e-9)  # raises
     return None
+
+
+def record_plan(ph, parity: int, t: int, k: int, x) -> None:
+    """Records the plan of ``GdaPhases.dispatch_head`` (``ph``) for this shape once both of its
+    programs are bound (by the call that just ran through the phase methods)."""
+    tr = ph.tr
+    front = ph._progs.get(("front", parity, t, k, x.dtype, x.stride(0), x.shape[1]))
+    header = ph._progs.get(("header", parity))
+    if front is None or header is None or ph._host is None:
+        return
+    w, num_local = tr.world_size, tr.cfg.num_local_experts
+    _, _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(
+        t, tr.cfg.num_experts, w, k)
+    n_info = 1 + w * (2 + num_local) + w + num_local
+    hidden = tr.cfg.hidden
+    # the gather program's variables: 4 addresses, the row count, the grid (see gather)
+    ahead = GatherAhead(("gather", parity, k, hidden, tr.cfg.dtype),
+                        hidden * tr.cfg.dtype.itemsize + 12 * k, k,
+                        (w, 2 + num_local, num_local, tr.cfg.max_tokens_per_rank, k, 0,
+                         tr.num_programs, 4, 5, n_info))
+    ph._plans[("dispatch", parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
+        front, header, words + ph.header_words(), o_slot, o_send, o_rank, words,
+        words + kern._even(n_info), n_info, ahead)
+
+
+def head_tail(ph, scratch, t: int, plan, got=None):
+    """``GdaPhases.dispatch_head``'s result (``ph``: the phases) of a planned dispatch whose
+    header ran (the counts are in the page-locked buffer): ``got`` the native gather's outputs,
+    or None (the transport checks the counts and gathers)."""
+    w, num_local = ph.tr.world_size, ph.tr.cfg.num_local_experts
+    o_slot, o_send, o_offsets, n_info = plan[3], plan[4], plan[7], plan[8]
+    buf_ptr, view = ph._host
+    tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
+    ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
+                   8 * num_local)
+    slot = scratch.as_strided((t, w), (w, 1), o_slot)
+    offsets = scratch.as_strided((w + 1,), (1,), o_offsets)
+    if got is not None:
+        end = 1 + w * (2 + num_local)
+        got += (view[end:end + w].tolist(), view[2:end:2 + num_local].tolist(), None)
+        return scratch, slot, o_send, None, tokens_per_expert, offsets, got
+    return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None

@@ -322,7 +322,7 @@ class GdaPhases:
             vals, tokens_per_expert, offsets, blocked = self.header(scratch, epoch, first)
             tr.blocked_s += blocked
             if first is not None and bad_status is None:
-                self._plan(parity, t, k, x)
+                gather_ahead.record_plan(self, parity, t, k, x)
             o_send = kern._layout_offsets(t, tr.cfg.num_experts, tr.world_size, k)[5]
             self._ahead = None
             return scratch, slot, o_send, vals, tokens_per_expert, offsets, None
@@ -336,7 +336,7 @@ class GdaPhases:
                                    _stream(self._dev))
             if isinstance(done, tuple):
                 return done
-            return self._head_tail(done, t, plan)  # no gather: the transport checks, gathers
+            return gather_ahead.head_tail(self, done, t, plan)  # no gather: the transport checks, gathers
         else:
             scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
             sp = scratch.data_ptr()
@@ -350,25 +350,7 @@ class GdaPhases:
             else:
                 tr.blocked_s += self._gated((front, values), header, values2, epoch, "dispatch",
                                             flag)
-        return self._head_tail(scratch, t, plan, got)
-
-    def _head_tail(self, scratch, t: int, plan, got=None):
-        """:meth:`dispatch_head`'s result of a planned dispatch whose header ran (the counts are
-        in the page-locked buffer): ``got`` the native gather's outputs, or None (the
-        transport checks the counts and gathers)."""
-        w, num_local = self.tr.world_size, self.tr.cfg.num_local_experts
-        o_slot, o_send, o_offsets, n_info = plan[3], plan[4], plan[7], plan[8]
-        buf_ptr, view = self._host
-        tokens_per_expert = torch.empty(num_local, dtype=torch.int64)
-        ctypes.memmove(tokens_per_expert.data_ptr(), buf_ptr + 8 * (n_info - num_local),
-                       8 * num_local)
-        slot = scratch.as_strided((t, w), (w, 1), o_slot)
-        offsets = scratch.as_strided((w + 1,), (1,), o_offsets)
-        if got is not None:
-            end = 1 + w * (2 + num_local)
-            got += (view[end:end + w].tolist(), view[2:end:2 + num_local].tolist(), None)
-            return scratch, slot, o_send, None, tokens_per_expert, offsets, got
-        return scratch, slot, o_send, view.tolist(), tokens_per_expert, offsets, None
+        return gather_ahead.head_tail(self, scratch, t, plan, got)
 
     def rows_seen(self, n: int) -> None:
         """The last planned dispatch received ``n`` rows and gathered them from Python: sizes
@@ -376,28 +358,6 @@ class GdaPhases:
         if self._ahead is not None:
             self._ahead.fit(n)
             self._ahead = None
-
-    def _plan(self, parity: int, t: int, k: int, x) -> None:
-        """Records the plan of :meth:`dispatch_head` for this shape once both of its programs
-        are bound (by the call that just ran through the phase methods)."""
-        tr = self.tr
-        front = self._progs.get(("front", parity, t, k, x.dtype, x.stride(0), x.shape[1]))
-        header = self._progs.get(("header", parity))
-        if front is None or header is None or self._host is None:
-            return
-        w, num_local = tr.world_size, tr.cfg.num_local_experts
-        _, _, _, o_rank, o_slot, o_send, _, words = kern._layout_offsets(
-            t, tr.cfg.num_experts, w, k)
-        n_info = 1 + w * (2 + num_local) + w + num_local
-        hidden = tr.cfg.hidden
-        # the gather program's variables: 4 addresses, the row count, the grid (see gather)
-        ahead = GatherAhead(("gather", parity, k, hidden, tr.cfg.dtype),
-                             hidden * tr.cfg.dtype.itemsize + 12 * k, k,
-                             (w, 2 + num_local, num_local, tr.cfg.max_tokens_per_rank, k, 0,
-                              tr.num_programs, 4, 5, n_info))
-        self._plans[("dispatch", parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
-            front, header, words + self.header_words(), o_slot, o_send, o_rank, words,
-            words + kern._even(n_info), n_info, ahead)
 
     def gather(self, offsets, recv_x, recv_idx, recv_w, epoch: int) -> None:
         """Copies the received rows (``offsets`` ``[W + 1]`` from :meth:`header`) out of the

@@ -13,12 +13,13 @@ import torch.distributed as dist
 
 from ..core.hosts import host_id
 from ..base import (
-    STATUS_BAD_INPUT, STATUS_OK, DispatchHandle, DispatchInputError, ProtocolError, Transport,
+    STATUS_BAD_INPUT, DispatchHandle, DispatchInputError, Transport,
     TransportBroken, TransportError, TransportUnavailable, align_up, local_weight_grads,
     rows_input_error, validate_dispatch_inputs,
 )
 
 from . import cpp_op, refusal
+from .receive import receive
 from .gate import LaunchGate, PeerTimeoutError
 from .graph import GdaGraph, capture
 from .window import GdaDispatchState, WindowLayout
@@ -393,8 +394,8 @@ class GdaTransport(Transport):
         if got is not None:  # gathered by the native call, its counts checked there
             recv_x, recv_idx, recv_w, num_send, num_recv, send_idx = got
         else:
-            recv_x, recv_idx, recv_w, num_send, num_recv = self._receive(
-                vals, recv_offsets, epoch, k, error, topk_idx, topk_weights)
+            recv_x, recv_idx, recv_w, num_send, num_recv = receive(
+                self, vals, recv_offsets, epoch, k, error, topk_idx, topk_weights)
             phases.rows_seen(recv_x.shape[0])
         if send_idx is None:
             send_idx = scratch.as_strided((sum(num_send),), (1,), o_send)
@@ -406,45 +407,6 @@ class GdaTransport(Transport):
             state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=recv_offsets,
                                    epoch=epoch))
         return recv_x, recv_idx, recv_w, tokens_per_expert, handle
-
-    def _receive(self, vals, recv_offsets, epoch: int, k: int, error, topk_idx, topk_weights):
-        """A regular dispatch after its count read, when its native call did not gather: the
-        counts ``vals`` (the header's info) checked (a source's bad input, error bits, counts
-        outside their bounds raise), the outputs allocated and the received rows gathered.
-        Returns (recv_x, recv_topk_idx, recv_topk_weights, rows sent per destination, rows
-        received per source)."""
-        cfg, world = self.cfg, self.world_size
-        if vals[0]:
-            self.check_errors()
-        hdr_len = self.layout.hdr_len
-        end = 1 + world * hdr_len
-        num_send = vals[end:end + world]
-        statuses = vals[1:end:hdr_len]
-        if error is not None or any(statuses):
-            bad = {s: v for s, v in enumerate(statuses) if v != STATUS_OK}
-            raise refusal.dispatch_input_error(self, epoch, bad, error, topk_idx, topk_weights)
-        num_recv = vals[2:end:hdr_len]
-        t_max = cfg.max_tokens_per_rank
-        if min(num_recv) < 0 or max(num_recv) > t_max:  # peers' counts are untrusted
-            msg = (f"rank {self.rank}: gda dispatch (op {epoch}): source rank(s) "
-                   f"{[s for s, r in enumerate(num_recv) if not 0 <= r <= t_max]} announced row "
-                   f"counts {num_recv} outside [0, max_tokens_per_rank={t_max}]")
-            self._break(msg, epoch, "dispatch")
-            raise ProtocolError(msg)
-        per_expert = vals[end + world:]
-        n = sum(num_recv)
-        # (row, local expert) pairs: at most k per received row
-        if per_expert and (min(per_expert) < 0 or sum(per_expert) > n * k):
-            msg = (f"rank {self.rank}: gda dispatch (op {epoch}): the sources' rows per local "
-                   f"expert {per_expert} are not counts of the {n} rows received with top-{k}")
-            self._break(msg, epoch, "dispatch")
-            raise ProtocolError(msg)
-        dev = self.device
-        recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
-        recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
-        recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
-        self._phases.gather(recv_offsets, recv_x, recv_idx, recv_w, epoch)
-        return recv_x, recv_idx, recv_w, num_send, num_recv
 
     def dispatch_fixed(self, x, topk_idx, topk_weights):
         """Fixed-capacity dispatch: no host sync, no receive copy, static launch grids.
