@@ -311,6 +311,30 @@ def combine_planned(ph, y, handle):
                    ph._cpp_device)
 
 
+def weight_combine_planned(ph, g, handle):
+    """A weight combine of ``GdaPhases`` ``ph`` (``g``: ``[N, K]`` float32, the gradient of the
+    received weights) straight to its C++ call, as :func:`combine_planned`; the handle's
+    received ids go with it (the store returns the slots of experts elsewhere as 0). Returns
+    the output or None."""
+    op = _planned_op(ph, handle)
+    if op is None or not handle.num_tokens:
+        return None
+    epoch, st = op
+    try:
+        if g.dtype != torch.float32:
+            return None
+        key = ("combine", epoch & 1, g.shape[1], g.dtype, g.stride(0), False, "weight combine",
+               True)
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    plan = ph._plans.get(key)
+    if plan is None or plan[2] is None:
+        return None
+    return combine(ph, g, st.recv_offsets, handle.recv_topk_idx, st.slot_TW, handle.num_tokens,
+                   plan[2], plan[1], epoch, "weight combine", _stream(ph._dev),
+                   handle.num_recv_tokens, ph._cpp_device)
+
+
 def cached_planned(ph, x, handle):
     """A cached dispatch straight to its C++ call, as :func:`combine_planned` (``x``: the
     handle's tokens' rows). Returns the output or None."""

@@ -524,6 +524,10 @@ class GdaTransport(Transport):
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """See ``Transport.combine_topk_weights``; ``[N, K]`` float32 -> ``[T, K]`` float32."""
         g = grad_recv_topk_weights
+        phases = self._phases
+        out = cpp_op.weight_combine_planned(phases, g, handle) if phases.cpp else None
+        if out is not None:  # (as combine's)
+            return self._finish(self._epoch, "weight combine", out)
         error = self.handle_error(handle) or rows_input_error(
             self.rank, "combine_topk_weights input", g, handle.num_recv_tokens,
             width=handle.recv_topk_idx.shape[1], device=self.device)

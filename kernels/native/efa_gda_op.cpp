@@ -149,12 +149,17 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
 // native call (efa_launch_run_gated), the GIL released. Returns (status, sync_ns, gate_ns, out),
 // and when negative the library's error text; status 1 (a peer late at the gate): the store ran
 // and is published, the reduce's variables are written, the caller waits and runs it. With
-// `device` != -1, (NOT_PLANNED,) unless y is [num_rows, D] with dense rows there (rows_fit).
+// `device` != -1, (NOT_PLANNED,) unless y is [num_rows, D] with dense rows there (rows_fit),
+// and ids, when given, [num_rows, D] int64 contiguous there.
 py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
                   const c10::optional<at::Tensor> &ids, const at::Tensor &slot,
                   int64_t num_tokens, int64_t plan_address, int64_t delta, int64_t record,
                   int64_t stream, int64_t num_rows, int64_t device) {
-    if (device != -1 && !rows_fit(y, num_rows, device)) return py::make_tuple(NOT_PLANNED);
+    if (device != -1 &&
+        (!rows_fit(y, num_rows, device) ||
+         (ids.has_value() && !(rows_fit(*ids, num_rows, device) && ids->is_contiguous() &&
+                               ids->size(1) == y.size(1) && ids->scalar_type() == at::kLong))))
+        return py::make_tuple(NOT_PLANNED);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     auto out = at::empty({num_tokens, y.size(1)}, y.options());
     auto *store = reinterpret_cast<Program *>(p[C_STORE]);

@@ -166,17 +166,23 @@ def test_cpp_combine_and_cached_dispatch_check_their_input_else_the_checked_path
     n = h.num_recv_tokens
     y = torch.randn(n, H, generator=g).to(torch.bfloat16)
 
-    def both(y, x2):
+    gw = torch.randn(n, K, generator=g)
+
+    def ops(y, x2, gw):
         before = len(checked), tr._epoch
-        out, back = tr.combine(y, h), tr.dispatch_cached(x2, h)
-        assert tr._epoch == before[1] + 2 and out.shape == (T, H) and back.shape == (n, H)
+        out, back, wback = tr.combine(y, h), tr.dispatch_cached(x2, h), \
+            tr.combine_topk_weights(gw, h)
+        assert tr._epoch == before[1] + 3 and out.shape == (T, H) and back.shape == (n, H)
+        assert wback.shape == (T, K) and wback.dtype == torch.float32
         return checked[before[0]:]
 
-    # these bind the plans (the two ops alternate parities: each has one plan)...
-    assert both(y, x) == ["combine", "cached dispatch"]
-    assert both(y, x) == [] and both(y.clone(), x.clone()) == []  # ...then C++ checks them
+    # these bind the plans (one per parity)...
+    assert ops(y, x, gw) == ["combine", "cached dispatch", "weight combine"]
+    assert ops(y, x, gw) == ["combine", "cached dispatch", "weight combine"]
+    assert ops(y, x, gw) == [] and ops(y.clone(), x.clone(), gw.clone()) == []  # ...then C++
     yt = torch.randn(H, n, generator=g).to(torch.bfloat16).t()  # rows not dense
-    assert both(yt, x) == ["combine"]
+    gwt = torch.randn(K, n, generator=g).t()
+    assert ops(yt, x, gwt) == ["combine", "weight combine"]
     # input errors reach the checked path's message (its round that tells the peers launches
     # kernels: not on this machine)
     from efa_ep.kernels.gda import refusal
