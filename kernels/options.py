@@ -127,8 +127,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "launch only after every source issued its stores (needed when ranks share a "
                "GPU), and bad input reaches every rank with its words (auto = on)",
                choices=("auto", "on", "off", "0", "1")),
-        Option("fast_launch", int, 4, "4 = as 3, and a regular dispatch of a shape seen before in "
-               "one C++ call (a torch extension built once per install; needs ninja, else 3); 3 = as "
+        Option("fast_launch", int, 4, "4 = as 3, and a dispatch, combine or cached dispatch of "
+               "a shape seen before in one C++ call (a torch extension built once per install; "
+               "needs ninja, else 3); 3 = as "
                "2, and an op's two phases with the launch gate between them in one native call; "
                "2 = each op phase's kernels in one native call (where the driver allows, else 1); "
                "1 = each kernel through its compiled launcher; 0 = Triton's own launch path",

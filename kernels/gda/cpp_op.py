@@ -172,19 +172,29 @@ def cached(ph, x, slot, offsets, num_rows: int, plan: CppPlan, gather, epoch: in
                               delta, stream)
 
 
+def _began(tr, res, epoch: int):
+    """The status of a C++ call's result ``res``, or None when its inputs were not its plan's
+    case (nothing ran). Otherwise op ``epoch`` began (the transport's number from now on,
+    already so on the checked path); a library error raises."""
+    status = res[0]
+    if status == NOT_PLANNED:
+        return None
+    tr._epoch = epoch
+    if status < 0:
+        raise NativeLaunchError(res[4])
+    return status
+
+
 def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, delta: int,
                        stream: int):
     """The output of a C++ gated call's result ``res`` (None: its inputs were not the plan's
     case); when a peer was late at the gate, the transport's wait (deadline), then the
     ``second`` program with its variables (``lead``, the output, delta, ``rows``, grid)."""
     tr = ph.tr
-    status = res[0]
-    if status == NOT_PLANNED:
+    status = _began(tr, res, epoch)
+    if status is None:
         return None
-    tr._epoch = epoch  # (already, on the checked path) the op began: its number is taken
     out = res[3]
-    if status < 0:
-        raise NativeLaunchError(res[4])
     tr.blocked_s += res[2] * 1e-9
     if status == GATE_LATE:  # the first program ran and is published: wait, then the second
         tr._await_peers(epoch, kind)
@@ -206,8 +216,7 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
     tr = ph.tr
     front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
     w, t, num_local = tr.world_size, topk_idx.shape[0], tr.cfg.num_local_experts
-    buf_ptr, view = ph._host
-    flag = buf_ptr + 8 * n_info
+    flag = ph._host[0] + 8 * n_info
     if ahead.cpp is None:
         if ahead.prog is None:
             ahead.prog = ph._progs[ahead.key]
@@ -224,13 +233,10 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
     delta = epoch - tr._dev_base
     res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, delta, record, stream,
                           device)
-    status = res[0]
-    if status == NOT_PLANNED:
+    status = _began(tr, res, epoch)
+    if status is None:
         return None
-    tr._epoch = epoch  # (already, on the checked path) the op began: its number is taken
     scratch = res[3]
-    if status < 0:
-        raise NativeLaunchError(res[4])
     tr.blocked_s += (res[1] + res[2]) * 1e-9
     if status == RAN:
         recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res[4:]
@@ -274,7 +280,9 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
     if done is None:
         return None
     ph._ahead = plan[-1]
-    return epoch, (done if isinstance(done, tuple) else gather_ahead.head_tail(ph, done, key[2], plan))
+    if not isinstance(done, tuple):
+        done = gather_ahead.head_tail(ph, done, key[2], plan)
+    return epoch, done
 
 
 def _planned_op(ph, handle):
@@ -291,10 +299,10 @@ def _planned_op(ph, handle):
 
 
 def combine_planned(ph, y, handle):
-    """A combine of ``GdaPhases`` ``ph`` straight to its C++ call, before the transport's checks: when this shape
-    has a plan and the call finds ``y`` the handle's rows, dense, on this device (see
-    :func:`combine`). Returns the output, or None when not that case (nothing ran;
-    the transport's checked path takes it and names any problem)."""
+    """A combine of ``GdaPhases`` ``ph`` straight to its C++ call, before the transport's
+    checks: when this shape has a plan and the call finds ``y`` the handle's rows, dense, on
+    this device (see :func:`combine`). Returns the output, or None when not that case (nothing
+    ran; the transport's checked path takes it and names any problem)."""
     op = _planned_op(ph, handle)
     if op is None or not handle.num_tokens:
         return None

@@ -336,7 +336,8 @@ class GdaPhases:
                                    _stream(self._dev))
             if isinstance(done, tuple):
                 return done
-            return gather_ahead.head_tail(self, done, t, plan)  # no gather: the transport checks, gathers
+            # no gather: the transport checks the counts and gathers
+            return gather_ahead.head_tail(self, done, t, plan)
         else:
             scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
             sp = scratch.data_ptr()

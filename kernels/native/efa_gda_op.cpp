@@ -143,6 +143,25 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
         scratch.as_strided({sent}, {1}, p[P_O_SEND]), tokens_per_expert, num_send, num_recv);
 }
 
+// The first program, the launch gate and the second in one native call of a combine plan `p`
+// (the GIL released: the gate may wait for peers). Returns (status, sync_ns, gate_ns, out), and
+// when negative the library's error text.
+static py::tuple run_gated(const int64_t *p, Program *first, Program *second,
+                           const at::Tensor &out, int64_t record, int64_t stream) {
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
+    int rc;
+    {
+        py::gil_scoped_release unlocked;
+        rc = fn(first, second, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
+                static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
+                p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
+    }
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
+    return py::make_tuple(rc, sync_ns, gate_ns, out);
+}
+
 // A planned combine (or weight combine, with ids) of y [N, D] into a new out [T, D] in y's
 // dtype: the store program's variables (y, offsets, [ids], N, delta, grid), the reduce
 // program's (slot, out, delta, T, grid), then the store, the launch gate and the reduce in one
@@ -179,18 +198,7 @@ py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
                            reinterpret_cast<int64_t>(out.data_ptr()), delta, num_tokens,
                            std::min(num_tokens, max_grid)};
     std::memcpy(reduce->vars, rv, sizeof rv);
-    int64_t sync_ns = 0, gate_ns = 0;
-    char err[512] = {0};
-    auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
-    int rc;
-    {
-        py::gil_scoped_release unlocked;  // the gate may wait for peers
-        rc = fn(store, reduce, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
-                static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
-                p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
-    }
-    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
-    return py::make_tuple(rc, sync_ns, gate_ns, out);
+    return run_gated(p, store, reduce, out, record, stream);
 }
 
 // A planned cached dispatch of x [T, D] into a new out [N, D] in x's dtype (N = num_rows): the
@@ -213,18 +221,7 @@ py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &
                            reinterpret_cast<int64_t>(out.data_ptr()), delta, num_rows,
                            std::min(num_rows, p[C_MAX_GRID])};
     std::memcpy(gather->vars, gv, sizeof gv);
-    int64_t sync_ns = 0, gate_ns = 0;
-    char err[512] = {0};
-    auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
-    int rc;
-    {
-        py::gil_scoped_release unlocked;  // the gate may wait for peers
-        rc = fn(store, gather, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
-                static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
-                p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
-    }
-    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
-    return py::make_tuple(rc, sync_ns, gate_ns, out);
+    return run_gated(p, store, gather, out, record, stream);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
