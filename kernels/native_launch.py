@@ -48,7 +48,7 @@ __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availabi
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
@@ -124,6 +124,8 @@ _SIGS = {
     "efa_launch_wait_flag": ([_vp, _i64, _i64, _vp], _i32),
     "efa_launch_run_gated": ([_vp, _vp, _i64, _vp, _i32, _i32, _i64, _i64, _vp, _i64, _i64, _vp,
                               _vp, _vp, _sz], _i32),
+    "efa_launch_event_record": ([_i64, _i64, _vp, _sz], _i32),
+    "efa_launch_event_wait": ([_i64, _vp, _sz], _i32),
     "efa_gda_rows_received": ([_vp, _vp], _i64),
     "efa_launch_dispatch": ([_vp, _vp, _vp, _i64, _vp, _i32, _i32, _i64, _i64, _vp, _i64, _i64,
                              _vp, _vp, _vp, _vp, _vp, _sz], _i32),
@@ -328,6 +330,11 @@ class Program:
         self._sync_ns_addr = ctypes.addressof(self._sync_ns)
         self._gate_ns = ctypes.c_int64(0)
         self._gate_ns_addr = ctypes.addressof(self._gate_ns)
+
+    def set_vars(self, values: Sequence[int]) -> None:
+        """Sets the variables of the next launch (as :meth:`run` takes them) without launching:
+        for a native caller that launches the program itself (its address ``_addr``)."""
+        self._pack(self._vars, 0, *values)
 
     def run(self, values: Sequence[int], stream: int) -> None:
         """Launches the program on ``stream`` with ``values``: the variable tensors' addresses,

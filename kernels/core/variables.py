@@ -209,6 +209,10 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("EFA_EP_PROXY_TAMPER", "proxy_tamper", str, None,
              "test only: one rank of the proxy corrupts what it sends, in the named way",
              allowed="a tamper kind", read_by="kernels/proxy/options.py"),
+    Variable("EFA_EP_PROXY_ONE_CALL", "proxy_one_call", str, "1",
+             "benchmarks only: 0 runs every packed proxy op of CUDA rows in its Python steps, "
+             "even for a case that ran before (the other arm of a comparison)",
+             allowed="0 or 1", read_by="kernels/proxy/planned.py"),
     Variable("EFA_EP_REQUIRE_TRANSPORTS", "require_transports", str, "torch",
              "tests only: transports whose tests must run (fail instead of skip)",
              allowed="names, comma-separated", read_by="tests/test_required_transports.py"),

@@ -34,7 +34,7 @@
 #include <string.h>
 #include <time.h>
 
-#define EFA_LAUNCH_ABI 5
+#define EFA_LAUNCH_ABI 6
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -58,6 +58,8 @@ typedef int (*cu_launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsig
 typedef int (*cu_param_info_t)(void *, size_t, size_t *, size_t *);
 typedef int (*cu_memset_t)(uint64_t, unsigned char, size_t, void *);
 typedef int (*cu_errstr_t)(int, const char **);
+typedef int (*cu_event_record_t)(void *, void *);
+typedef int (*cu_event_sync_t)(void *);
 
 static struct {
     int state; /* 0 not tried, 1 ready, -1 failed */
@@ -66,6 +68,8 @@ static struct {
     cu_param_info_t param_info;
     cu_memset_t memset;
     cu_errstr_t errstr;
+    cu_event_record_t event_record;
+    cu_event_sync_t event_sync;
 } cu;
 
 static void set_err(char *err, size_t len, const char *fmt, ...) {
@@ -107,7 +111,9 @@ int efa_launch_init(char *err, size_t errlen) {
     cu.param_info = (cu_param_info_t)dlsym(h, "cuFuncGetParamInfo");
     cu.memset = (cu_memset_t)dlsym(h, "cuMemsetD8Async");
     cu.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
-    if (!cu.launch || !cu.param_info || !cu.memset) {
+    cu.event_record = (cu_event_record_t)dlsym(h, "cuEventRecord");
+    cu.event_sync = (cu_event_sync_t)dlsym(h, "cuEventSynchronize");
+    if (!cu.launch || !cu.param_info || !cu.memset || !cu.event_record || !cu.event_sync) {
         snprintf(cu.why, sizeof cu.why,
                  "the NVIDIA driver lacks %s (CUDA 12.4 or newer driver needed)",
                  !cu.param_info ? "cuFuncGetParamInfo" : "a launch entry point");
@@ -194,6 +200,28 @@ static int run(const efa_program_t *p, void *stream, char *err, size_t errlen) {
 int efa_launch_run(const efa_program_t *prog, int64_t stream, char *err, size_t errlen) {
     if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
     return run(prog, (void *)(uintptr_t)stream, err, errlen);
+}
+
+/* Records event (a CUevent, e.g. torch.cuda.Event.cuda_event) on stream. 0 or -EIO. */
+int efa_launch_event_record(int64_t event, int64_t stream, char *err, size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    int rc = cu.event_record((void *)(uintptr_t)event, (void *)(uintptr_t)stream);
+    if (rc) {
+        set_err(err, errlen, "cuEventRecord failed: %s", cu_name(rc));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* Blocks until the work event captured has finished (cuEventSynchronize). 0 or -EIO. */
+int efa_launch_event_wait(int64_t event, char *err, size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    int rc = cu.event_sync((void *)(uintptr_t)event);
+    if (rc) {
+        set_err(err, errlen, "cuEventSynchronize failed: %s", cu_name(rc));
+        return -EIO;
+    }
+    return 0;
 }
 
 static int64_t now_ns(void) {

@@ -53,7 +53,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 8
+#define EFA_PROXY_ABI_VERSION 9
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -350,6 +350,44 @@ int efa_op_cached_packed_complete(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen);
+/* ---------------------------------------------------------------------------------------- */
+/* A packed operation from the send side's quiesce to the launch of the kernel that reads what
+ * arrived, in one call (efa_devop.c): the kernels go through the launch library (its
+ * efa_launch_run / efa_launch_event_record / efa_launch_event_wait, addresses in run,
+ * event_record, event_wait), whose programs' variables the caller has set for this call.
+ *   efa_devop_dispatch: our previous writes waited for (the wire's deadline), the progress words
+ *       and the count block's ready word zeroed, the packing program `pack` launched on stream,
+ *       the previous op's reads waited for (wait_event, 0: none), then dispatch_packed begin,
+ *       post and complete (o's fields as those need; recv_idx / recv_w hold routing_cap
+ *       elements); on return recv_off[W + 1] is the prefix of the rows from each source and
+ *       own_start the rows sent before this rank's own. The caller then allocates the outputs,
+ *       sets the program `reads`' variables and calls efa_devop_reads.
+ *   efa_devop_rows: the same front for combine_packed (kind EFA_DEVOP_COMBINE) or cached_packed
+ *       (EFA_DEVOP_CACHED) rounds, then the round's begin, post and complete, send_off[W + 1]
+ *       (where given) the prefix of num_send, then efa_devop_reads.
+ *   efa_devop_reads: `reads` launched (0: none), then reads_event recorded (0: none).
+ * step says how far a call got (EFA_STEP_*): a non-zero return is that step's (its codes as the
+ * step's own function returns them). */
+#define EFA_DEVOP_DISPATCH 1
+#define EFA_DEVOP_COMBINE 2
+#define EFA_DEVOP_CACHED 3
+enum { EFA_STEP_QUIESCE = 1, EFA_STEP_LAUNCH = 2, EFA_STEP_WAIT_READS = 3, EFA_STEP_BEGIN = 4,
+       EFA_STEP_POST = 5, EFA_STEP_COMPLETE = 6, EFA_STEP_READS = 7, EFA_STEP_DONE = 8 };
+typedef struct efa_devop {
+    int64_t run, event_record, event_wait; /* the launch library's entry points */
+    int64_t stream;                        /* CUstream of the launches */
+    int64_t pack, reads;                   /* program addresses (efa_launch_run's) */
+    int64_t wait_event, reads_event;       /* CUevent handles, 0: none */
+    int64_t kind;                          /* EFA_DEVOP_* */
+    int64_t *recv_off;                     /* dispatch: [W + 1] out */
+    int64_t *send_off;                     /* rows ops: [W + 1] out (0: none) */
+    int64_t routing_cap;                   /* dispatch: elements of o->recv_idx / o->recv_w */
+    int64_t own_start;                     /* dispatch: out */
+    int64_t step;                          /* out: EFA_STEP_* */
+} efa_devop;
+int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen);
+int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen);
+int efa_devop_reads(efa_devop *d, char *err, size_t errlen);
 /* The text of a routing-rows problem efa_unpack_meta found in source src's n rows m [n, 2K]
  * (hdr_counts: the L counts of its header); returns -EPROTO. */
 int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K, int64_t L,

@@ -63,7 +63,7 @@ class DevicePath:
         Returns: (recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64, recv_topk_weights
             ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU).
         """
-        in_idx, in_w = self._recv_routing(sum(num_recv) * k)
+        in_idx, in_w = self._recv_routing(sum(num_recv) * k, k)
         tokens_per_expert = self._unpack_meta(num_recv, own_meta_address, k, got, in_idx, in_w)
         return self._gather_outputs(x, send_token_idx, num_recv, own_start, in_idx, in_w, k) + (
             tokens_per_expert,)
@@ -85,8 +85,7 @@ class DevicePath:
         recv_topk_weights = torch.empty(n_recv, k, dtype=torch.float32, device=dev)
         outs = (recv_x, recv_topk_idx, recv_topk_weights)
         # one native launch, bound per shape and host buffers (the received row count varies)
-        key = ("gather", dev.index, k, x.shape[1], x.dtype, x.stride(0), recv_off.data_ptr(),
-               in_idx.data_ptr(), in_w.data_ptr(), self.window.data_ptr())
+        key = self._gather_key(dev, k, x, recv_off, in_idx, in_w)
         prog = self._programs.get(key)
         xp, ip = x.data_ptr(), send_token_idx.data_ptr()
         if prog is None or not n_recv or (xp | ip) & 15:
@@ -111,6 +110,22 @@ class DevicePath:
         self._record_reads(dev)
         return outs
 
+    def _gather_key(self, dev, k: int, x, recv_off, in_idx, in_w) -> tuple:
+        """The key of a dispatch's bound gather (the host buffers it reads are its constants)."""
+        return ("gather", dev.index, k, x.shape[1], x.dtype, x.stride(0), recv_off.data_ptr(),
+                in_idx.data_ptr(), in_w.data_ptr(), self.window.data_ptr())
+
+    def _planned_ops(self):
+        """This transport's :class:`~efa_ep.kernels.proxy.planned.PlannedOps`, or None where
+        they cannot run (made on first use)."""
+        p = self._planned
+        if p is None:
+            from .planned import PlannedOps
+
+            # (no CUDA or no native launches: no bound programs, so no plans)
+            p = self._planned = self._native_off is None and PlannedOps.create(self) or False
+        return p or None
+
     def _prefix_buffer(self, name: str):
         """(``[W + 1]`` int64 pinned, its numpy view) named ``name``: rows per rank as a prefix,
         a host argument of the gather (``recv_off``) or of the reduction (``send_off``); one
@@ -122,13 +137,15 @@ class DevicePath:
             r = self._buffers[name] = (t, t.numpy())
         return r
 
-    def _recv_routing(self, n: int):
+    def _recv_routing(self, n: int, k: int = 1):
         """(ids ``[>= n]`` int64, weights ``[>= n]`` float32, pinned): where a dispatch's
-        checked routing rows (``n`` = rows x top-k) are unpacked on the host for the gather.
-        Grown by doubling, so their addresses (constants of the bound gathers) rarely move."""
+        checked routing rows (``n`` = rows x top-k ``k``) are unpacked on the host for the
+        gather. Made for the most rows a dispatch can receive (W x max_tokens_per_rank) and
+        grown by doubling, so their addresses (constants of the bound gathers) rarely move."""
         bufs = self._buffers.get("recv_routing")
         if bufs is None or bufs[0].numel() < n:
-            cap = max(n, 1024, 2 * bufs[0].numel() if bufs is not None else 0)
+            bound = self.world_size * self.cfg.max_tokens_per_rank * k
+            cap = max(n, 1024, bound, 2 * bufs[0].numel() if bufs is not None else 0)
             pin = torch.cuda.is_available()
             bufs = self._buffers["recv_routing"] = (
                 torch.empty(cap, dtype=torch.int64, pin_memory=pin),
@@ -268,11 +285,15 @@ class DevicePath:
             num_recv = self._after_packing(dev, ops.dispatch_packed_post)
             num_send = ops.num_send.tolist()
             s_me = sum(num_send[:me])
-            in_idx, in_w = self._recv_routing(sum(num_recv) * k)
+            in_idx, in_w = self._recv_routing(sum(num_recv) * k, k)
             tokens_per_expert = torch.empty(L, dtype=torch.int64)
             ops.dispatch_packed_complete(in_idx, in_w, tokens_per_expert)
             recv_x, recv_topk_idx, recv_topk_weights = self._gather_outputs(
                 xd, send_token_idx, num_recv, s_me, in_idx, in_w, k)
+            planned = self._planned_ops()
+            if planned is not None and xd is x and idx is topk_idx and wts is topk_weights:
+                planned.note_dispatch(x, topk_idx, topk_weights, front, in_idx, in_w,
+                                      self._prefix_buffer("recv_off")[0])
             return recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, self._handle(
                 t, topk_idx, send_token_idx[:sum(num_send)], None, num_send, num_recv,
                 recv_topk_idx)
@@ -377,7 +398,13 @@ class DevicePath:
             views[grid] = (buf[:grid], buf[:grid].numpy())
         progress, words = views[grid]
         words[:] = 0
-        return progress, grid * max(1, -(-_CHUNK_BYTES // (row_bytes * grid)))
+        return progress, self._chunk_rows(grid, row_bytes)
+
+    @staticmethod
+    def _chunk_rows(grid: int, row_bytes: int) -> int:
+        """Rows per progress chunk of a packing kernel of ``grid`` programs storing rows of
+        ``row_bytes``: ~``_CHUNK_BYTES`` a chunk, whole rows for every program."""
+        return grid * max(1, -(-_CHUNK_BYTES // (row_bytes * grid)))
 
     def _device_routing_error(self, idx, wts, status: int) -> None:
         """Runs the error round for routing the device layout flagged (a bad expert id or

@@ -36,12 +36,12 @@ _NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 SOURCE = os.path.join(_NATIVE_DIR, "efa_proxy.c")
 SOURCES = tuple(os.path.join(_NATIVE_DIR, f) for f in (
     "efa_proxy.c", "efa_endpoint.c", "efa_channel.c", "efa_bench.c", "efa_round.c", "efa_host.c",
-    "efa_op.c"))
+    "efa_op.c", "efa_devop.c"))
 HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"),
            os.path.join(_NATIVE_DIR, "efa_util.h"))  # a changed header rebuilds too
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -216,6 +216,9 @@ _SIGS = {
     "efa_op_combine_packed_begin": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_combine_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_devop_dispatch": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
+    "efa_devop_rows": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
+    "efa_devop_reads": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_describe_meta": ([_vp, _i64, _vp, _i64, _i64, _i64, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_route_layout": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _vp], _i64),
     "efa_unpack_meta": ([_i64, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp], _i64),
@@ -527,6 +530,20 @@ class NativeOp:
 
     def text(self) -> str:
         return self._err.value.decode(errors="replace")
+
+
+# A packed operation in one call (efa_devop.c; ``efa_devop`` in efa_proxy.h)
+DEVOP_DISPATCH, DEVOP_COMBINE, DEVOP_CACHED = 1, 2, 3
+(STEP_QUIESCE, STEP_LAUNCH, STEP_WAIT_READS, STEP_BEGIN, STEP_POST, STEP_COMPLETE, STEP_READS,
+ STEP_DONE) = range(1, 9)
+
+
+class DevopStruct(ctypes.Structure):
+    """``struct efa_devop`` (efa_proxy.h): every field 8 bytes, in the header's order."""
+
+    _fields_ = [(name, _i64) for name in (
+        "run", "event_record", "event_wait", "stream", "pack", "reads", "wait_event",
+        "reads_event", "kind", "recv_off", "send_off", "routing_cap", "own_start", "step")]
 
 
 def route_layout(idx_ptr: int, w_ptr: int, T: int, K: int, E: int, W: int, send_idx_ptr: int,

@@ -54,6 +54,11 @@ class RoundOps:
 
     def _dispatch(self, x, topk_idx, topk_weights):
         cfg, w, me, wire = self.cfg, self.world_size, self.rank, self.wire
+        planned = self._planned_ops()
+        if planned is not None:  # a case that ran before: one native call (planned.py)
+            out = planned.dispatch(x, topk_idx, topk_weights)
+            if out is not None:
+                return out
         dev = x.device
         if self._device_path(x):
             return self._dispatch_device(x, topk_idx, topk_weights)
@@ -272,6 +277,11 @@ class RoundOps:
         return handle.state.send_token_idx_cpu
 
     def _dispatch_cached(self, x, handle):
+        planned = self._planned_ops()
+        if planned is not None:  # a case that ran before: one native call (planned.py)
+            out = planned.cached(x, handle)
+            if out is not None:
+                return out
         self._wait_reads()
         error = self._checked("dispatch_cached", lambda: self._handle_error(handle)
                               or self._rows_error("dispatch_cached input x", x, handle.num_tokens, handle))
@@ -319,13 +329,24 @@ class RoundOps:
         stores, the rows posted as they are stored; then the output ``[N, D]`` in source order
         (this rank's rows gathered from ``xd``, the peers' copied out of the window), ending
         with the reads' event (no synchronization)."""
-        me, dev, d_cols = self.rank, xd.device, xd.shape[1]
-        row_bytes = d_cols * xd.element_size()
+        dev = xd.device
+        row_bytes = xd.shape[1] * xd.element_size()
         progress, chunk_rows = self._pack_send_area(xd, idx, starts)
         self._wait_reads()  # (queued before the packing: usually nothing left to wait for)
         ops.rows_packed_begin("cached_packed", num_send, num_recv, row_bytes, row_format(xd),
                               progress, chunk_rows)
         self._after_packing(dev, lambda: ops.rows_packed_finish("cached_packed"))
+        out = self._cached_outputs(ops, xd, idx, num_recv, starts, rstarts)
+        planned = self._planned_ops()
+        if planned is not None:
+            planned.note_cached(xd, self._pack_key(xd, idx, progress))
+        return out
+
+    def _cached_outputs(self, ops, xd, idx, num_recv, starts, rstarts):
+        """A packed cached dispatch's output ``[N, D]`` after its round: this rank's rows
+        gathered from ``xd``, the peers' copied out of the window; ends with the reads' event."""
+        me, dev, d_cols = self.rank, xd.device, xd.shape[1]
+        row_bytes = d_cols * xd.element_size()
         out = torch.empty(rstarts[-1], d_cols, dtype=xd.dtype, device=dev)
         torch.index_select(xd, 0, idx[starts[me]:starts[me + 1]],
                            out=out[rstarts[me]:rstarts[me + 1]])
@@ -370,6 +391,11 @@ class RoundOps:
             torch.cuda.current_stream(y.device).synchronize()
 
     def _combine(self, y, handle, name: str):
+        planned = self._planned_ops()
+        if planned is not None:  # a case that ran before: one native call (planned.py)
+            out = planned.combine(y, handle)
+            if out is not None:
+                return out
         error = self._checked("combine", lambda: self._handle_error(handle)
                               or self._rows_error(name, y, handle.num_recv_tokens, handle))
         if error is not None:
@@ -400,7 +426,11 @@ class RoundOps:
                 ops.rows_packed_begin("combine_packed", n_send, num_recv, row_bytes,
                                       row_format(yc), progress, chunk_rows)
                 self._after_packing(yc.device, lambda: ops.rows_packed_finish("combine_packed"))
-                return self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
+                out = self._reduce_device(yc, idx, starts[me], sstarts, handle.num_tokens)
+                if planned is not None and yc is y:
+                    planned.note_combine(yc, handle, self._pack_key(yc, None, progress),
+                                         self._reduce_key(yc, handle.num_tokens))
+                return out
         self._wait_reads()
         ops = self._host_ops(yc, idx) if yc.dtype in _NATIVE_DT else None
         if ops is not None:
@@ -457,8 +487,7 @@ class RoundOps:
 
         # one program per row shape: the row count, the chunk size and the grid are the call's
         # (a combine's row count changes with every routing)
-        key = ("pack_rows", dev.index, d_cols, src.dtype, src.stride(0), idx is None,
-               progress.data_ptr(), plane.data_ptr())
+        key = self._pack_key(src, idx, progress)
         tensors = (src,) if idx is None else (src, idx)
         prog = self._device_program(key, launch, tensors,
                                     ("own_start", "own_end", "num_rows", "chunk_rows"),
@@ -469,6 +498,18 @@ class RoundOps:
             prog.run(tuple(t.data_ptr() for t in tensors) + (s_me, e_me, n, max(1, chunk_rows),
                                                              grid), self._cuda_stream(dev))
         return progress, chunk_rows
+
+    def _pack_key(self, src, idx, progress) -> tuple:
+        """The key of a bound ``pack_rows`` program (one per row shape, see below)."""
+        lay = self.layout
+        return ("pack_rows", src.device.index, src.shape[1], src.dtype, src.stride(0), idx is None,
+                progress.data_ptr(), self.window.data_ptr() + lay.off_data_send)
+
+    def _reduce_key(self, yc, num_tokens: int) -> tuple:
+        """The key of a bound reduction (its search depth follows the token count)."""
+        return ("reduce", yc.device.index, yc.shape[1], yc.dtype, yc.stride(0),
+                (num_tokens + 1).bit_length(), self._prefix_buffer("send_off")[0].data_ptr(),
+                self.window.data_ptr())
 
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
         """Combine's reduction as one kernel (``device.py``) on y's device: ``[num_tokens, D]``
@@ -483,8 +524,7 @@ class RoundOps:
         offs[:] = sstarts
         idx = idx.contiguous()
         # one native launch per shape (the kernel's search depth follows the token count)
-        key = ("reduce", dev.index, d_cols, yc.dtype, yc.stride(0), (t + 1).bit_length(),
-               send_off.data_ptr(), self.window.data_ptr())
+        key = self._reduce_key(yc, t)
         prog = self._programs.get(key)
         yp, ip = yc.data_ptr(), idx.data_ptr()
         if prog is None or not t or not idx.numel() or (yp | ip) & 15:

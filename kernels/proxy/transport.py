@@ -226,6 +226,9 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         self._native_off: Optional[str] = (
             "no CUDA device" if not torch.cuda.is_available() else native_launch.availability())
         self._hostops: Optional[HostOps] = None
+        # packed calls of CUDA rows whose case ran before: one native call each (planned.py);
+        # made on first use, False where they cannot run
+        self._planned = None
         self.engine = None
         self.gen = 0
         self.bind_address = ""
@@ -391,6 +394,14 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         queued (headers, row chunks with their routing metadata, footers): the same writes the
         engine's ``posted`` counter sums once they are posted. Host counts, no synchronization."""
         return dict(self._net.last)
+
+    @property
+    def one_calls(self) -> dict:
+        """``{"dispatch": n, "combine": n, "cached": n}``: calls that ran as one native call each
+        (a packed op of CUDA rows whose case ran before, see ``planned.py``; a dispatch takes a
+        second for its reading kernel); zeros where that path is off."""
+        p = self._planned
+        return dict(p.calls) if p else {"dispatch": 0, "combine": 0, "cached": 0}
 
     def op_totals(self) -> dict:
         """Per-op sums of :attr:`last_op_counts` over every call since creation (see

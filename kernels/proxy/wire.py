@@ -507,9 +507,15 @@ class Wire:
         try:
             return fn(*args)
         except native.NativeError as ex:
-            if ex.code == -errno.EPROTO:
-                raise ProtocolViolation(str(ex)) from ex
-            raise error_for_errno(ex.code, str(ex)) from ex
+            raise Wire.error_of(ex.code, str(ex)) from ex
+
+    @staticmethod
+    def error_of(code: int, text: str) -> Exception:
+        """The contract's error for a native step's negative return ``code`` and its text (a
+        violation named there is a :class:`ProtocolViolation`)."""
+        if code == -errno.EPROTO:
+            return ProtocolViolation(text)
+        return error_for_errno(code, text)
 
     def header_error(self, rc: int, seq: int, op: int, error: Optional[str],
                      text: Optional[str] = None):

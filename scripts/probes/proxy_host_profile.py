@@ -43,7 +43,7 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
           lines=False):
     from efa_ep.kernels import create_transport
     from efa_ep.kernels.gda import launches as gda_kernels
-    from efa_ep.kernels.proxy import device as device_kernels, native, wire, transport
+    from efa_ep.kernels.proxy import device as device_kernels, native, planned, wire, transport
     from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
@@ -84,6 +84,7 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
                          (transport.ProxyTransport, ["_sync", "_wait_reads", "_pack_rows", "_route",
                                                      "_reduce_torch", "_gather_into", "_checked",
                                                      "_receive_device", "_unpack_meta"]),
+                         (planned.PlannedOps, ["_run", "_launch_reads"]),
                          (torch.cuda, ["synchronize"])):
         for n in names:
             _wrap(owner, n, acc)
@@ -110,7 +111,8 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
         from efa_ep.kernels.proxy import device_path, hostop, round_ops
         from efa_ep.testing.line_profile import line_profile
 
-        s.write(line_profile([device_path.DevicePath._dispatch_device,
+        s.write(line_profile([planned.PlannedOps.dispatch, planned.PlannedOps.combine,
+                              device_path.DevicePath._dispatch_device,
                                device_path.DevicePath._gather_outputs,
                                round_ops.RoundOps._combine, round_ops.RoundOps._pack_send_area,
                                round_ops.RoundOps._reduce_device, transport.ProxyTransport._guarded,

@@ -36,7 +36,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _compare_cases(rank, world, cases, options, device):
     """Runs each case with torch and proxy (built with ``options`` over the EFA_EP_PROXY_*
     variables, as the dispatcher's settings resolve them) on the same inputs; returns
-    (per-case list of mismatching output names, per-channel stats of the proxy)."""
+    (per-case list of mismatching output names, per-channel stats of the proxy, its
+    ``one_calls`` per transport)."""
     from efa_ep.dispatcher.settings import environment_options
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
@@ -90,9 +91,10 @@ def _compare_cases(rank, world, cases, options, device):
             bad.append("combine_topk_weights")
         report.append(bad)
     stats = [px.stats() for _, px in transports.values()]
+    one_calls = [px.one_calls for _, px in transports.values()]
     for _, px in transports.values():
         px.close()
-    return report, stats
+    return report, stats, one_calls
 
 
 def _compare_rank(rank, world, cases, configs):
@@ -111,7 +113,7 @@ def _run_compare(world, cases, configs, env=None, timeout_s=200, base_env=None):
     out = run_ranks(_compare_rank, world, (cases, configs), timeout_s=timeout_s,
                     pg_timeout_s=90, env=e)
     for rank, per_config in enumerate(out):
-        for opts, (report, _) in zip(configs, per_config):
+        for opts, (report, *_) in zip(configs, per_config):
             for case, bad in zip(cases, report):
                 assert not bad, f"rank {rank} options {opts} case {case}: proxy differs from torch in {bad}"
     return out
@@ -140,7 +142,7 @@ def test_tcp_two_ranks_k124_bit_identical():
     (Invalid input on one rank: the contract suite, tests/contract/test_contract_cases.py.)"""
     out = _run_compare(2, CASES_2, CONFIGS_2, env={"TRITON_INTERPRET": "1"})
     for per_config in out:
-        for opts, (_, stats) in zip(CONFIGS_2, per_config):
+        for opts, (_, stats, _) in zip(CONFIGS_2, per_config):
             chans = stats[0]
             assert len(chans) == opts["num_channels"]
             # the wire really carried the rows, on every channel
@@ -262,12 +264,66 @@ def test_gpu_host_staged_two_ranks_bit_identical():
     the host, and the Triton producer. Every case runs twice with other values, so the device
     path's bound native programs run again (other row counts, other tensors)."""
     again = [c[:-1] + (c[-1] + 100,) for c in CASES_2]
-    _run_compare(2, CASES_2 + again, [{"provider": "tcp", "num_channels": 2, "timeout_s": 30},
-                                      {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
-                                       "device_layout": False},
-                                      {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
-                                       "producer": "triton"}],
-                 env={"EFA_EP_TEST_DEVICE": "cuda"})
+    out = _run_compare(2, CASES_2 + again, [{"provider": "tcp", "num_channels": 2, "timeout_s": 30},
+                                            {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
+                                             "device_layout": False},
+                                            {"provider": "tcp", "num_channels": 2, "timeout_s": 30,
+                                             "producer": "triton"}],
+                       env={"EFA_EP_TEST_DEVICE": "cuda"})
+    # the repeated cases ran as one native call each (planned.py), on every rank: the checks
+    # above compared those outputs too
+    for rank, per_config in enumerate(out):
+        one_calls = per_config[0][2]
+        assert all(min(c.values()) > 0 for c in one_calls), (rank, one_calls)
+
+
+def _planned_bad_routing(rank, world):
+    """Two dispatch + combine of one case (the second runs as one native call each), then the
+    same case with an expert id out of range on rank 1 only, then valid again."""
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.base import DispatchInputError
+    from efa_ep.testing.routes import contract_route
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    ref = create_transport("torch", None, 16, 64, 32, torch.bfloat16)
+    px = create_transport("proxy", None, 16, 64, 32, torch.bfloat16, provider="tcp",
+                          num_channels=2, timeout_s=30)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(24, 64, generator=g).to(torch.bfloat16)
+    out = {"errors": [], "equal": []}
+    for step in range(4):
+        idx, w = contract_route("random", 24, 16, 4, world, seed=10 * step + rank)
+        if step == 2 and rank == 1:
+            idx = idx.clone()
+            idx[3, 0] = 16  # one expert id out of range, on one rank only
+        try:
+            got = px.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        except DispatchInputError as e:
+            out["errors"].append(str(e))
+            continue
+        exp = ref.dispatch(x, idx, w)
+        y = torch.randn(exp[0].shape[0], 64, generator=g).to(torch.bfloat16)
+        equal = all(_bits_equal(a, b.cpu()) for a, b in zip(exp[:4], got[:4]))
+        equal &= _bits_equal(ref.combine(y, exp[4]), px.combine(y.to(dev), got[4]).cpu())
+        out["equal"].append(equal)
+    out["one_calls"] = px.one_calls
+    out["broken"] = px.broken
+    px.close()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_one_call_bad_routing_refused_on_every_rank():
+    """A case that ran before goes to one native call (planned.py); an out-of-range expert id
+    on one rank there is flagged by the device layout, refused on every rank naming that rank,
+    and the transport stays usable: the next call of the case is bit-identical again."""
+    out = run_ranks(_planned_bad_routing, 2, (), timeout_s=200, pg_timeout_s=90, env=LOOPBACK)
+    for rank, o in enumerate(out):
+        assert o["equal"] == [True, True, True], (rank, o)
+        assert len(o["errors"]) == 1 and "rank 1" in o["errors"][0], (rank, o)
+        assert o["broken"] is None
+        assert o["one_calls"]["dispatch"] >= 1 and o["one_calls"]["combine"] >= 1, (rank, o)
 
 
 def _hmem_option_errors(rank, world):

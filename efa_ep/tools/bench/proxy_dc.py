@@ -1,7 +1,8 @@
 """The proxy benchmark's dispatch+combine cell (part 3 of :mod:`efa_ep.tools.bench.proxy`): the
 proxy's D+C of a DeepSeek-V3-shaped batch in two rank processes, interleaved with its own wire
 floor (the same rows' two wire rounds alone) and gloo, every arm checked bit for bit against
-``torch``; and the helpers the benchmark's parts share (rank environment, summaries, the
+``torch`` (``one_call``: whether a case that ran before goes to one native call per op,
+``EFA_EP_PROXY_ONE_CALL``); and the helpers the benchmark's parts share (rank environment, summaries, the
 engine-wait clock)."""
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import statistics
 import time
 
 import torch
+
+from efa_ep.kernels.proxy.planned import enabled as one_call_enabled
 
 # The dispatch+combine cells' shape: DeepSeek-V3 (hidden, routed experts, top-k), bf16.
 HIDDEN, EXPERTS, TOPK = 7168, 256, 8
@@ -216,7 +219,7 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
                "num_channels": num_channels, "chunk_bytes": chunk_bytes or "default",
                "spin_us": "default" if spin_us is None else spin_us,
                "route": "random, fresh per iteration" if fresh_routes else "random",
-               "device": device, "hmem": hmem,
+               "device": device, "hmem": hmem, "one_call": one_call_enabled(),
                "starts": starts, "iters_per_start": iters, "torch_timed": time_torch,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}

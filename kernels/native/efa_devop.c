@@ -1,0 +1,127 @@
+/* efa_devop.c: a packed proxy operation (CUDA rows on a host window) in one native call, from
+ * the send side's quiesce to the kernel that reads what arrived (efa_proxy.h, "A packed
+ * operation ... in one call"). The steps are those the caller ran one by one before: wait for our
+ * previous writes, launch the packing kernel, wait for the previous op's reads of the window,
+ * then the round's begin / post / complete (efa_op.c), then the reading kernel and its event.
+ * Kernels and events go through the launch library's entry points, whose addresses the caller
+ * passes (libefa_launch is loaded on its own, and may be absent where no GPU is).
+ *
+ * Build: part of libefa_proxy.so (kernels/proxy/native.py SOURCES).
+ */
+#define _GNU_SOURCE
+#include "efa_proxy.h"
+#include "efa_util.h"
+
+#include <errno.h>
+#include <string.h>
+
+typedef int (*run_fn)(int64_t prog, int64_t stream, char *err, size_t errlen);
+typedef int (*record_fn)(int64_t event, int64_t stream, char *err, size_t errlen);
+typedef int (*wait_fn)(int64_t event, char *err, size_t errlen);
+
+static int launch(const efa_devop *d, int64_t prog, char *err, size_t errlen) {
+    if (!d->run) {
+        set_err(err, errlen, "packed operation without the launch library's entry point");
+        return -EINVAL;
+    }
+    return ((run_fn)(uintptr_t)d->run)(prog, d->stream, err, errlen);
+}
+
+/* Our previous writes done, the device's progress words (and a dispatch's ready word) zeroed,
+ * the packing kernel launched, the previous op's reads waited for; the round's counters reset. */
+static int front(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    d->step = EFA_STEP_QUIESCE;
+    int rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
+    if (rc) return rc;
+    memset((void *)(uintptr_t)o->progress, 0, (size_t)(8 * o->progress_words));
+    if (d->kind == EFA_DEVOP_DISPATCH)
+        ((int64_t *)(uintptr_t)o->dev_counts)[1 + w->world + o->num_experts] = 0; /* ready word */
+    d->step = EFA_STEP_LAUNCH;
+    rc = launch(d, d->pack, err, errlen);
+    if (rc) return rc;
+    d->step = EFA_STEP_WAIT_READS;
+    if (d->wait_event) {
+        rc = ((wait_fn)(uintptr_t)d->event_wait)(d->wait_event, err, errlen);
+        if (rc) return rc;
+    }
+    w->r_writes = w->r_wire_bytes = w->r_messages = w->r_rows = 0;
+    return 0;
+}
+
+int efa_devop_reads(efa_devop *d, char *err, size_t errlen) {
+    d->step = EFA_STEP_READS;
+    if (d->reads) {
+        int rc = launch(d, d->reads, err, errlen);
+        if (rc) return rc;
+    }
+    if (d->reads_event) {
+        int rc = ((record_fn)(uintptr_t)d->event_record)(d->reads_event, d->stream, err, errlen);
+        if (rc) return rc;
+    }
+    d->step = EFA_STEP_DONE;
+    return 0;
+}
+
+int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    const int64_t W = w->world, me = w->rank;
+    if (d->kind != EFA_DEVOP_DISPATCH) {
+        set_err(err, errlen, "rank %lld: efa_devop_dispatch of kind %lld", (long long)me,
+                (long long)d->kind);
+        return -EINVAL;
+    }
+    int rc = front(o, d, err, errlen);
+    if (rc) return rc;
+    d->step = EFA_STEP_BEGIN;
+    rc = efa_op_dispatch_packed_begin(o, err, errlen);
+    if (rc) return rc;
+    d->step = EFA_STEP_POST;
+    rc = efa_op_dispatch_packed_post(o, err, errlen);
+    if (rc) return rc;
+    int64_t n = 0; /* each source's count is bounded by the checked headers */
+    for (int64_t r = 0; r < W; r++) n += o->num_recv[r];
+    d->step = EFA_STEP_COMPLETE;
+    if (n * o->topk > d->routing_cap) {
+        set_err(err, errlen, "rank %lld: dispatch: %lld routing rows received, the buffer holds "
+                "%lld", (long long)me, (long long)n, (long long)(d->routing_cap / o->topk));
+        return -EINVAL;
+    }
+    rc = efa_op_dispatch_packed_complete(o, err, errlen);
+    if (rc) return rc;
+    d->recv_off[0] = 0;
+    for (int64_t r = 0; r < W; r++) d->recv_off[r + 1] = d->recv_off[r] + o->num_recv[r];
+    d->own_start = 0;
+    for (int64_t r = 0; r < me; r++) d->own_start += o->num_send[r];
+    d->step = EFA_STEP_DONE;
+    return 0;
+}
+
+int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    const int combine = d->kind == EFA_DEVOP_COMBINE;
+    if (!combine && d->kind != EFA_DEVOP_CACHED) {
+        set_err(err, errlen, "rank %lld: efa_devop_rows of kind %lld", (long long)o->wire->rank,
+                (long long)d->kind);
+        return -EINVAL;
+    }
+    int rc = front(o, d, err, errlen);
+    if (rc) return rc;
+    d->step = EFA_STEP_BEGIN;
+    rc = combine ? efa_op_combine_packed_begin(o, err, errlen)
+                 : efa_op_cached_packed_begin(o, err, errlen);
+    if (rc) return rc;
+    d->step = EFA_STEP_POST;
+    rc = combine ? efa_op_combine_packed_post(o, err, errlen)
+                 : efa_op_cached_packed_post(o, err, errlen);
+    if (rc) return rc;
+    d->step = EFA_STEP_COMPLETE;
+    rc = combine ? efa_op_combine_packed_complete(o, err, errlen)
+                 : efa_op_cached_packed_complete(o, err, errlen);
+    if (rc) return rc;
+    if (d->send_off) {
+        d->send_off[0] = 0;
+        for (int64_t r = 0; r < o->wire->world; r++)
+            d->send_off[r + 1] = d->send_off[r] + o->num_send[r];
+    }
+    return efa_devop_reads(d, err, errlen);
+}

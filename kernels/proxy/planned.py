@@ -1,0 +1,392 @@
+"""Packed operations of CUDA rows in one native call each, for shapes that ran before.
+
+The first dispatch or combine of a shape runs in Python steps (``device_path.py``,
+``round_ops.py``): it checks its inputs, binds the native programs of its kernels and runs the
+round in the three native calls of ``hostop.py``. Afterwards a call of the same case (the same
+shapes, strides, dtypes and devices, so the same checks pass; 16-byte aligned rows; the same
+wire) goes from the transport's method to one native call (``efa_devop.c``): our previous
+writes waited for, the packing kernel launched, the previous op's reads waited for, the round's
+begin, post and complete, then the kernel that reads what arrived and its event. A dispatch
+takes a second call for that kernel, after Python allocated the outputs whose sizes the headers
+gave. Everything else is the stepped path's: the same kernels, programs, buffers, round and
+checks of the peers' data, in C, so the outputs are the same bits.
+
+A call of any other case returns None here (nothing ran) and the stepped path takes it, whose
+checks name any problem. Errors of the native call are raised as the stepped path raises them:
+a flagged routing or a group's input error runs the same error round or raises the same error
+on every rank; anything else breaks the transport (its ``_guarded``).
+
+``EFA_EP_PROXY_ONE_CALL=0`` keeps every call on the stepped path (the other arm of the
+benchmarks' comparison).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..base import DispatchInputError
+from ..core.variables import raw
+from ..native_launch import NativeLaunchError, Program
+from ..native_launch import load as load_launch
+from . import native
+from .native import RC_LOCAL_INPUT, STEP_BEGIN, STEP_POST, STEP_WAIT_READS
+from .window import OP_CACHED, OP_COMBINE, OP_DISPATCH, row_format
+from .wire import Wire
+
+_ERRLEN = 1024
+
+
+def enabled() -> bool:
+    """Whether packed calls of a planned case go to one native call (``EFA_EP_PROXY_ONE_CALL``,
+    default on)."""
+    return raw("EFA_EP_PROXY_ONE_CALL") not in ("0", "off", "false")
+
+
+def _addr(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@dataclass
+class _Plan:
+    """One planned case: its own op and devop structs (constants set once), the programs."""
+
+    op: native.OpStruct
+    dev: native.DevopStruct
+    op_ref: object
+    dev_ref: object
+    pack: Program
+    reads: Optional[Program]
+    event: object            # torch.cuda.Event recorded after the reads (None: the caller's)
+    nw: object               # the wire's native round it was made on (None: any)
+    gen: int
+    device: torch.device
+    words: int = 0           # dispatch: scratch words
+    o_send: int = 0          # dispatch: word offset of the sent rows' token indices
+    k: int = 0
+    num_programs: int = 0
+    row_bytes: int = 0
+    send_area: int = 0       # combine: bytes of the send area
+    keep: tuple = ()         # the host buffers the structs and programs point at
+
+
+class PlannedOps:
+    """The one-call operations of one :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`
+    (see the module). ``dispatch`` / ``combine`` return None when the call is not a planned case;
+    ``note_dispatch`` / ``note_combine`` make a plan after the stepped path ran one."""
+
+    def __init__(self, tr):
+        self.tr = tr
+        self.plans: dict = {}
+        self.calls = {"dispatch": 0, "combine": 0, "cached": 0}  # ops this path ran
+        lib, launch = native.load(), load_launch()
+        self._fns = (_addr(launch.efa_launch_run), _addr(launch.efa_launch_event_record),
+                     _addr(launch.efa_launch_event_wait))
+        self._dispatch_fn, self._rows_fn = lib.efa_devop_dispatch, lib.efa_devop_rows
+        self._reads_fn = lib.efa_devop_reads
+        self._err = ctypes.create_string_buffer(_ERRLEN)
+        from .round_ops import ProxyHandleState
+
+        self._state_type = ProxyHandleState
+
+    @classmethod
+    def create(cls, tr) -> Optional["PlannedOps"]:
+        """The transport's planned ops, or None where they cannot run (switched off, no native
+        launch library or driver)."""
+        if not enabled():
+            return None
+        try:
+            return cls(tr)
+        except (NativeLaunchError, RuntimeError, AttributeError):
+            return None
+
+    # -------------------------------------------------------------------------------------
+    def _structs(self, kind: int, pack: Program, reads: Program, event, dev):
+        tr = self.tr
+        ops = tr._op_struct()
+        op = native.OpStruct()
+        ctypes.memmove(ctypes.byref(op), ctypes.byref(ops.st), ctypes.sizeof(op))
+        d = native.DevopStruct()
+        d.run, d.event_record, d.event_wait = self._fns
+        d.pack, d.kind = pack._addr, kind
+        d.reads = reads._addr if reads is not None else 0  # (none: the caller reads)
+        d.reads_event = event.cuda_event if event is not None else 0
+        return _Plan(op=op, dev=d, op_ref=ctypes.byref(op), dev_ref=ctypes.byref(d), pack=pack,
+                     reads=reads, event=event, nw=tr.wire._nw, gen=tr.wire.gen, device=dev,
+                     num_programs=tr._num_programs(dev))
+
+    def _usable(self, plan: _Plan) -> bool:
+        tr = self.tr
+        wire = tr.wire
+        return (plan.nw is wire._nw and plan.gen == wire.gen and not wire.tamper
+                and tr._broken is None)
+
+    def _event(self, dev):
+        ev = self.tr._buffers.get(("event", dev.index))
+        return ev if ev is not None and ev.cuda_event else None
+
+    # -------------------------------------------------------------------------------------
+    def note_dispatch(self, x, topk_idx, topk_weights, front, in_idx, in_w, recv_off) -> None:
+        """After a stepped dispatch of dense ``x``, ``topk_idx``, ``topk_weights`` (CUDA) that ran
+        the native round: a plan for its case when its programs are bound (``front``: the
+        transport's front plan of the shape; ``in_idx`` / ``in_w`` / ``recv_off``: the host
+        buffers its gather read)."""
+        tr = self.tr
+        dev = x.device
+        t, k = topk_idx.shape
+        meta, counts, _, row_x, grid, o_send, words, prog = front[:8]
+        cfg, w = tr.cfg, tr.world_size
+        cap = w * cfg.max_tokens_per_rank * k
+        if in_idx.numel() < cap:  # the plan's bound: grown now, the next call binds for it
+            tr._recv_routing(cap)
+            return
+        gather = tr._programs.get(tr._gather_key(dev, k, x, recv_off, in_idx, in_w))
+        event = self._event(dev)
+        if prog is None or gather is None or event is None or (8 * o_send) & 15:
+            return
+        progress, chunk_rows = tr._progress(grid, row_x)
+        plan = self._structs(native.DEVOP_DISPATCH, prog, gather, event, dev)
+        st = plan.op
+        st.dev_counts = counts.data_ptr()
+        st.progress, st.progress_words, st.chunk_rows = progress.data_ptr(), grid, chunk_rows
+        st.meta, st.meta_rows = meta.data_ptr(), meta.numel() // (2 * k)
+        st.topk, st.row_bytes = k, row_x
+        st.recv_idx, st.recv_w = in_idx.data_ptr(), in_w.data_ptr()
+        plan.dev.recv_off, plan.dev.routing_cap = recv_off.data_ptr(), min(in_idx.numel(),
+                                                                          in_w.numel())
+        plan.words, plan.o_send, plan.k = words, o_send, k
+        plan.keep = (meta, counts, progress, in_idx, in_w, recv_off)
+        self.plans[_dispatch_key(x, topk_idx, topk_weights)] = plan
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        """A dispatch of a planned case in two native calls, or None (nothing ran). Returns
+        what the transport's dispatch returns."""
+        try:
+            plan = self.plans.get(_dispatch_key(x, topk_idx, topk_weights))
+        except (AttributeError, TypeError, RuntimeError):
+            return None  # not tensors
+        if plan is None or not self._usable(plan):
+            return None
+        xp, ip, wp = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
+        if (xp | ip | wp) & 15:
+            return None
+        tr, dev = self.tr, plan.device
+        t, k = topk_idx.shape
+        scratch = torch.empty(plan.words, dtype=torch.int64, device=dev)  # the handle keeps a view
+        sp = scratch.data_ptr()
+        plan.pack.set_vars((xp, ip, wp, sp))
+        tpe = torch.empty(tr.cfg.num_local_experts, dtype=torch.int64)
+        plan.op.tokens_per_expert = tpe.data_ptr()
+        self._run(plan, self._dispatch_fn, OP_DISPATCH, topk_idx, topk_weights)
+        ops = tr._hostops
+        num_recv, num_send = ops.num_recv.tolist(), ops.num_send.tolist()
+        n = sum(num_recv)
+        recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
+        recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)
+        recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
+        plan.reads.set_vars((xp, sp + 8 * plan.o_send, recv_x.data_ptr(), recv_idx.data_ptr(),
+                             recv_w.data_ptr(), plan.dev.own_start, n,
+                             min(n, plan.num_programs)))
+        self._launch_reads(plan)
+        tr._reads_done = plan.event
+        self.calls["dispatch"] += 1
+        send_idx = scratch[plan.o_send:plan.o_send + sum(num_send)]
+        return recv_x, recv_idx, recv_w, tpe, tr._handle(t, topk_idx, send_idx, None, num_send,
+                                                         num_recv, recv_idx)
+
+    # -------------------------------------------------------------------------------------
+    def note_combine(self, yc, handle, pack_key, reduce_key) -> None:
+        """After a stepped combine of dense CUDA rows ``yc`` along ``handle`` that ran the native
+        round: a plan for its case when both programs are bound (their keys in the transport's
+        programs)."""
+        tr = self.tr
+        dev = yc.device
+        pack, reduce = tr._programs.get(pack_key), tr._programs.get(reduce_key)
+        event = self._event(dev)
+        if pack is None or reduce is None or event is None:
+            return
+        plan = self._structs(native.DEVOP_COMBINE, pack, reduce, event, dev)
+        row = yc.shape[1] * yc.element_size()
+        progress, send_off = tr._progress(1, row)[0], tr._prefix_buffer("send_off")[0]
+        plan.op.row_bytes, plan.op.fmt = row, row_format(yc)
+        plan.op.progress, plan.dev.send_off = progress.data_ptr(), send_off.data_ptr()
+        plan.row_bytes, plan.keep = row, (progress, send_off)
+        lay = tr.layout
+        plan.send_area = lay.off_recv - lay.off_data_send
+        self.plans[_combine_key(yc, handle.num_tokens)] = plan
+
+    def combine(self, y, handle):
+        """A combine of a planned case in one native call, or None (nothing ran)."""
+        tr = self.tr
+        st = getattr(handle, "state", None)
+        if type(st) is not self._state_type or st.owner != tr.uid or \
+                st.send_token_idx_cpu is not None:
+            return None
+        t, n = handle.num_tokens, handle.num_recv_tokens
+        try:
+            plan = self.plans.get(_combine_key(y, t))
+            if plan is None or y.shape[0] != n or not n:
+                return None
+        except (AttributeError, TypeError, RuntimeError, IndexError):
+            return None
+        idx = handle.send_token_idx
+        dev = plan.device
+        if (not self._usable(plan) or idx.device != dev or handle.topk_idx.device != dev
+                or not idx.numel() or not t):
+            return None
+        yp, ip = y.data_ptr(), idx.data_ptr()
+        if (yp | ip) & 15:
+            return None
+        from .device import pack_grid
+
+        num_send, num_recv = handle.num_send_per_rank, handle.num_recv_per_rank
+        me = tr.rank
+        if (n - num_recv[me]) * plan.row_bytes > plan.send_area:
+            return None  # the stepped path names it
+        ops = tr._hostops
+        ops.num_send[:] = num_send
+        ops.num_recv[:] = num_recv
+        s_me = sum(num_recv[:me])
+        grid = pack_grid(n, plan.num_programs)
+        chunk_rows = tr._chunk_rows(grid, plan.row_bytes)
+        op = plan.op
+        op.progress_words, op.chunk_rows = grid, chunk_rows
+        out = torch.empty(t, y.shape[1], dtype=y.dtype, device=dev)
+        plan.pack.set_vars((yp, s_me, s_me + num_recv[me], n, max(1, chunk_rows), grid))
+        plan.reads.set_vars((yp, ip, out.data_ptr(), s_me, t, min(t, plan.num_programs)))
+        self._run(plan, self._rows_fn, OP_COMBINE)
+        tr._reads_done = plan.event
+        self.calls["combine"] += 1
+        return out
+
+    # -------------------------------------------------------------------------------------
+    def note_cached(self, xd, pack_key) -> None:
+        """After a stepped cached dispatch of dense CUDA rows ``xd`` that ran the native round: a
+        plan for its case when its packing program is bound (its key in the transport's
+        programs). Its output is copied out of the window in Python after the call."""
+        tr = self.tr
+        dev = xd.device
+        pack = tr._programs.get(pack_key)
+        if pack is None or self._event(dev) is None:
+            return
+        plan = self._structs(native.DEVOP_CACHED, pack, None, None, dev)
+        row = xd.shape[1] * xd.element_size()
+        progress = tr._progress(1, row)[0]
+        plan.op.row_bytes, plan.op.fmt = row, row_format(xd)
+        plan.op.progress = progress.data_ptr()
+        plan.row_bytes, plan.keep = row, (progress,)
+        lay = tr.layout
+        plan.send_area = lay.off_recv - lay.off_data_send
+        self.plans[(OP_CACHED,) + _rows_key(xd)] = plan
+
+    def cached(self, x, handle):
+        """A cached dispatch of a planned case in one native call and the copies out of the
+        window, or None (nothing ran)."""
+        tr = self.tr
+        st = getattr(handle, "state", None)
+        if type(st) is not self._state_type or st.owner != tr.uid or \
+                st.send_token_idx_cpu is not None:
+            return None
+        t = handle.num_tokens
+        try:
+            plan = self.plans.get((OP_CACHED,) + _rows_key(x))
+            if plan is None or x.shape[0] != t or not t:
+                return None
+        except (AttributeError, TypeError, RuntimeError, IndexError):
+            return None
+        idx = handle.send_token_idx
+        dev = plan.device
+        if (not self._usable(plan) or idx.device != dev or handle.topk_idx.device != dev
+                or not idx.numel()):
+            return None
+        xp, ip = x.data_ptr(), idx.data_ptr()
+        if (xp | ip) & 15:
+            return None
+        from .device import pack_grid
+        from .round_ops import _prefix
+
+        num_send, num_recv = handle.num_send_per_rank, handle.num_recv_per_rank
+        me = tr.rank
+        starts = _prefix(num_send)
+        s_me, e_me, n = starts[me], starts[me + 1], starts[-1]
+        if (n - (e_me - s_me)) * plan.row_bytes > plan.send_area:
+            return None  # the stepped path names it
+        ops = tr._hostops
+        ops.num_send[:] = num_send
+        ops.num_recv[:] = num_recv
+        grid = pack_grid(n, plan.num_programs)
+        chunk_rows = tr._chunk_rows(grid, plan.row_bytes)
+        plan.op.progress_words, plan.op.chunk_rows = grid, chunk_rows
+        plan.pack.set_vars((xp, ip, s_me, e_me, n, max(1, chunk_rows), grid))
+        self._run(plan, self._rows_fn, OP_CACHED)
+        out = tr._cached_outputs(ops, x, idx, num_recv, starts, _prefix(num_recv))
+        self.calls["cached"] += 1
+        return out
+
+    # -------------------------------------------------------------------------------------
+    def _launch_reads(self, plan: _Plan) -> None:
+        """The dispatch's second native call: its reading kernel, then its event."""
+        rc = self._reads_fn(plan.dev_ref, self._err, _ERRLEN)
+        if rc:
+            raise Wire.error_of(rc, self._text())
+
+    def _text(self) -> str:
+        return self._err.value.decode(errors="replace")
+
+    def _run(self, plan: _Plan, fn, op_code: int, topk_idx=None, topk_weights=None) -> None:
+        """Runs a plan's native call on the current stream; accounts the round as the stepped
+        path does and raises what it raises."""
+        tr, wire, d = self.tr, self.tr.wire, plan.dev
+        dev = plan.device
+        d.stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        ev = tr._reads_done
+        d.wait_event = ev.cuda_event if ev is not None else 0
+        st = plan.op
+        st.seq = wire.seq
+        d.step = 0
+        try:
+            rc = fn(plan.op_ref, plan.dev_ref, self._err, _ERRLEN)
+        finally:
+            step = d.step
+            if step > STEP_WAIT_READS:
+                tr._reads_done = None
+            if step >= STEP_POST or (step == STEP_BEGIN and rc != RC_LOCAL_INPUT):
+                wire.seq += 1  # headers may have left: this round's number is spent
+            if step >= STEP_POST:
+                wst, p = wire._nw.st, wire.posted
+                p["writes"] += wst.r_writes
+                p["wire_bytes"] += wst.r_wire_bytes
+                if step > STEP_POST:
+                    p["messages"] += wst.r_messages
+                    p["rows"] += wst.r_rows
+                    p["bytes"] += wst.r_rows * st.row_bytes
+        if rc == 0:
+            return
+        text = self._text()
+        if rc < 0:
+            raise Wire.error_of(rc, text)
+        if step == STEP_BEGIN and rc == RC_LOCAL_INPUT:  # the device flagged the routing
+            tr._sync(dev)
+            tr._device_routing_error(topk_idx, topk_weights, int(st.flags))
+        try:
+            wire.header_error(rc, st.seq, op_code, None, text)
+        except DispatchInputError:
+            tr._sync(dev)  # the packing kernel may still store: the next op starts from zero
+            raise
+
+
+def _dispatch_key(x, topk_idx, topk_weights) -> tuple:
+    return (OP_DISPATCH, x.shape, x.stride(), x.dtype, x.device, topk_idx.shape, topk_idx.stride(),
+            topk_idx.dtype, topk_idx.device, topk_weights.shape, topk_weights.stride(),
+            topk_weights.dtype, topk_weights.device)
+
+
+def _rows_key(x) -> tuple:
+    return (x.shape[1], x.stride(), x.dtype, x.device)
+
+
+def _combine_key(y, num_tokens: int) -> tuple:
+    # the reduction's program follows the token count's bit length (its search depth)
+    return (OP_COMBINE, y.shape[1], y.stride(), y.dtype, y.device, (num_tokens + 1).bit_length())
