@@ -147,18 +147,35 @@ class PlannedOps:
         if prog is None or gather is None or event is None or (8 * o_send) & 15:
             return
         progress, chunk_rows = tr._progress(grid, row_x)
-        plan = self._structs(native.DEVOP_DISPATCH, prog, gather, event, dev)
+        self.plan_dispatch(_dispatch_key(x, topk_idx, topk_weights), dev, prog, gather, event,
+                           counts, meta, progress, chunk_rows, words, o_send, in_idx, in_w,
+                           recv_off)
+
+    def plan_dispatch(self, key, dev, pack, gather, event, counts, meta, progress,
+                      chunk_rows: int, words: int, o_send: int, in_idx, in_w, recv_off) -> None:
+        """Adds the plan of dispatch case ``key`` (:func:`_dispatch_key` of its inputs) on
+        ``dev``: ``pack`` (variables: x, topk_idx, topk_weights, scratch) writes the count block
+        ``counts`` (then its ready word), the routing rows ``meta`` ``[>= S * 2K]`` int64, the
+        send plane and the ``progress`` words (``[grid]`` int64, ``chunk_rows`` rows a chunk);
+        ``gather`` (variables: x, the sent rows' token indices at word ``o_send`` of the scratch
+        of ``words`` int64, recv_x, recv_topk_idx, recv_topk_weights, own start, rows, grid)
+        reads the window, the host routing ``in_idx`` / ``in_w`` and ``recv_off`` ``[W + 1]``;
+        ``event`` (``.cuda_event``) is recorded after it. All host buffers stay where they are
+        while the plan lives (it keeps them)."""
+        k = key[5][1]
+        plan = self._structs(native.DEVOP_DISPATCH, pack, gather, event, dev)
         st = plan.op
         st.dev_counts = counts.data_ptr()
-        st.progress, st.progress_words, st.chunk_rows = progress.data_ptr(), grid, chunk_rows
+        st.progress, st.progress_words = progress.data_ptr(), progress.numel()
+        st.chunk_rows = chunk_rows
         st.meta, st.meta_rows = meta.data_ptr(), meta.numel() // (2 * k)
-        st.topk, st.row_bytes = k, row_x
+        st.topk, st.row_bytes = k, key[1][1] * key[3].itemsize
         st.recv_idx, st.recv_w = in_idx.data_ptr(), in_w.data_ptr()
         plan.dev.recv_off, plan.dev.routing_cap = recv_off.data_ptr(), min(in_idx.numel(),
                                                                           in_w.numel())
         plan.words, plan.o_send, plan.k = words, o_send, k
         plan.keep = (meta, counts, progress, in_idx, in_w, recv_off)
-        self.plans[_dispatch_key(x, topk_idx, topk_weights)] = plan
+        self.plans[key] = plan
 
     def dispatch(self, x, topk_idx, topk_weights):
         """A dispatch of a planned case in two native calls, or None (nothing ran). Returns
@@ -202,20 +219,34 @@ class PlannedOps:
         round: a plan for its case when both programs are bound (their keys in the transport's
         programs)."""
         tr = self.tr
-        dev = yc.device
         pack, reduce = tr._programs.get(pack_key), tr._programs.get(reduce_key)
-        event = self._event(dev)
+        event = self._event(yc.device)
         if pack is None or reduce is None or event is None:
             return
-        plan = self._structs(native.DEVOP_COMBINE, pack, reduce, event, dev)
-        row = yc.shape[1] * yc.element_size()
-        progress, send_off = tr._progress(1, row)[0], tr._prefix_buffer("send_off")[0]
-        plan.op.row_bytes, plan.op.fmt = row, row_format(yc)
-        plan.op.progress, plan.dev.send_off = progress.data_ptr(), send_off.data_ptr()
-        plan.row_bytes, plan.keep = row, (progress, send_off)
+        self.plan_rows(_combine_key(yc, handle.num_tokens), yc, pack, reduce, event)
+
+    def plan_rows(self, key, rows, pack, reads, event) -> None:
+        """Adds the plan of a combine (``reads`` given) or cached dispatch (``reads`` None: the
+        caller copies the rows out) case ``key`` of rows like ``rows``: ``pack`` (variables:
+        the rows, for a cached dispatch the handle's token indices, then own start and end,
+        rows, rows a chunk, grid) stores the send plane and its progress words; ``reads``
+        (variables: the rows, the handle's token indices, out, own start, tokens, grid) reads
+        the window and the prefix of rows per source rank; ``event`` is recorded after it."""
+        tr = self.tr
+        combine = reads is not None
+        plan = self._structs(native.DEVOP_COMBINE if combine else native.DEVOP_CACHED, pack,
+                             reads, event if combine else None, rows.device)
+        row = rows.shape[1] * rows.element_size()
+        progress = tr._progress(1, row)[0]
+        plan.op.row_bytes, plan.op.fmt = row, row_format(rows)
+        plan.op.progress = progress.data_ptr()
+        plan.row_bytes, plan.keep = row, (progress,)
+        if combine:
+            send_off = tr._prefix_buffer("send_off")[0]
+            plan.dev.send_off, plan.keep = send_off.data_ptr(), (progress, send_off)
         lay = tr.layout
         plan.send_area = lay.off_recv - lay.off_data_send
-        self.plans[_combine_key(yc, handle.num_tokens)] = plan
+        self.plans[key] = plan
 
     def combine(self, y, handle):
         """A combine of a planned case in one native call, or None (nothing ran)."""
@@ -266,20 +297,9 @@ class PlannedOps:
         """After a stepped cached dispatch of dense CUDA rows ``xd`` that ran the native round: a
         plan for its case when its packing program is bound (its key in the transport's
         programs). Its output is copied out of the window in Python after the call."""
-        tr = self.tr
-        dev = xd.device
-        pack = tr._programs.get(pack_key)
-        if pack is None or self._event(dev) is None:
-            return
-        plan = self._structs(native.DEVOP_CACHED, pack, None, None, dev)
-        row = xd.shape[1] * xd.element_size()
-        progress = tr._progress(1, row)[0]
-        plan.op.row_bytes, plan.op.fmt = row, row_format(xd)
-        plan.op.progress = progress.data_ptr()
-        plan.row_bytes, plan.keep = row, (progress,)
-        lay = tr.layout
-        plan.send_area = lay.off_recv - lay.off_data_send
-        self.plans[(OP_CACHED,) + _rows_key(xd)] = plan
+        pack = self.tr._programs.get(pack_key)
+        if pack is not None and self._event(xd.device) is not None:
+            self.plan_rows((OP_CACHED,) + _rows_key(xd), xd, pack, None, None)
 
     def cached(self, x, handle):
         """A cached dispatch of a planned case in one native call and the copies out of the
@@ -340,7 +360,7 @@ class PlannedOps:
         path does and raises what it raises."""
         tr, wire, d = self.tr, self.tr.wire, plan.dev
         dev = plan.device
-        d.stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        d.stream = torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0
         ev = tr._reads_done
         d.wait_event = ev.cuda_event if ev is not None else 0
         st = plan.op

@@ -1,0 +1,223 @@
+"""The proxy's one-call path (``kernels/proxy/planned.py`` over ``efa_devop.c``) on the CPU.
+
+On a GPU a packed op's kernels store the send plane and read the window; here a stand-in
+device does that work in Python when the native call launches a "program" (the launch
+library's entry points are replaced by callbacks that run the stand-in and record every launch,
+event wait and record). The round itself is the real one: two ranks over libfabric tcp on
+loopback, the native begin / post / complete with their checks. Checked: dispatch and combine
+bit-identical to the ``torch`` transport through the transport's own methods; the order of the
+native call's steps (the packing launch before the previous op's reads are waited for, the
+reading launch, then its event); a routing the stand-in device flags is refused on every rank,
+naming the rank, and the transport stays usable; a failing launch breaks the transport with the
+library's message. The GPU test (``test_proxy.py``, ``gpu_host_staged`` and ``one_call``) runs
+the same path with the real kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from efa_ep.distributed import run_ranks
+from efa_ep.kernels import proxy as proxy_mod
+
+pytestmark = pytest.mark.skipif(proxy_mod.availability() is not None,
+                                reason=f"proxy unavailable: {proxy_mod.availability()}")
+
+LOOPBACK = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1"}
+E, H, T, K, MAX_T = 8, 32, 12, 2, 16
+_RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                        ctypes.c_size_t)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_size_t)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _at(ptr: int, shape, dtype) -> torch.Tensor:
+    """A CPU tensor over the memory at ``ptr`` (what a device kernel would address)."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=dtype).view(shape)
+
+
+class _Program:
+    """Stands in for a bound native program: ``set_vars`` keeps the call's values, the native
+    call's launch runs ``device(values)``."""
+
+    def __init__(self, device, programs):
+        self.device, self.values = device, None
+        self._addr = 1000 + len(programs)
+        programs[self._addr] = self
+
+    def set_vars(self, values):
+        self.values = tuple(values)
+
+
+class _Event:
+    cuda_event = 77
+
+
+def _one_call_rank(rank, world):
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.base import DispatchInputError, TransportError
+    from efa_ep.kernels.proxy import native
+    from efa_ep.kernels.proxy.planned import PlannedOps, _combine_key, _dispatch_key
+    from efa_ep.testing.routes import contract_route
+
+    ref = create_transport("torch", None, E, H, MAX_T, torch.float32)
+    px = create_transport("proxy", None, E, H, MAX_T, torch.float32, provider="tcp",
+                          num_channels=2, timeout_s=30)
+    px._native_off = None  # (programs are stand-ins here)
+    planned = px._planned = PlannedOps.create(px)
+    log, programs, fail = [], {}, {"launch": False}
+
+    def run(prog, stream, err, n):
+        if fail["launch"]:
+            ctypes.memmove(err, b"stand-in launch failed\0", 23)
+            return -5
+        log.append(("run", prog))
+        programs[prog].device(programs[prog].values)
+        return 0
+
+    def record(ev, stream, err, n):
+        log.append(("record", ev))
+        return 0
+
+    def wait(ev, err, n):
+        log.append(("wait", ev))
+        return 0
+
+    keep = (_RUN(run), _RECORD(record), _WAIT(wait))
+    planned._fns = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in keep)
+    lay, window = px.layout, px.window
+    send_area = window[lay.off_data_send:lay.off_recv].view(torch.float32)
+    plane = send_area[:send_area.numel() // H * H].view(-1, H)
+    ops = px._op_struct()
+    L, W, me = E // world, world, rank
+
+    def peer_rows(r, n):
+        off = lay.data_recv_off(r)
+        return window[off:off + n * H * 4].view(torch.float32).view(n, H)
+
+    # dispatch: the stand-in front (routing layout, count block, rows to peers, progress)
+    cap = T * min(W, K)
+    counts = torch.zeros(2 + W + E, dtype=torch.int64)
+    meta = torch.zeros(cap * 2 * K, dtype=torch.int64)
+    progress = torch.zeros(4, dtype=torch.int64)
+    in_idx, in_w = torch.zeros(W * MAX_T * K, dtype=torch.int64), torch.zeros(W * MAX_T * K)
+    recv_off = torch.zeros(W + 1, dtype=torch.int64)
+    o_send, words = 0, cap
+
+    def front(values):
+        xp, ip, wp, sp = values
+        x, idx, w = _at(xp, (T, H), torch.float32), _at(ip, (T, K), torch.int64), \
+            _at(wp, (T, K), torch.float32)
+        send_idx = _at(sp, (words,), torch.int64)
+        num_send, cnt = np.zeros(W, np.int64), np.zeros(E, np.int64)
+        scratch, flags = np.zeros(2 * W, np.int64), np.zeros(1, np.int64)
+        s = native.route_layout(idx.data_ptr(), w.data_ptr(), T, K, E, W, send_idx.data_ptr(),
+                                meta.data_ptr(), cap, num_send.ctypes.data, cnt.ctypes.data,
+                                scratch.ctypes.data, flags.ctypes.data)
+        if s < 0:
+            counts[0] = int(flags[0])
+        else:
+            counts[0] = 0
+            counts[1:1 + W] = torch.from_numpy(num_send)
+            counts[1 + W:1 + W + E] = torch.from_numpy(cnt)
+            st = np.concatenate([[0], np.cumsum(num_send)])
+            peer = torch.cat([send_idx[:st[me]], send_idx[st[me + 1]:s]])
+            plane[:peer.numel()] = x[peer]
+        progress.fill_(1 << 40)  # every chunk stored
+        counts[-1] = 1  # the ready word, last
+
+    def gather(values):
+        xp, sip, rxp, rip, rwp, own, n, grid = values
+        x = _at(xp, (T, H), torch.float32)
+        rx = _at(rxp, (n, H), torch.float32)
+        offs = recv_off.tolist()
+        for r in range(W):
+            a, b = offs[r], offs[r + 1]
+            rx[a:b] = x[_at(sip + 8 * own, (b - a,), torch.int64)] if r == me else \
+                peer_rows(r, b - a)
+        _at(rip, (n, K), torch.int64).copy_(in_idx[:n * K].view(n, K))
+        _at(rwp, (n, K), torch.float32).copy_(in_w[:n * K].view(n, K))
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g)
+    idx, w = contract_route("random", T, E, K, world, seed=rank)
+    planned.plan_dispatch(_dispatch_key(x, idx, w), x.device, _Program(front, programs),
+                          _Program(gather, programs), _Event(), counts, meta, progress, 1,
+                          words, o_send, in_idx, in_w, recv_off)
+
+    def pack(values):  # combine: y's rows back to the ranks they came from, rank order
+        yp, s_me, e_me, n, chunk_rows, grid = values
+        y = _at(yp, (n, H), torch.float32)
+        rows = torch.cat([y[:s_me], y[e_me:]])
+        plane[:rows.shape[0]] = rows
+        op = planned.plans[_combine_key(y, T)].op
+        _at(op.progress, (op.progress_words,), torch.int64).fill_(1 << 40)
+
+    def reduce(values):
+        yp, ip, outp, own, t, grid = values
+        sends = list(handle_now["h"].num_send_per_rank)
+        sst = np.concatenate([[0], np.cumsum(sends)]).tolist()
+        y = _at(yp, (handle_now["h"].num_recv_tokens, H), torch.float32)
+        views = [y[own:own + sends[me]] if r == me else peer_rows(r, sends[r]) for r in range(W)]
+        out = px._reduce_torch(views, _at(ip, (sst[-1],), torch.int64), sends, sst, t, y)
+        _at(outp, (t, H), torch.float32).copy_(out)
+
+    handle_now = {}
+    report = {"equal": [], "errors": [], "dispatch_log": [], "combine_log": []}
+    for step in range(4):
+        idx, w = contract_route("random", T, E, K, world, seed=10 * step + rank)
+        if step == 1 and rank == 1:
+            idx = idx.clone()
+            idx[2, 0] = E  # out of range, on this rank only: the stand-in layout flags it
+        log.clear()
+        try:
+            got = px.dispatch(x, idx, w)
+        except DispatchInputError as e:
+            report["errors"].append(str(e))
+            continue
+        exp = ref.dispatch(x, idx, w)
+        equal = all(torch.equal(a, b) for a, b in zip(exp[:4], got[:4]))
+        equal &= exp[4].num_send_per_rank == got[4].num_send_per_rank
+        report["dispatch_log"].append([k for k, _ in log])
+        y = torch.randn(exp[0].shape[0], H, generator=g)
+        if step == 0:  # the combine case's plan, once its shape is known
+            planned.plan_rows(_combine_key(y, T), y, _Program(pack, programs),
+                              _Program(reduce, programs), _Event())
+        handle_now["h"] = got[4]
+        log.clear()
+        equal &= torch.equal(ref.combine(y, exp[4]), px.combine(y, got[4]))
+        report["combine_log"].append([k for k, _ in log])
+        report["equal"].append(equal)
+    report["one_calls"] = px.one_calls
+    fail["launch"] = True
+    idx, w = contract_route("random", T, E, K, world, seed=99 + rank)
+    try:
+        px.dispatch(x, idx, w)
+    except TransportError as e:
+        report["launch_error"] = str(e)
+    report["broken"] = px.broken
+    px.close(barrier=False)
+    return report
+
+
+def test_one_call_path_over_a_stand_in_device():
+    out = run_ranks(_one_call_rank, 2, (), timeout_s=120, pg_timeout_s=60, env=LOOPBACK)
+    for rank, r in enumerate(out):
+        assert r["equal"] == [True, True, True], (rank, r)
+        assert len(r["errors"]) == 1 and "rank 1" in r["errors"][0], (rank, r)
+        assert r["one_calls"] == {"dispatch": 3, "combine": 3, "cached": 0}, (rank, r)
+        # the packing launched, the previous op's reads waited for (none before the first op
+        # and after the refused one, which waited), then the reading kernel and its event
+        assert r["dispatch_log"] == [["run", "run", "record"]] * 2 + [
+            ["run", "wait", "run", "record"]], (rank, r)
+        assert r["combine_log"] == [["run", "wait", "run", "record"]] * 3, (rank, r)
+    # the failing launch: the library's message, the transport refuses further calls
+    assert "stand-in launch failed" in out[0]["launch_error"], out[0]
+    assert out[0]["broken"] is not None
