@@ -276,17 +276,23 @@ def _from_bench_proxy(doc, name) -> List[Dict[str, Any]]:
 # Fitting
 # ----------------------------------------------------------------------------------------------
 def fit_linear(obs: Sequence[Dict[str, Any]]) -> Tuple[float, float]:
-    """Least squares ``us = 2 x fixed + bytes x slope`` -> (fixed us per op, slope us per B).
-    One distinct byte count: slope 0, fixed = mean / 2. A negative fit is clipped at 0."""
+    """Least squares of the relative error of ``us = 2 x fixed + bytes x slope`` -> (fixed us per
+    op, slope us per B): every record counts by its error over its own time, so a decode cell
+    weighs as much as a prefill cell 20x its time (an absolute fit lets the largest cell set the
+    intercept, the fixed cost that small batches are made of). One distinct byte count: slope 0,
+    fixed = mean / 2. A negative fit is clipped at 0."""
     xs = [o["bytes"] for o in obs]
     ys = [o["us"] for o in obs]
     n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx <= 0:
-        return my / 2, 0.0
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
-    fixed = max(0.0, (my - slope * mx) / 2)
+    if len(set(xs)) < 2:
+        return sum(ys) / n / 2, 0.0
+    # minimize sum(((2 f + x s) - y) / y)^2: normal equations of a = 2 f, s with weights 1 / y^2
+    w = [1.0 / (y * y) for y in ys]
+    s0, s1, s2 = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
+    t0, t1 = sum(wi * y for wi, y in zip(w, ys)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = s0 * s2 - s1 * s1
+    slope = max(0.0, (s0 * t1 - s1 * t0) / det) if det > 0 else 0.0
+    fixed = max(0.0, (t0 - slope * s1) / s0 / 2)
     return fixed, slope
 
 
@@ -539,6 +545,6 @@ def default_record_files(root: str) -> List[str]:
     cands = ["results/h200/bench_ep4/bench_summary.json", "results/h200/bench_proxy.json",
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
              "results/gda_perop/gda_gpu_check_cpp_direct_2026-12-03.json",
-             "results/h200/bench_proxy_cuda_sizes_fresh_2026-12-03.json",
+             "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
              "results/h200/bench_hier_ep4_overlap/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
