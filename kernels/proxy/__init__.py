@@ -13,6 +13,7 @@ One concern per module, read top to bottom along a token's path:
 - ``hostop.py``: a whole operation on CPU rows over a host window in two native calls;
 - ``device_path.py`` and ``device.py``: CUDA inputs on a host window (the Triton kernels of the
   dispatch's layout, packing and receive, and of combine's reduction from the window);
+  ``planned.py`` the same operations in one native call each once their case ran;
 - ``native.py``: the one ctypes boundary to the C engine (``kernels/native/``).
 """
 from . import native

@@ -115,6 +115,18 @@ class DevicePath:
         return ("gather", dev.index, k, x.shape[1], x.dtype, x.stride(0), recv_off.data_ptr(),
                 in_idx.data_ptr(), in_w.data_ptr(), self.window.data_ptr())
 
+    def _pack_key(self, src, idx, progress) -> tuple:
+        """The key of a bound ``pack_rows`` program (one per row shape, see below)."""
+        lay = self.layout
+        return ("pack_rows", src.device.index, src.shape[1], src.dtype, src.stride(0), idx is None,
+                progress.data_ptr(), self.window.data_ptr() + lay.off_data_send)
+
+    def _reduce_key(self, yc, num_tokens: int) -> tuple:
+        """The key of a bound reduction (its search depth follows the token count)."""
+        return ("reduce", yc.device.index, yc.shape[1], yc.dtype, yc.stride(0),
+                (num_tokens + 1).bit_length(), self._prefix_buffer("send_off")[0].data_ptr(),
+                self.window.data_ptr())
+
     def _planned_ops(self):
         """This transport's :class:`~efa_ep.kernels.proxy.planned.PlannedOps`, or None where
         they cannot run (made on first use)."""

@@ -3,8 +3,9 @@
 endpoint, ``efa_channel.c`` a channel thread's data path (the three share the internal
 ``efa_engine.h``), ``efa_round.c`` one round of the wire protocol, ``efa_host.c`` the host-side
 data path helpers (routing layout, received-metadata checks, combine's reduction),
-``efa_op.c`` whole operations on host memory in two calls, ``efa_bench.c`` the benchmark entry
-points, ``efa_proxy.h`` the ABI).
+``efa_op.c`` whole operations on host memory in two calls, ``efa_devop.c`` a packed operation
+of CUDA rows in one call (its kernels through the launch library), ``efa_bench.c`` the benchmark
+entry points, ``efa_proxy.h`` the ABI).
 
 Build: on first use, ``cc -O2 -std=c11 -shared -fPIC <SOURCES> -lfabric -lpthread``
 into ``$EFA_EP_CACHE_DIR`` (default ``~/.cache/efa_ep``), the file named by a hash of the sources,

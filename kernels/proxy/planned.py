@@ -60,7 +60,7 @@ class _Plan:
     pack: Program
     reads: Optional[Program]
     event: object            # torch.cuda.Event recorded after the reads (None: the caller's)
-    nw: object               # the wire's native round it was made on (None: any)
+    nw: object               # the wire's native round it was made on
     gen: int
     device: torch.device
     words: int = 0           # dispatch: scratch words
@@ -68,14 +68,18 @@ class _Plan:
     k: int = 0
     num_programs: int = 0
     row_bytes: int = 0
-    send_area: int = 0       # combine: bytes of the send area
+    send_area: int = 0       # combine, cached dispatch: bytes of the send area
     keep: tuple = ()         # the host buffers the structs and programs point at
 
 
 class PlannedOps:
     """The one-call operations of one :class:`~efa_ep.kernels.proxy.transport.ProxyTransport`
-    (see the module). ``dispatch`` / ``combine`` return None when the call is not a planned case;
-    ``note_dispatch`` / ``note_combine`` make a plan after the stepped path ran one."""
+    (see the module). ``dispatch`` / ``combine`` / ``cached`` return None when the call is not
+    a planned case; ``note_dispatch`` / ``note_combine`` / ``note_cached`` make a plan after the
+    stepped path ran one (at most ``MAX_PLANS``: past that, all are dropped and made again as
+    calls need them, as the stepped path's programs are)."""
+
+    MAX_PLANS = 256
 
     def __init__(self, tr):
         self.tr = tr
@@ -103,7 +107,9 @@ class PlannedOps:
             return None
 
     # -------------------------------------------------------------------------------------
-    def _structs(self, kind: int, pack: Program, reads: Program, event, dev):
+    def _structs(self, kind: int, pack: Program, reads: Optional[Program], event, dev):
+        """A new plan: a copy of the transport's op struct (its arrays shared: one op at a
+        time), a devop struct with the launch library's entry points and the programs."""
         tr = self.tr
         ops = tr._op_struct()
         op = native.OpStruct()
@@ -175,7 +181,7 @@ class PlannedOps:
                                                                           in_w.numel())
         plan.words, plan.o_send, plan.k = words, o_send, k
         plan.keep = (meta, counts, progress, in_idx, in_w, recv_off)
-        self.plans[key] = plan
+        self._add(key, plan)
 
     def dispatch(self, x, topk_idx, topk_weights):
         """A dispatch of a planned case in two native calls, or None (nothing ran). Returns
@@ -246,6 +252,11 @@ class PlannedOps:
             plan.dev.send_off, plan.keep = send_off.data_ptr(), (progress, send_off)
         lay = tr.layout
         plan.send_area = lay.off_recv - lay.off_data_send
+        self._add(key, plan)
+
+    def _add(self, key, plan: _Plan) -> None:
+        if len(self.plans) >= self.MAX_PLANS:  # shapes that keep changing (inference)
+            self.plans.clear()
         self.plans[key] = plan
 
     def combine(self, y, handle):
@@ -365,7 +376,7 @@ class PlannedOps:
         d.wait_event = ev.cuda_event if ev is not None else 0
         st = plan.op
         st.seq = wire.seq
-        d.step = 0
+        d.step, rc = 0, -1
         try:
             rc = fn(plan.op_ref, plan.dev_ref, self._err, _ERRLEN)
         finally:

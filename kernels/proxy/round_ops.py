@@ -499,18 +499,6 @@ class RoundOps:
                                                              grid), self._cuda_stream(dev))
         return progress, chunk_rows
 
-    def _pack_key(self, src, idx, progress) -> tuple:
-        """The key of a bound ``pack_rows`` program (one per row shape, see below)."""
-        lay = self.layout
-        return ("pack_rows", src.device.index, src.shape[1], src.dtype, src.stride(0), idx is None,
-                progress.data_ptr(), self.window.data_ptr() + lay.off_data_send)
-
-    def _reduce_key(self, yc, num_tokens: int) -> tuple:
-        """The key of a bound reduction (its search depth follows the token count)."""
-        return ("reduce", yc.device.index, yc.shape[1], yc.dtype, yc.stride(0),
-                (num_tokens + 1).bit_length(), self._prefix_buffer("send_off")[0].data_ptr(),
-                self.window.data_ptr())
-
     def _reduce_device(self, yc, idx, own_start: int, sstarts, num_tokens: int):
         """Combine's reduction as one kernel (``device.py``) on y's device: ``[num_tokens, D]``
         from this rank's rows of ``yc`` and the peers' rows in the receive window; ends with

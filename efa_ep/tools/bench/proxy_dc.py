@@ -2,8 +2,8 @@
 proxy's D+C of a DeepSeek-V3-shaped batch in two rank processes, interleaved with its own wire
 floor (the same rows' two wire rounds alone) and gloo, every arm checked bit for bit against
 ``torch`` (``one_call``: whether a case that ran before goes to one native call per op,
-``EFA_EP_PROXY_ONE_CALL``); and the helpers the benchmark's parts share (rank environment, summaries, the
-engine-wait clock)."""
+``EFA_EP_PROXY_ONE_CALL``); and the helpers the benchmark's parts share (rank environment,
+summaries, the engine-wait clock)."""
 from __future__ import annotations
 
 import resource
