@@ -288,7 +288,8 @@ def fit_linear(obs: Sequence[Dict[str, Any]]) -> Tuple[float, float]:
         return sum(ys) / n / 2, 0.0
     # minimize sum(((2 f + x s) - y) / y)^2: normal equations of a = 2 f, s with weights 1 / y^2
     w = [1.0 / (y * y) for y in ys]
-    s0, s1, s2 = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
+    s0 = sum(w)
+    s1, s2 = sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
     t0, t1 = sum(wi * y for wi, y in zip(w, ys)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
     det = s0 * s2 - s1 * s1
     slope = max(0.0, (s0 * t1 - s1 * t0) / det) if det > 0 else 0.0
@@ -546,5 +547,5 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
              "results/gda_perop/gda_gpu_check_cpp_direct_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
-             "results/h200/bench_hier_ep4_overlap/bench_summary.json"]
+             "results/h200/bench_hier_ep4_one_call/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
