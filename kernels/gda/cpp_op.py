@@ -40,7 +40,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 # The plan's constants, in the order of the P_* fields of efa_gda_op.cpp.
 PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin_ns", "flag",
                "wait_ns", "shape", "rows", "words", "o_slot", "o_send", "o_rank", "o_out",
-               "o_offsets", "n_info", "num_local", "hidden", "topk", "tokens")
+               "o_offsets", "n_info", "num_local", "hidden", "topk", "tokens", "run")
 # A combine plan's constants, in the order of the C_* fields of efa_gda_op.cpp.
 COMBINE_FIELDS = ("fn", "store", "reduce", "gate", "world", "rank", "spin_ns", "max_grid",
                   "fixed_rows")
@@ -204,7 +204,8 @@ def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, 
 
 
 def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, device: int = -1):
-    """A planned regular dispatch whose outputs are allocated ahead, in one C++ call (see the
+    """A planned regular dispatch in one C++ call, its outputs allocated ahead (or, at capacity
+    0, after its count read; see the
     module); ``ph``: the transport's ``GdaPhases``, ``plan``: its bound dispatch plan for this
     shape, ``epoch``: the op's number. Returns what ``GdaPhases.dispatch_head`` returns when
     the call gathered, else the dispatch's scratch (its header ran; the caller reads the counts
@@ -228,7 +229,8 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
             spin_ns=GATE_SPIN_NS, flag=flag, wait_ns=ph._flag_wait_ns, shape=ahead.shape_addr,
             rows=ahead.rows_addr, words=words, o_slot=o_slot, o_send=o_send, o_rank=o_rank,
             o_out=o_out, o_offsets=o_offsets, n_info=n_info, num_local=num_local,
-            hidden=tr.cfg.hidden, topk=ahead.k, tokens=t)
+            hidden=tr.cfg.hidden, topk=ahead.k, tokens=t,
+            run=ctypes.cast(front._lib["efa_launch_run"], ctypes.c_void_p).value)
     record = wait_record(epoch, "dispatch")
     delta = epoch - tr._dev_base
     res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, delta, record, stream,
@@ -271,7 +273,7 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None  # not tensors of two dimensions
     plan = ph._plans.get(key)
-    if plan is None or plan[-1].cpp is None or not plan[-1].cap or epoch >= 2**31 - 1:
+    if plan is None or plan[-1].cpp is None or epoch >= 2**31 - 1:
         return None
     if torch.cuda.is_current_stream_capturing():
         return None  # the checked path raises, naming the capture

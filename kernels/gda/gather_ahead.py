@@ -13,7 +13,9 @@ from ..native_launch import FLAG_LATE, GATE_LATE, RAN
 
 #: a regular dispatch whose outputs fit this many bytes allocates them before its count read, at
 #: the rows its shape's recent calls received, so that its one native call gathers too (a
-#: larger op costs the device far more than a second native call costs the host)
+#: larger op costs the device far more than a second native call costs the host); with the C++
+#: dispatch (``fast_launch=4``) a larger one gets exact outputs after the count read, in the
+#: same C++ call
 GATHER_AHEAD_BYTES = 16 << 20
 
 

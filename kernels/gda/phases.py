@@ -328,10 +328,13 @@ class GdaPhases:
             return scratch, slot, o_send, vals, tokens_per_expert, offsets, None
         front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
         self._ahead = ahead
-        gathers = ahead.cap and (ahead.prog or self._progs.get(ahead.key)) is not None
+        bound = (ahead.prog or self._progs.get(ahead.key)) is not None
+        gathers = ahead.cap and bound
         buf_ptr = self._host[0]
         got = None
-        if gathers and self.cpp is not None:  # the whole call in C++ (fast_launch=4)
+        # the whole call in C++ (fast_launch=4), its outputs allocated ahead or, when too large
+        # for that, after the count read
+        if bound and self.cpp is not None:
             done = cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch,
                                    _stream(self._dev))
             if isinstance(done, tuple):

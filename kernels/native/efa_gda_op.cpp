@@ -29,6 +29,8 @@ struct Program {
 typedef int (*GatedFn)(const void *, const void *, int64_t, int64_t *, int, int, int64_t, int64_t,
                        const int64_t *, int64_t, int64_t, int64_t *, int64_t *, char *, size_t);
 
+typedef int (*RunFn)(const void *, int64_t, char *, size_t);
+
 typedef int (*DispatchFn)(const void *, const void *, const void *, int64_t, int64_t *, int, int,
                           int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
                           int64_t *, int64_t *, int64_t *, char *, size_t);
@@ -37,7 +39,7 @@ typedef int (*DispatchFn)(const void *, const void *, const void *, int64_t, int
 enum {
     P_FN, P_FRONT, P_HEADER, P_GATHER, P_GATE, P_WORLD, P_RANK, P_SPIN_NS, P_FLAG, P_WAIT_NS,
     P_SHAPE, P_ROWS, P_WORDS, P_O_SLOT, P_O_SEND, P_O_RANK, P_O_OUT, P_O_OFFSETS, P_N_INFO,
-    P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_NUM_FIELDS
+    P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_RUN, P_NUM_FIELDS
 };
 
 // A combine plan's constants (kernels/gda/cpp_op.py, COMBINE_FIELDS).
@@ -77,8 +79,12 @@ static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Ten
            w.is_contiguous() && on(w, device);
 }
 
+// Outputs are allocated ahead at the plan's capacity (shape[5] rows) before the native call, which
+// then gathers too; a plan of capacity 0 (outputs larger than the caller allocates ahead) gets
+// them allocated here after the call read clean counts (at most world x t_max rows: the peers'
+// counts are bounded there), then its gather launched (p[P_RUN], efa_launch_run).
 // Returns (status, sync_ns, gate_ns, scratch, then when status is 0: recv_x, recv_topk_idx,
-// recv_topk_weights [rows, ...] (views of outputs allocated at the plan's capacity), slot [T, W],
+// recv_topk_weights [rows, ...] (views of the outputs), slot [T, W],
 // offsets [W + 1], send_token_idx [S] (views of scratch), tokens_per_expert [L] int64 CPU,
 // rows sent per destination, rows received per source; when negative: the library's error
 // text). The GIL is released during the native call (it waits for peers and the device).
@@ -93,6 +99,7 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
         return py::make_tuple(NOT_PLANNED);
     auto scratch = at::empty({p[P_WORDS]}, x.options().dtype(at::kLong));
+    const bool after = cap == 0;  // the outputs once the counts are read
     auto recv_x = at::empty({cap, p[P_HIDDEN]}, x.options());
     auto recv_idx = at::empty({cap, k}, topk_idx.options());
     auto recv_w = at::empty({cap, k}, topk_weights.options());
@@ -124,6 +131,20 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
                 rows_out, &sync_ns, &gate_ns, err, sizeof err);
     }
     if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+    if (after && rc == 3 && *rows_out > 0) {  // clean counts, rows > 0: gather them now
+        const int64_t rows = *rows_out;
+        recv_x = at::empty({rows, p[P_HIDDEN]}, x.options());
+        recv_idx = at::empty({rows, k}, topk_idx.options());
+        recv_w = at::empty({rows, k}, topk_weights.options());
+        const int64_t av[6] = {sp + 8 * p[P_O_OFFSETS],
+                               reinterpret_cast<int64_t>(recv_x.data_ptr()),
+                               reinterpret_cast<int64_t>(recv_idx.data_ptr()),
+                               reinterpret_cast<int64_t>(recv_w.data_ptr()), rows,
+                               rows < shape[6] ? rows : shape[6]};
+        std::memcpy(gather->vars, av, sizeof av);
+        rc = reinterpret_cast<RunFn>(p[P_RUN])(gather, stream, err, sizeof err);
+        if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+    }
     if (rc != 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch);
     const int64_t n = *rows_out, num_local = p[P_LOCAL], n_info = p[P_N_INFO];
     const int64_t *info = reinterpret_cast<const int64_t *>(p[P_FLAG]) - n_info;

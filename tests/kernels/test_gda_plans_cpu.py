@@ -117,6 +117,42 @@ def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr_any):
             assert recv_x.untyped_storage().nbytes() == n * H * 2
 
 
+def test_cpp_dispatch_too_large_to_allocate_ahead_gathers_after_its_count_read(
+        tmp_path, monkeypatch):
+    """Outputs above what is allocated ahead (prefill-sized; here every size): from the third
+    call the C++ call reads the counts, allocates outputs of exactly the rows received and
+    launches the gather with them; before, Python gathered after the native call."""
+    from efa_ep.kernels.gda import gather_ahead
+
+    monkeypatch.setattr(gather_ahead, "GATHER_AHEAD_BYTES", 0)
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    ran, cpp_dispatch = [], tr._phases.cpp.dispatch
+
+    def counted(*a):
+        res = cpp_dispatch(*a)
+        ran.append(res[0])
+        return res
+
+    monkeypatch.setattr(tr._phases.cpp, "dispatch", counted)
+    _, x, idx, w = _inputs(8)
+    n = T + 5
+    for call in range(6):
+        gather = _next_gather_prog(tr) if call >= 2 else None
+        if gather is not None:
+            gather._vars[4] = -7  # the C++ call must write the row count it read
+        epoch = tr._epoch
+        recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
+        assert tr._epoch == epoch + 1  # one op number either way
+        assert recv_x.shape == (n, H) and recv_idx.shape == recv_w.shape == (n, K)
+        assert recv_x.untyped_storage().nbytes() == n * H * 2  # exact: nothing ahead
+        assert h.num_recv_per_rank == (T, 5) and tpe.tolist() == [2] * L
+        if call >= 2:
+            assert _vars(gather) == [h.state.recv_offsets.data_ptr(), recv_x.data_ptr(),
+                                     recv_idx.data_ptr(), recv_w.data_ptr(), n,
+                                     min(n, tr.num_programs)]
+    assert ran == [0] * 4  # calls 2-5 each ran whole in the C++ call (status 0: gathered)
+
+
 def test_cpp_dispatch_checks_its_inputs_and_leaves_other_cases_to_the_checked_path(tmp_path,
                                                                                  monkeypatch):
     tr = _transport(tmp_path, monkeypatch, cpp=True)
@@ -125,10 +161,11 @@ def test_cpp_dispatch_checks_its_inputs_and_leaves_other_cases_to_the_checked_pa
     host_check = tr._host_check
     tr._host_check = lambda *a: (checked.append(tr._epoch + 1), errors.append(host_check(*a)),
                                  errors[-1])[2]
-    # per parity: one call binds the plan, one learns the rows, one makes the C++ constants
+    # per parity: one call binds the plan, one makes the C++ constants (and gathers after its
+    # count read in C++), then the C++ call straight from the transport's method
     for call in range(6):
         tr.dispatch(x, idx, w)
-    assert checked == [1, 2, 3, 4, 5, 6]
+    assert checked == [1, 2, 3, 4]
 
     def run(*args):
         before, n_checked = tr._epoch, len(checked)
