@@ -283,7 +283,8 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert "results/plan/measured_h200x2.jsonl" in shipped["gda_link_eff"].source
     # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
     assert shipped["hier_fixed_us"].tag == "measured"
-    assert "results/h200/bench_hier_ep4_one_call/bench_summary.json" in shipped["hier_fixed_us"].source
+    assert ("results/h200/bench_hier_ep4_one_call/bench_summary.json"
+            in shipped["hier_fixed_us"].source)
 
 
 def test_calibration_from_bench_records_jsonl(tmp_path):
