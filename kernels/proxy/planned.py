@@ -262,9 +262,7 @@ class PlannedOps:
     def combine(self, y, handle):
         """A combine of a planned case in one native call, or None (nothing ran)."""
         tr = self.tr
-        st = getattr(handle, "state", None)
-        if type(st) is not self._state_type or st.owner != tr.uid or \
-                st.send_token_idx_cpu is not None:
+        if not self._own_handle(handle):
             return None
         t, n = handle.num_tokens, handle.num_recv_tokens
         try:
@@ -273,29 +271,16 @@ class PlannedOps:
                 return None
         except (AttributeError, TypeError, RuntimeError, IndexError):
             return None
-        idx = handle.send_token_idx
-        dev = plan.device
-        if (not self._usable(plan) or idx.device != dev or handle.topk_idx.device != dev
-                or not idx.numel() or not t):
+        ptrs = self._addresses(plan, y, handle) if t else None
+        if ptrs is None:
             return None
-        yp, ip = y.data_ptr(), idx.data_ptr()
-        if (yp | ip) & 15:
-            return None
-        from .device import pack_grid
-
-        num_send, num_recv = handle.num_send_per_rank, handle.num_recv_per_rank
-        me = tr.rank
+        yp, ip = ptrs
+        num_recv, me = handle.num_recv_per_rank, tr.rank
         if (n - num_recv[me]) * plan.row_bytes > plan.send_area:
             return None  # the stepped path names it
-        ops = tr._hostops
-        ops.num_send[:] = num_send
-        ops.num_recv[:] = num_recv
+        grid, chunk_rows = self._round_counts(plan, handle, n)
         s_me = sum(num_recv[:me])
-        grid = pack_grid(n, plan.num_programs)
-        chunk_rows = tr._chunk_rows(grid, plan.row_bytes)
-        op = plan.op
-        op.progress_words, op.chunk_rows = grid, chunk_rows
-        out = torch.empty(t, y.shape[1], dtype=y.dtype, device=dev)
+        out = torch.empty(t, y.shape[1], dtype=y.dtype, device=plan.device)
         plan.pack.set_vars((yp, s_me, s_me + num_recv[me], n, max(1, chunk_rows), grid))
         plan.reads.set_vars((yp, ip, out.data_ptr(), s_me, t, min(t, plan.num_programs)))
         self._run(plan, self._rows_fn, OP_COMBINE)
@@ -316,9 +301,7 @@ class PlannedOps:
         """A cached dispatch of a planned case in one native call and the copies out of the
         window, or None (nothing ran)."""
         tr = self.tr
-        st = getattr(handle, "state", None)
-        if type(st) is not self._state_type or st.owner != tr.uid or \
-                st.send_token_idx_cpu is not None:
+        if not self._own_handle(handle):
             return None
         t = handle.num_tokens
         try:
@@ -327,36 +310,56 @@ class PlannedOps:
                 return None
         except (AttributeError, TypeError, RuntimeError, IndexError):
             return None
-        idx = handle.send_token_idx
-        dev = plan.device
-        if (not self._usable(plan) or idx.device != dev or handle.topk_idx.device != dev
-                or not idx.numel()):
+        ptrs = self._addresses(plan, x, handle)
+        if ptrs is None:
             return None
-        xp, ip = x.data_ptr(), idx.data_ptr()
-        if (xp | ip) & 15:
-            return None
-        from .device import pack_grid
+        xp, ip = ptrs
         from .round_ops import _prefix
 
-        num_send, num_recv = handle.num_send_per_rank, handle.num_recv_per_rank
-        me = tr.rank
-        starts = _prefix(num_send)
+        num_recv, me = handle.num_recv_per_rank, tr.rank
+        starts = _prefix(handle.num_send_per_rank)
         s_me, e_me, n = starts[me], starts[me + 1], starts[-1]
         if (n - (e_me - s_me)) * plan.row_bytes > plan.send_area:
             return None  # the stepped path names it
-        ops = tr._hostops
-        ops.num_send[:] = num_send
-        ops.num_recv[:] = num_recv
-        grid = pack_grid(n, plan.num_programs)
-        chunk_rows = tr._chunk_rows(grid, plan.row_bytes)
-        plan.op.progress_words, plan.op.chunk_rows = grid, chunk_rows
+        grid, chunk_rows = self._round_counts(plan, handle, n)
         plan.pack.set_vars((xp, ip, s_me, e_me, n, max(1, chunk_rows), grid))
         self._run(plan, self._rows_fn, OP_CACHED)
-        out = tr._cached_outputs(ops, x, idx, num_recv, starts, _prefix(num_recv))
+        out = tr._cached_outputs(tr._hostops, x, handle.send_token_idx, num_recv, starts,
+                                 _prefix(num_recv))
         self.calls["cached"] += 1
         return out
 
     # -------------------------------------------------------------------------------------
+    def _own_handle(self, handle) -> bool:
+        """Whether ``handle`` comes from this transport's device-path dispatch."""
+        st = getattr(handle, "state", None)
+        return (type(st) is self._state_type and st.owner == self.tr.uid
+                and st.send_token_idx_cpu is None)
+
+    def _addresses(self, plan: _Plan, rows, handle):
+        """(``rows``' address, the handle's token indices' address) when a combine or cached
+        dispatch along ``handle`` may run on ``plan`` (its wire, device, 16-byte alignment),
+        else None."""
+        idx, dev = handle.send_token_idx, plan.device
+        if (not self._usable(plan) or idx.device != dev or handle.topk_idx.device != dev
+                or not idx.numel()):
+            return None
+        rp, ip = rows.data_ptr(), idx.data_ptr()
+        return None if (rp | ip) & 15 else (rp, ip)
+
+    def _round_counts(self, plan: _Plan, handle, n: int):
+        """The handle's row counts into the op struct and the packing of ``n`` send-plane rows:
+        returns (grid, rows a chunk), also set as the plan's progress words and chunk."""
+        from .device import pack_grid
+
+        ops = self.tr._hostops
+        ops.num_send[:] = handle.num_send_per_rank
+        ops.num_recv[:] = handle.num_recv_per_rank
+        grid = pack_grid(n, plan.num_programs)
+        chunk_rows = self.tr._chunk_rows(grid, plan.row_bytes)
+        plan.op.progress_words, plan.op.chunk_rows = grid, chunk_rows
+        return grid, chunk_rows
+
     def _launch_reads(self, plan: _Plan) -> None:
         """The dispatch's second native call: its reading kernel, then its event."""
         rc = self._reads_fn(plan.dev_ref, self._err, _ERRLEN)
