@@ -213,6 +213,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "benchmarks only: 0 runs every packed proxy op of CUDA rows in its Python steps, "
              "even for a case that ran before (the other arm of a comparison)",
              allowed="0 or 1", read_by="kernels/proxy/planned.py"),
+    Variable("EFA_EP_PROXY_EARLY_READS", "proxy_early_reads", str, "1",
+             "benchmarks only: 0 launches the kernel that reads a one-call proxy op's received "
+             "rows after the round completed, instead of as the rows' chunks arrive (the other "
+             "arm of a comparison)", allowed="0 or 1", read_by="kernels/proxy/planned.py"),
     Variable("EFA_EP_REQUIRE_TRANSPORTS", "require_transports", str, "torch",
              "tests only: transports whose tests must run (fail instead of skip)",
              allowed="names, comma-separated", read_by="tests/test_required_transports.py"),

@@ -18,7 +18,7 @@
 
 
 static uint64_t make_w0(int dest, uint32_t msg, uint32_t len) {
-    return ((uint64_t)dest << 52) | ((uint64_t)(msg & ((1u << EFA_MSG_BITS) - 1)) << 32) | len;
+    return ((uint64_t)dest << 52) | ((uint64_t)(msg & EFA_IMM_MSG_MASK) << 32) | len;
 }
 
 int efa_bench_roundtrip(uint64_t handle, int ch, uint32_t len, uint32_t msg0, int iters,

@@ -7,19 +7,23 @@
 #include "efa_engine.h"
 
 /* ---------------------------------------------------------------------------------------- */
-/* Immediate data: source rank (12 bits) | generation (4 bits) | message id (16 bits). */
-static inline uint32_t make_imm(int src, uint32_t gen, uint32_t msg) {
-    return ((uint32_t)src << EFA_MSG_BITS) | ((gen & EFA_IMM_GEN_MASK) << EFA_IMM_MSG_BITS) |
-           (msg & EFA_IMM_MSG_MASK);
+/* Immediate data: source rank (12 bits) | generation (4 bits) | mark (8 bits) | message id (8). */
+static inline uint32_t make_imm(int src, uint32_t gen, uint32_t msg, uint32_t mark) {
+    return ((uint32_t)src << EFA_MSG_BITS) | ((gen & EFA_IMM_GEN_MASK) << EFA_IMM_GEN_SHIFT) |
+           ((mark & EFA_IMM_MARK_MASK) << EFA_IMM_MARK_SHIFT) | (msg & EFA_IMM_MSG_MASK);
 }
 
 /* A peer's immediate is untrusted: its source must be in the group, its generation this
  * engine's, and (once the consumer published its round) its message one the consumer can be
  * waiting for: header or data of round s, or the header of round s + 1 (a peer that finished
- * round s early). Anything else is a stray or replayed write: reported, never counted. */
+ * round s early). A chunk mark may ride only on data of round s, within EFA_MARK_CHUNKS, once
+ * per chunk and round. Anything else is a stray, replayed or forged write: reported, never
+ * counted. The mark is stored before the arrival is counted: a consumer that saw the count has
+ * every mark of it. */
 static inline void publish_arrival(engine *e, channel *c, uint32_t imm) {
     uint32_t src = imm >> EFA_MSG_BITS;
-    uint32_t gen = (imm >> EFA_IMM_MSG_BITS) & EFA_IMM_GEN_MASK, msg = imm & EFA_IMM_MSG_MASK;
+    uint32_t gen = (imm >> EFA_IMM_GEN_SHIFT) & EFA_IMM_GEN_MASK, msg = imm & EFA_IMM_MSG_MASK;
+    uint32_t mark = (imm >> EFA_IMM_MARK_SHIFT) & EFA_IMM_MARK_MASK;
     if ((int)src >= e->world) {
         engine_violation(e, "rank %d channel %d: remote completion with immediate 0x%08x names "
                             "source rank %u outside the group of %d", e->rank, c->idx, imm, src,
@@ -33,14 +37,35 @@ static inline void publish_arrival(engine *e, channel *c, uint32_t imm) {
                          e->gen & EFA_IMM_GEN_MASK);
         return;
     }
-    if (atomic_load_explicit(&e->check_msgs, memory_order_acquire)) {
-        uint32_t s = atomic_load_explicit(&e->expect_seq, memory_order_acquire);
-        uint32_t lo = (2u * s) & EFA_IMM_MSG_MASK, rel = (msg - lo) & EFA_IMM_MSG_MASK;
+    uint32_t rel = 0, s = 0;
+    int checked = atomic_load_explicit(&e->check_msgs, memory_order_acquire);
+    if (checked) {
+        s = atomic_load_explicit(&e->expect_seq, memory_order_acquire);
+        uint32_t lo = (2u * s) & EFA_IMM_MSG_MASK;
+        rel = (msg - lo) & EFA_IMM_MSG_MASK;
         if (rel > 2) {
             engine_violation(e, "rank %d channel %d: stray or replayed write from rank %u: "
                                 "message %u, expected %u..%u (round %u); rejected, not counted",
                              e->rank, c->idx, src, msg, lo, (lo + 2) & EFA_IMM_MSG_MASK, s);
             return;
+        }
+    }
+    if (mark) {
+        if (!checked || rel != 1 || mark > EFA_MARK_CHUNKS) {
+            engine_violation(e, "rank %d channel %d: write from rank %u (message %u) carries chunk "
+                                "mark %u: marks ride only on a round's data, 1..%d; rejected",
+                             e->rank, c->idx, src, msg, mark, EFA_MARK_CHUNKS);
+            return;
+        }
+        if (e->marks) {
+            _Atomic uint32_t *m = &e->marks[(size_t)src * EFA_MARKS + (mark - 1)];
+            uint32_t tag = efa_mark_tag(s);
+            if (atomic_load_explicit(m, memory_order_relaxed) == tag) {
+                engine_violation(e, "rank %d channel %d: chunk %u of rank %u's data (round %u) "
+                                    "arrived twice; rejected", e->rank, c->idx, mark - 1, src, s);
+                return;
+            }
+            atomic_store_explicit(m, tag, memory_order_release);
         }
     }
     /* this channel's own counter of (source, message): channels never share a cache line */
@@ -163,13 +188,15 @@ static int eagain_check(engine *e, channel *c, int dest) {
 /* Step 2 for one descriptor. Returns 1 posted, 0 must retry later (no context / EAGAIN), <0 fail. */
 static int post_one(engine *e, channel *c, const desc_t *d) {
     uint32_t len = (uint32_t)(d->w0 & 0xffffffffu);
-    uint32_t msg = (uint32_t)((d->w0 >> 32) & ((1u << EFA_MSG_BITS) - 1));
+    uint32_t field = (uint32_t)((d->w0 >> 32) & ((1u << EFA_MSG_BITS) - 1));
+    uint32_t msg = field & EFA_IMM_MSG_MASK;
+    uint32_t mark = (field >> EFA_IMM_MARK_SHIFT) & EFA_IMM_MARK_MASK;
     int dest = (int)(d->w0 >> 52);
     uint64_t loff = (d->w1 >> 32) << 4, roff = (d->w1 & 0xffffffffu) << 4;
     if (len == 0) {
         /* no-op marker: completes through the counters without touching the wire */
         atomic_fetch_add_explicit(&c->stats[ST_NOOP], 1, memory_order_relaxed);
-        publish_arrival(e, c, make_imm(e->rank, e->gen, msg));
+        publish_arrival(e, c, make_imm(e->rank, e->gen, msg, 0));
         return 1;
     }
     /* our own writes stay inside our region of the destination's window (its provider enforces
@@ -187,17 +214,18 @@ static int post_one(engine *e, channel *c, const desc_t *d) {
     if (c->free_ctx < 0) return 0; /* max_inflight writes outstanding: progress first */
     op_ctx *x = &c->ctx[c->free_ctx];
     uint64_t raddr = c->peer_base[dest] + (roff - rs);
-    uint32_t gen = e->gen, imsg = msg;
+    uint32_t gen = e->gen, imsg = msg, imark = mark;
     int tamper = atomic_load_explicit(&e->tamper, memory_order_relaxed);
-    if (tamper && (msg & 1) && dest != e->rank &&
+    if (tamper && (msg & 1) && dest != e->rank && (tamper != EFA_TAMPER_MARK || mark) &&
         !atomic_exchange_explicit(&e->tamper_done, 1, memory_order_relaxed)) {
         /* test-only faults on the first data write after arming (see EFA_TAMPER_*) */
         if (tamper == EFA_TAMPER_OFFSET) raddr += rb;     /* into the next source's region */
         if (tamper == EFA_TAMPER_MSG) imsg = msg + 16;    /* an id nobody waits for */
         if (tamper == EFA_TAMPER_REPLAY) imsg = msg - 2;  /* the previous round's data id */
         if (tamper == EFA_TAMPER_GEN) gen = e->gen + 1;   /* another transport's generation */
+        if (tamper == EFA_TAMPER_MARK) imark = EFA_MARK_CHUNKS + 1; /* beyond the marked chunks */
     }
-    uint32_t imm = make_imm(e->rank, gen, imsg);
+    uint32_t imm = make_imm(e->rank, gen, imsg, imark);
     ssize_t rc = fi_writedata(c->ep, e->window + loff, len, c->mr_desc, imm, c->peer_addr[dest],
                               raddr, c->peer_key[dest], &x->fctx);
     if (rc == -FI_EAGAIN) {

@@ -1,8 +1,9 @@
 /* efa_devop.c: a packed proxy operation (CUDA rows on a host window) in one native call, from
  * the send side's quiesce to the kernel that reads what arrived (efa_proxy.h, "A packed
- * operation ... in one call"). The steps are those the caller ran one by one before: wait for our
- * previous writes, launch the packing kernel, wait for the previous op's reads of the window,
- * then the round's begin / post / complete (efa_op.c), then the reading kernel and its event.
+ * operation ... in one call"): wait for our previous writes, launch the packing kernel, wait for
+ * the previous op's reads of the window, the round's begin and post (efa_op.c), then the reading
+ * kernel (it follows the chunk marks, so it reads while the rest arrives), the round's complete,
+ * the whole marks and the reads' event.
  * Kernels and events go through the launch library's entry points, whose addresses the caller
  * passes (libefa_launch is loaded on its own, and may be absent where no GPU is).
  *
@@ -49,14 +50,29 @@ static int front(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     return 0;
 }
 
-int efa_devop_reads(efa_devop *d, char *err, size_t errlen) {
+static int launch_reads(efa_devop *d, char *err, size_t errlen) {
     d->step = EFA_STEP_READS;
-    if (d->reads) {
-        int rc = launch(d, d->reads, err, errlen);
-        if (rc) return rc;
-    }
+    return d->reads ? launch(d, d->reads, err, errlen) : 0;
+}
+
+/* The reading kernel (0: none) and the round's complete: with d->early the kernel first (it
+ * follows the chunk marks, so it reads while the data still arrives), then the complete, then
+ * the whole marks, stored whatever the complete returned (the kernel must not wait for data that
+ * will not come); else the complete, then the kernel. Then the reads' event. */
+static int reads_and_complete(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    efa_wire *w = o->wire;
+    int rc = d->early ? launch_reads(d, err, errlen) : 0;
+    if (rc) return rc;
+    d->step = EFA_STEP_COMPLETE;
+    rc = d->kind == EFA_DEVOP_DISPATCH ? efa_op_dispatch_packed_complete(o, err, errlen)
+         : d->kind == EFA_DEVOP_COMBINE ? efa_op_combine_packed_complete(o, err, errlen)
+                                         : efa_op_cached_packed_complete(o, err, errlen);
+    if (d->early && d->reads) efa_engine_mark_whole(w->engine, (uint64_t)w->seq);
+    if (rc) return rc;
+    if (!d->early && (rc = launch_reads(d, err, errlen))) return rc;
+    d->step = EFA_STEP_READS;
     if (d->reads_event) {
-        int rc = ((record_fn)(uintptr_t)d->event_record)(d->reads_event, d->stream, err, errlen);
+        rc = ((record_fn)(uintptr_t)d->event_record)(d->reads_event, d->stream, err, errlen);
         if (rc) return rc;
     }
     d->step = EFA_STEP_DONE;
@@ -87,14 +103,15 @@ int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen) {
                 "%lld", (long long)me, (long long)n, (long long)(d->routing_cap / o->topk));
         return -EINVAL;
     }
-    rc = efa_op_dispatch_packed_complete(o, err, errlen);
-    if (rc) return rc;
     d->recv_off[0] = 0;
     for (int64_t r = 0; r < W; r++) d->recv_off[r + 1] = d->recv_off[r] + o->num_recv[r];
     d->own_start = 0;
     for (int64_t r = 0; r < me; r++) d->own_start += o->num_send[r];
-    d->step = EFA_STEP_DONE;
-    return 0;
+    return 0; /* step stays EFA_STEP_COMPLETE: efa_devop_dispatch_finish's */
+}
+
+int efa_devop_dispatch_finish(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    return reads_and_complete(o, d, err, errlen);
 }
 
 int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
@@ -114,14 +131,10 @@ int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     rc = combine ? efa_op_combine_packed_post(o, err, errlen)
                  : efa_op_cached_packed_post(o, err, errlen);
     if (rc) return rc;
-    d->step = EFA_STEP_COMPLETE;
-    rc = combine ? efa_op_combine_packed_complete(o, err, errlen)
-                 : efa_op_cached_packed_complete(o, err, errlen);
-    if (rc) return rc;
     if (d->send_off) {
         d->send_off[0] = 0;
         for (int64_t r = 0; r < o->wire->world; r++)
             d->send_off[r + 1] = d->send_off[r] + o->num_send[r];
     }
-    return efa_devop_reads(d, err, errlen);
+    return reads_and_complete(o, d, err, errlen);
 }

@@ -124,6 +124,7 @@ typedef struct engine {
     uint64_t window_bytes;
     uint32_t ring_slots, num_slots;
     _Atomic uint64_t *counters;
+    _Atomic uint32_t *marks; /* [world * EFA_MARKS] chunk marks (caller memory), NULL: none */
     int max_inflight, spin_us, inject, cpu_base;
     int hmem_cuda_device; /* >= 0: the window is CUDA memory on this device (FI_HMEM_CUDA) */
     /* Receive regions: source r writes only into [recv_off + r*recv_stride, + recv_stride), a
@@ -309,7 +310,7 @@ static inline engine *from_handle(uint64_t h) { return (engine *)(uintptr_t)h; }
 /* Arrival counters are per channel: counters[(ch * world + src) * num_slots + slot]. A waiter
  * sums a (source, message)'s counter over the channels; each counter has one writer. */
 static inline size_t counter_index(const engine *e, int ch, int src, uint32_t msg) {
-    uint32_t slot = (msg & ((1u << EFA_MSG_BITS) - 1)) % e->num_slots;
+    uint32_t slot = (msg & EFA_IMM_MSG_MASK) % e->num_slots;
     return ((size_t)ch * (size_t)e->world + (size_t)src) * e->num_slots + slot;
 }
 

@@ -297,13 +297,19 @@ int efa_op_dispatch_packed_begin(efa_op *o, char *err, size_t errlen) {
 static inline int64_t cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Posts bytes [from, to) of this round's data message m (efa_wire_begin's list). Cut at
- * multiples of the wire's chunk size, a message's slices make the chunks the receiver counts. */
-static int post_slice(efa_wire *w, int64_t m, int64_t from, int64_t to, char *err, size_t errlen) {
+ * multiples of the wire's chunk size, a message's slices make the chunks the receiver counts;
+ * marked (a plane 0: the receiver's kernel may read its chunks as they arrive), the chunk at
+ * byte c * chunk_bytes carries mark c + 1. */
+static int post_slice(efa_wire *w, int64_t m, int64_t from, int64_t to, int marked, char *err,
+                      size_t errlen) {
     int64_t d = w->msgs[m], lo = w->msgs[w->max_msgs + m] + from,
             ro = w->msgs[2 * w->max_msgs + m] + from, size = to - from;
-    uint32_t msg = (uint32_t)(2 * w->seq + 1) & 0xFFFFu;
-    int rc = efa_post_messages(w->engine, msg, 1, &d, &lo, &ro, &size, (uint32_t)w->chunk_bytes,
-                               w->next_channel, (int)w->timeout_ms, err, errlen);
+    uint32_t msg = (uint32_t)(2 * w->seq + 1) & EFA_IMM_MSG_MASK;
+    int64_t c = from / w->chunk_bytes;
+    uint32_t mark0 = marked && c < EFA_MARK_CHUNKS ? (uint32_t)c + 1 : 0;
+    int rc = efa_post_messages(w->engine, msg, mark0, 1, &d, &lo, &ro, &size,
+                               (uint32_t)w->chunk_bytes, w->next_channel, (int)w->timeout_ms, err,
+                               errlen);
     if (rc) return rc;
     w->r_writes += cdiv64(size, w->chunk_bytes);
     w->r_wire_bytes += size;
@@ -350,7 +356,7 @@ static int post_rows_as_stored(efa_op *o, const int64_t *rows_to, const int64_t 
                 ready = ready < 0 ? 0 : ready > n ? n : ready;
                 int64_t upto = ready == n ? n * rb : (ready * rb / cb) * cb;
                 if (upto > posted[d]) {
-                    int rc = post_slice(w, msg0[d], posted[d], upto, err, errlen);
+                    int rc = post_slice(w, msg0[d], posted[d], upto, 1, err, errlen);
                     if (rc) return rc;
                     posted[d] = upto;
                 }
@@ -379,7 +385,7 @@ static int post_rows_as_stored(efa_op *o, const int64_t *rows_to, const int64_t 
 static int post_rest(efa_wire *w, char *err, size_t errlen) {
     for (int64_t m = 0; m < w->nmsgs; m++) {
         if (w->msgs[w->max_msgs + m] == w->plan[w->msgs[m]]) continue; /* plane 0 */
-        int rc = post_slice(w, m, 0, w->msgs[3 * w->max_msgs + m], err, errlen);
+        int rc = post_slice(w, m, 0, w->msgs[3 * w->max_msgs + m], 0, err, errlen);
         if (rc) return rc;
     }
     return 0;

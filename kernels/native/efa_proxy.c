@@ -199,6 +199,22 @@ int efa_engine_set_idle(uint64_t handle, int linger_us) {
     return 0;
 }
 
+int efa_engine_set_marks(uint64_t handle, uint32_t *marks) {
+    engine *e = from_handle(handle);
+    e->marks = (_Atomic uint32_t *)marks;
+    return 0;
+}
+
+int efa_engine_mark_whole(uint64_t handle, uint64_t seq) {
+    engine *e = from_handle(handle);
+    if (!e->marks) return 0;
+    const uint32_t tag = efa_mark_tag(seq);
+    for (int r = 0; r < e->world; r++)
+        atomic_store_explicit(&e->marks[(size_t)r * EFA_MARKS + EFA_MARK_WHOLE], tag,
+                              memory_order_release);
+    return 0;
+}
+
 int efa_engine_tamper(uint64_t handle, int kind) {
     engine *e = from_handle(handle);
     atomic_store_explicit(&e->tamper_done, 0, memory_order_relaxed);
@@ -285,7 +301,7 @@ int efa_ring_push(uint64_t handle, int ch, const uint64_t *descs, uint32_t n, in
     return 0;
 }
 
-int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests,
+int efa_post_messages(uint64_t handle, uint32_t msg, uint32_t mark0, int n, const int64_t *dests,
                       const int64_t *local_offs, const int64_t *remote_offs, const int64_t *sizes,
                       uint32_t chunk_bytes, uint32_t *next_channel, int timeout_ms, char *err,
                       size_t errlen) {
@@ -313,6 +329,7 @@ int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests
     uint64_t total = 0;
     int rc = 0;
     for (int i = 0; i < n && !rc; i++) {
+        uint32_t mark = mark0;
         for (uint64_t off = 0; off < (uint64_t)sizes[i]; off += chunk_bytes) {
             channel *c = &e->ch[j];
             uint64_t head = atomic_load_explicit(c->head, memory_order_acquire);
@@ -326,8 +343,10 @@ int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests
             uint64_t rest = (uint64_t)sizes[i] - off;
             uint32_t len = rest < chunk_bytes ? (uint32_t)rest : chunk_bytes;
             desc_t *slot = &c->ring[tail[j] % e->ring_slots];
-            slot->w0 = ((uint64_t)dests[i] << 52) |
-                       ((uint64_t)(msg & ((1u << EFA_MSG_BITS) - 1)) << 32) | len;
+            uint32_t field = (msg & EFA_IMM_MSG_MASK) |
+                             ((mark <= EFA_MARK_CHUNKS ? mark : 0) << EFA_IMM_MARK_SHIFT);
+            slot->w0 = ((uint64_t)dests[i] << 52) | ((uint64_t)field << 32) | len;
+            mark += mark ? 1 : 0;
             slot->w1 = ((((uint64_t)local_offs[i] + off) >> 4) << 32) |
                        (((uint64_t)remote_offs[i] + off) >> 4);
             tail[j]++;

@@ -9,7 +9,8 @@
  * the destination rank's window, and releases the slots by advancing the head.
  *
  * The target side never infers completion from order (EFA's SRD delivers in no order): every
- * write carries imm = (source rank << 20) | (generation << 16) | message id, and the target
+ * write carries imm = (source rank << 20) | (generation << 16) | (chunk mark << 8) | message id
+ * (8 bits), and the target
  * channel thread (after checking source, generation and message id) adds one to its own counter
  * of (source, message id % num_slots) (host memory the receiver polls; see `counters` below) for
  * each remote completion it reads from its CQ. A receiver knows how many chunks a message has, so
@@ -32,7 +33,8 @@
  *              (source, message) over the channels (acquire) and the consumer resets them.
  *
  * Descriptor (two little-endian uint64 words):
- *   w0 = dest_rank << 52 | (msg_id & 0xFFFFF) << 32 | length_bytes (32 bits)
+ *   w0 = dest_rank << 52 | (mark << 8 | msg_id) << 32 | length_bytes (32 bits); msg_id 8 bits,
+ *        mark 8 bits (0: none; see "Chunk marks" below), the field's top 4 bits zero
  *   w1 = (local_offset >> 4) << 32 | (remote_offset >> 4)      (offsets 16-byte aligned, < 64 GiB)
  *   length 0 is a no-op marker: the thread counts it as an arrival from its own rank (used to
  *   measure the ring -> proxy -> counter round trip without the wire).
@@ -53,23 +55,41 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 9
+#define EFA_PROXY_ABI_VERSION 10
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
 #define EFA_CTRL_HEAD 8       /* consumer index (next slot to read), monotonically increasing */
 #define EFA_MSG_BITS 20
 #define EFA_MAX_RANKS 4096    /* 12 bits of source rank in the immediate data */
-/* imm = source rank << EFA_MSG_BITS | generation << EFA_IMM_MSG_BITS | message id (16 bits) */
-#define EFA_IMM_MSG_BITS 16
-#define EFA_IMM_MSG_MASK 0xFFFFu
+/* imm = source rank << EFA_MSG_BITS | generation << EFA_IMM_GEN_SHIFT | mark << EFA_IMM_MARK_SHIFT
+ * | message id (8 bits: a round's header 2s and data 2s + 1, mod 256) */
+#define EFA_IMM_GEN_SHIFT 16
+#define EFA_IMM_MARK_SHIFT 8
+#define EFA_IMM_MSG_MASK 0xFFu
+#define EFA_IMM_MARK_MASK 0xFFu
 #define EFA_IMM_GEN_MASK 0xFu
+
+/* Chunk marks: a receiver's kernel may read a source's first plane while the rest of the data
+ * is still on the wire. Chunk j < EFA_MARK_CHUNKS of a marked data message carries mark j + 1;
+ * on its arrival the channel thread stores the round's tag (efa_mark_tag of the consumer's
+ * round) into marks[src * EFA_MARKS + j] (uint32, caller memory, efa_engine_set_marks), before
+ * it counts the arrival. Index EFA_MARK_WHOLE of each source is the consumer's: it stores the
+ * tag there once that source's data is wholly in (efa_engine_mark_whole), so a reader of a
+ * chunk beyond the marked ones, or of an unmarked message, waits for that. A mark on anything
+ * but a data message of the current round, beyond EFA_MARK_CHUNKS, or arriving twice in a round
+ * is a protocol violation. Tags are never reset: a new round's differs from every older one. */
+#define EFA_MARKS 256
+#define EFA_MARK_CHUNKS 254
+#define EFA_MARK_WHOLE 255
+static inline uint32_t efa_mark_tag(uint64_t seq) { return (uint32_t)(seq & 0x3FFFFFFFu) + 1u; }
 
 /* Tamper kinds (test-only): the first data write after efa_engine_tamper is altered. */
 #define EFA_TAMPER_OFFSET 1   /* written past this rank's region (into the next source's) */
 #define EFA_TAMPER_MSG 2      /* message id nobody waits for */
 #define EFA_TAMPER_REPLAY 3   /* the previous round's data message id */
 #define EFA_TAMPER_GEN 4      /* another generation */
+#define EFA_TAMPER_MARK 5     /* a chunk mark beyond EFA_MARK_CHUNKS */
 
 /* Inject flags (test-only fault injection). */
 #define EFA_INJECT_TARGET 1   /* target side: hold completions, delay, publish shuffled in batches */
@@ -125,6 +145,13 @@ int efa_engine_expect(uint64_t handle, uint32_t seq);
  * (producers that write the rings directly, e.g. a GPU, and wait outside the engine). */
 int efa_engine_set_idle(uint64_t handle, int linger_us);
 
+/* The chunk marks (see "Chunk marks"): marks [world * EFA_MARKS] uint32 of caller memory
+ * (pinned when a GPU reads it), zeroed by the caller; NULL: none kept (arrivals still checked). */
+int efa_engine_set_marks(uint64_t handle, uint32_t *marks);
+/* The consumer's part of the marks: stores efa_mark_tag(seq) at EFA_MARK_WHOLE of every source
+ * (the round's data is wholly in, or the round failed and nothing may wait for it any more). */
+int efa_engine_mark_whole(uint64_t handle, uint64_t seq);
+
 /* Test-only: arms one EFA_TAMPER_* fault (0 disarms). */
 int efa_engine_tamper(uint64_t handle, int kind);
 
@@ -150,11 +177,13 @@ int efa_ring_push(uint64_t handle, int ch, const uint64_t *descs, uint32_t n, in
 
 /* Producer for whole messages (the host path of a round: no per-chunk work in the caller): cuts
  * message i (sizes[i] bytes at local_offs[i] of this window, to remote_offs[i] of rank dests[i]'s
- * window) into chunk_bytes chunks in order; chunk j of the call goes to channel
- * (*next_channel + j) % num_channels, and *next_channel advances past the last one. Waits (bounded)
+ * window) into chunk_bytes chunks in order; mark0 > 0 marks them: chunk k of each message
+ * carries mark mark0 + k while that is at most EFA_MARK_CHUNKS (0: none). Chunk j of the call
+ * goes to channel (*next_channel + j) % num_channels, and *next_channel advances past the last
+ * one. Waits (bounded)
  * for ring space, publishing what it wrote first; publishes every ring's tail (release) at the end.
  * Offsets 16-byte aligned, sizes > 0. */
-int efa_post_messages(uint64_t handle, uint32_t msg, int n, const int64_t *dests,
+int efa_post_messages(uint64_t handle, uint32_t msg, uint32_t mark0, int n, const int64_t *dests,
                       const int64_t *local_offs, const int64_t *remote_offs, const int64_t *sizes,
                       uint32_t chunk_bytes, uint32_t *next_channel, int timeout_ms, char *err,
                       size_t errlen);
@@ -351,21 +380,27 @@ int efa_op_combine_packed_begin(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_post(efa_op *o, char *err, size_t errlen);
 int efa_op_combine_packed_complete(efa_op *o, char *err, size_t errlen);
 /* ---------------------------------------------------------------------------------------- */
-/* A packed operation from the send side's quiesce to the launch of the kernel that reads what
- * arrived, in one call (efa_devop.c): the kernels go through the launch library (its
- * efa_launch_run / efa_launch_event_record / efa_launch_event_wait, addresses in run,
- * event_record, event_wait), whose programs' variables the caller has set for this call.
+/* A packed operation from the send side's quiesce to the kernel that reads what arrived, in one
+ * call (efa_devop.c): the kernels go through the launch library (its efa_launch_run /
+ * efa_launch_event_record / efa_launch_event_wait, addresses in run, event_record, event_wait),
+ * whose programs' variables the caller has set for this call. With `early` the reading kernel
+ * is launched right after the round's post, before its complete: it waits (on the device) for
+ * the chunk marks of the rows it reads and for the whole marks (efa_engine_mark_whole, stored
+ * after the complete, whatever it returned) for the rest, so it reads while the data still
+ * arrives; without, it is launched after the complete (the order below otherwise).
  *   efa_devop_dispatch: our previous writes waited for (the wire's deadline), the progress words
  *       and the count block's ready word zeroed, the packing program `pack` launched on stream,
- *       the previous op's reads waited for (wait_event, 0: none), then dispatch_packed begin,
- *       post and complete (o's fields as those need; recv_idx / recv_w hold routing_cap
- *       elements); on return recv_off[W + 1] is the prefix of the rows from each source and
- *       own_start the rows sent before this rank's own. The caller then allocates the outputs,
- *       sets the program `reads`' variables and calls efa_devop_reads.
+ *       the previous op's reads waited for (wait_event, 0: none), then dispatch_packed begin
+ *       and post; on return recv_off[W + 1] is the prefix of the rows from each source and
+ *       own_start the rows sent before this rank's own (o->recv_idx / recv_w hold routing_cap
+ *       elements: checked here). The caller then allocates the outputs, sets the program
+ *       `reads`' variables and calls efa_devop_dispatch_finish: `reads` launched, the round's
+ *       complete (the routing rows unpacked into recv_idx / recv_w), the whole marks, then
+ *       reads_event recorded (0: none).
  *   efa_devop_rows: the same front for combine_packed (kind EFA_DEVOP_COMBINE) or cached_packed
- *       (EFA_DEVOP_CACHED) rounds, then the round's begin, post and complete, send_off[W + 1]
- *       (where given) the prefix of num_send, then efa_devop_reads.
- *   efa_devop_reads: `reads` launched (0: none), then reads_event recorded (0: none).
+ *       (EFA_DEVOP_CACHED) rounds, then the round's begin and post, send_off[W + 1] (where
+ *       given) the prefix of num_send, `reads` launched (0: none: the caller reads after the
+ *       call), the complete, the whole marks (when reads ran) and the event.
  * step says how far a call got (EFA_STEP_*): a non-zero return is that step's (its codes as the
  * step's own function returns them). */
 #define EFA_DEVOP_DISPATCH 1
@@ -379,6 +414,8 @@ typedef struct efa_devop {
     int64_t pack, reads;                   /* program addresses (efa_launch_run's) */
     int64_t wait_event, reads_event;       /* CUevent handles, 0: none */
     int64_t kind;                          /* EFA_DEVOP_* */
+    int64_t early;                         /* 1: reads launched before the complete (they
+                                              follow the marks); 0: after it */
     int64_t *recv_off;                     /* dispatch: [W + 1] out */
     int64_t *send_off;                     /* rows ops: [W + 1] out (0: none) */
     int64_t routing_cap;                   /* dispatch: elements of o->recv_idx / o->recv_w */
@@ -387,7 +424,7 @@ typedef struct efa_devop {
 } efa_devop;
 int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen);
 int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen);
-int efa_devop_reads(efa_devop *d, char *err, size_t errlen);
+int efa_devop_dispatch_finish(efa_op *o, efa_devop *d, char *err, size_t errlen);
 /* The text of a routing-rows problem efa_unpack_meta found in source src's n rows m [n, 2K]
  * (hdr_counts: the L counts of its header); returns -EPROTO. */
 int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K, int64_t L,

@@ -19,7 +19,6 @@
 
 enum { H_STATUS, H_OP, H_ROWS, H_ROW_BYTES, H_CHUNKS, H_TAG, H_FORMAT };
 #define FOOTER_BYTES 16
-#define MSG_MASK 0xFFFFu
 
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -185,8 +184,9 @@ int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen) {
     const int64_t W = w->world;
     if (W < 2) return 0;
     int64_t *hd = w->hmsgs, *hl = w->hmsgs + W, *hr = w->hmsgs + 2 * W, *hs = w->hmsgs + 3 * W;
-    uint32_t msg = (uint32_t)(2 * w->seq) & MSG_MASK;
-    int rc = efa_post_messages(w->engine, msg, (int)(W - 1), hd, hl, hr, hs, (uint32_t)w->chunk_bytes,
+    uint32_t msg = (uint32_t)(2 * w->seq) & EFA_IMM_MSG_MASK;
+    int rc = efa_post_messages(w->engine, msg, 0, (int)(W - 1), hd, hl, hr, hs,
+                               (uint32_t)w->chunk_bytes,
                                w->next_channel, (int)w->timeout_ms, err, errlen);
     if (rc) return rc;
     w->r_writes += message_writes(w, hs, W - 1);
@@ -196,7 +196,7 @@ int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen) {
 
 int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen) {
     const int64_t W = w->world, me = w->rank, F = w->hdr_fields;
-    uint32_t msg = (uint32_t)(2 * w->seq) & MSG_MASK;
+    uint32_t msg = (uint32_t)(2 * w->seq) & EFA_IMM_MSG_MASK;
     int n = 0;
     for (int64_t r = 0; r < W; r++) {
         if (r == me) continue;
@@ -234,8 +234,8 @@ int efa_wire_post_data(efa_wire *w, char *err, size_t errlen) {
     if (!w->nmsgs) return 0;
     int64_t *dests = w->msgs, *loffs = w->msgs + w->max_msgs, *roffs = w->msgs + 2 * w->max_msgs,
             *sizes = w->msgs + 3 * w->max_msgs;
-    uint32_t msg = (uint32_t)(2 * w->seq + 1) & MSG_MASK;
-    int rc = efa_post_messages(w->engine, msg, (int)w->nmsgs, dests, loffs, roffs, sizes,
+    uint32_t msg = (uint32_t)(2 * w->seq + 1) & EFA_IMM_MSG_MASK;
+    int rc = efa_post_messages(w->engine, msg, 0, (int)w->nmsgs, dests, loffs, roffs, sizes,
                                (uint32_t)w->chunk_bytes, w->next_channel, (int)w->timeout_ms, err,
                                errlen);
     if (rc) return rc;
@@ -246,7 +246,7 @@ int efa_wire_post_data(efa_wire *w, char *err, size_t errlen) {
 
 int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
     const int64_t W = w->world, me = w->rank;
-    uint32_t msg = (uint32_t)(2 * w->seq + 1) & MSG_MASK;
+    uint32_t msg = (uint32_t)(2 * w->seq + 1) & EFA_IMM_MSG_MASK;
     int n = 0;
     for (int64_t r = 0; r < W; r++) {
         if (r == me || w->rows_from[r] <= 0) continue;

@@ -37,27 +37,47 @@ import triton
 import triton.language as tl
 
 from ..gda import launches as kern
-from ..gda.device import _round_f32_to, _source_of_row, next_pow2
+from ..gda.device import _now_ns, _round_f32_to, _source_of_row, next_pow2
 from ..launch import FastKernel
 from ..native_launch import KernelStep
+from .marks import await_bytes, await_mark, watch
+from .native import MARK_WHOLE
 from .ring import HostPtr
 
 __all__ = ["pack_dispatch", "pack_rows", "pack_grid", "gather_dispatch", "reduce_combine",
-           "host_arg"]
+           "reads_grid", "host_arg"]
 
 
+_MARK_WHOLE = tl.constexpr(MARK_WHOLE)  # (marks.py)
 _HOST_TENSORS = None  # whether host buffers go to kernels as tensors (interpreter, no GPU)
 
 
 def host_arg(t: torch.Tensor, dtype: torch.dtype = None):
     """A host tensor as a kernel argument: its pinned address on a GPU (UVA), the tensor itself
     under the interpreter. ``dtype`` reinterprets the bytes (the window is uint8)."""
-    global _HOST_TENSORS
     if dtype is not None and t.dtype != dtype:
         t = t.view(dtype)
+    return t if _host_tensors() else HostPtr(t)
+
+
+def _host_tensors() -> bool:
+    global _HOST_TENSORS
     if _HOST_TENSORS is None:
         _HOST_TENSORS = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
-    return t if _HOST_TENSORS else HostPtr(t)
+    return _HOST_TENSORS
+
+
+def _watcher() -> int:
+    """1 where the reading kernels are compiled with their waits on the chunk marks and program
+    0 as the marks' watcher (``marks.py``): a GPU; 0 under the interpreter (no clock; its
+    kernels run after the round)."""
+    return 0 if _host_tensors() else 1
+
+
+def reads_grid(n: int, num_programs: int) -> int:
+    """Programs of :func:`gather_dispatch` / :func:`reduce_combine` for ``n`` rows or tokens:
+    up to ``num_programs`` readers, and the watcher where there is one."""
+    return max(1, min(n, num_programs)) + _watcher()
 
 
 def _go(kernel: FastKernel, grid, args, num_warps: int, plan) -> None:
@@ -177,7 +197,8 @@ def _pack_rows_kernel(
                        scope="sys")
 
 
-@triton.jit(do_not_specialize=["me", "own_start", "num_rows", "num_topk", "D", "stride_x"])
+@triton.jit(do_not_specialize=["me", "own_start", "num_rows", "num_topk", "D", "stride_x", "tag",
+                               "chunk_bytes", "timeout_ns"])
 def _gather_dispatch_kernel(
     x_ptr,                                          # [T, D] this rank's input rows
     send_token_idx_ptr: tl.pointer_type(tl.int64),  # [S] of this dispatch
@@ -185,34 +206,54 @@ def _gather_dispatch_kernel(
     recv_off_ptr: tl.pointer_type(tl.int64),        # (host) [W + 1] prefix of rows per source
     in_idx_ptr: tl.pointer_type(tl.int64),          # (host) [N, K] checked local ids
     in_w_ptr: tl.pointer_type(tl.float32),          # (host) [N, K] weights
+    marks_ptr: tl.pointer_type(tl.int32),           # (host) [W, 256] chunk marks
+    dev_marks_ptr: tl.pointer_type(tl.int32),       # [W, 256] their device copy (marks.py)
     out_x_ptr,                                      # out [N, D]
     out_idx_ptr: tl.pointer_type(tl.int64),         # out [N, K]
     out_w_ptr: tl.pointer_type(tl.float32),         # out [N, K]
-    me, own_start, num_rows, num_topk, D, stride_x,
+    me, own_start, num_rows, num_topk, D, stride_x, tag, chunk_bytes, timeout_ns,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, WATCHER: tl.constexpr,
 ):
     """Output row i (the j-th row from source s) = ``x[send_token_idx[own_start + j]]`` when s
     is this rank, else row j of s's block in the receive window; ids and weights row i from the
-    host's unpacked copy."""
+    host's unpacked copy. ``tag`` != 0: launched before the round completed; a peer's row is
+    read once its chunks' marks hold ``tag``, the ids and weights once this rank's whole mark
+    does (the host unpacked them). ``WATCHER`` 1 (a GPU): program 0 is the marks' watcher
+    (``marks.py``), the others read; 0: no waits (the interpreter)."""
     elt = out_x_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    nprog = tl.num_programs(0) - WATCHER
     k = tl.arange(0, K_PAD)
     km = k < num_topk
-    for i in range(pid, num_rows, nprog):
-        i64 = tl.cast(i, tl.int64)
-        s, j = _source_of_row(recv_off_ptr, i64, W, W_PAD)
-        if s == me:
-            t = tl.load(send_token_idx_ptr + own_start + j)
-            src = x_ptr + t * stride_x
-        else:
-            src = tl.load(src_ptrs_ptr + s).to(tl.pointer_type(elt)) + j * D
-        _copy_row(src, out_x_ptr + i64 * D, D, BLOCK_D, ALIGNED)
-        tl.store(out_idx_ptr + i64 * num_topk + k, tl.load(in_idx_ptr + i64 * num_topk + k, mask=km),
-                 mask=km)
-        tl.store(out_w_ptr + i64 * num_topk + k, tl.load(in_w_ptr + i64 * num_topk + k, mask=km),
-                 mask=km)
+    start = _now_ns(WATCHER == 1)
+    if WATCHER == 1:
+        if (pid == 0) & (tag != 0):
+            watch(marks_ptr, dev_marks_ptr, me, tag, start, timeout_ns, W)
+    if pid >= WATCHER:
+        row_bytes = D * elt.primitive_bitwidth // 8
+        for i in range(pid - WATCHER, num_rows, nprog):
+            i64 = tl.cast(i, tl.int64)
+            s, j = _source_of_row(recv_off_ptr, i64, W, W_PAD)
+            if s == me:
+                t = tl.load(send_token_idx_ptr + own_start + j)
+                src = x_ptr + t * stride_x
+            else:
+                if WATCHER == 1:
+                    if tag != 0:
+                        await_bytes(dev_marks_ptr, s, j * row_bytes, (j + 1) * row_bytes,
+                                    chunk_bytes, tag, start, timeout_ns)
+                src = tl.load(src_ptrs_ptr + s).to(tl.pointer_type(elt)) + j * D
+            _copy_row(src, out_x_ptr + i64 * D, D, BLOCK_D, ALIGNED)
+        if WATCHER == 1:
+            if tag != 0:
+                await_mark(dev_marks_ptr, me, _MARK_WHOLE, tag, start, timeout_ns)
+        for i in range(pid - WATCHER, num_rows, nprog):
+            i64 = tl.cast(i, tl.int64)
+            tl.store(out_idx_ptr + i64 * num_topk + k,
+                     tl.load(in_idx_ptr + i64 * num_topk + k, mask=km), mask=km)
+            tl.store(out_w_ptr + i64 * num_topk + k,
+                     tl.load(in_w_ptr + i64 * num_topk + k, mask=km), mask=km)
 
 
 @triton.jit
@@ -230,44 +271,66 @@ def _find_token(block_ptr, n, t, LOG_N: tl.constexpr):
     return tl.where((lo < n) & (v == t), lo, -1)
 
 
-@triton.jit(do_not_specialize=["me", "own_start", "num_tokens", "D", "stride_y"])
+@triton.jit(do_not_specialize=["me", "own_start", "num_tokens", "D", "stride_y", "tag",
+                               "chunk_bytes", "timeout_ns"])
 def _reduce_combine_kernel(
     y_ptr,                                          # [N, D] this rank's expert outputs
     send_token_idx_ptr: tl.pointer_type(tl.int64),  # [S] of the dispatch (rank-major, ascending)
     send_off_ptr: tl.pointer_type(tl.int64),        # (host) [W + 1] prefix of rows sent per rank
     src_ptrs_ptr: tl.pointer_type(tl.int64),        # [W] address of rank r's returned rows
+    marks_ptr: tl.pointer_type(tl.int32),           # (host) [W, 256] chunk marks
+    dev_marks_ptr: tl.pointer_type(tl.int32),       # [W, 256] their device copy (marks.py)
     out_ptr,                                        # out [T, D]
-    me, own_start, num_tokens, D, stride_y,
+    me, own_start, num_tokens, D, stride_y, tag, chunk_bytes, timeout_ns,
     W: tl.constexpr, LOG_T: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    WATCHER: tl.constexpr,
 ):
     """out[t] = (((+0.0 + part_r0) + part_r1) + ...) over the ranks r (ascending) that token t
     was sent to, in float32, rounded once (the rule of ``gda``'s reduce). Token t's row in rank
     r's block is found by binary search (a block lists its tokens in ascending order); rank
     ``me``'s part is row ``own_start + row`` of ``y``, a peer's is that row of its block in the
-    window."""
+    window (``tag`` != 0: launched before the round completed; read once its chunks' marks hold
+    ``tag``; ``WATCHER`` as :func:`_gather_dispatch_kernel`'s)."""
     elt = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    nprog = tl.num_programs(0) - WATCHER
     offs = tl.arange(0, BLOCK_D)
-    for t in range(pid, num_tokens, nprog):
-        t64 = tl.cast(t, tl.int64)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + offs
-            cm = cols < D
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for r in tl.static_range(W):
-                a = tl.load(send_off_ptr + r)
-                row = _find_token(send_token_idx_ptr + a, tl.load(send_off_ptr + r + 1) - a, t64,
-                                  LOG_T)
-                if row >= 0:
-                    if r == me:
-                        src = y_ptr + (own_start + row) * stride_y
-                    else:
-                        src = tl.load(src_ptrs_ptr + r).to(tl.pointer_type(elt)) + row * D
-                    if ALIGNED:
-                        src = tl.multiple_of(src, 16)
-                    acc += tl.load(src + cols, mask=cm).to(tl.float32)
-            tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
+    start = _now_ns(WATCHER == 1)
+    if WATCHER == 1:
+        if (pid == 0) & (tag != 0):
+            watch(marks_ptr, dev_marks_ptr, me, tag, start, timeout_ns, W)
+    if pid >= WATCHER:
+        row_bytes = D * elt.primitive_bitwidth // 8
+        for t in range(pid - WATCHER, num_tokens, nprog):
+            t64 = tl.cast(t, tl.int64)
+            if WATCHER == 1:
+                if tag != 0:
+                    for r in tl.static_range(W):
+                        if r != me:
+                            a = tl.load(send_off_ptr + r)
+                            row = _find_token(send_token_idx_ptr + a,
+                                              tl.load(send_off_ptr + r + 1) - a, t64, LOG_T)
+                            if row >= 0:
+                                await_bytes(dev_marks_ptr, r, row * row_bytes,
+                                            (row + 1) * row_bytes, chunk_bytes, tag, start,
+                                            timeout_ns)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + offs
+                cm = cols < D
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for r in tl.static_range(W):
+                    a = tl.load(send_off_ptr + r)
+                    row = _find_token(send_token_idx_ptr + a,
+                                      tl.load(send_off_ptr + r + 1) - a, t64, LOG_T)
+                    if row >= 0:
+                        if r == me:
+                            src = y_ptr + (own_start + row) * stride_y
+                        else:
+                            src = tl.load(src_ptrs_ptr + r).to(tl.pointer_type(elt)) + row * D
+                        if ALIGNED:
+                            src = tl.multiple_of(src, 16)
+                        acc += tl.load(src + cols, mask=cm).to(tl.float32)
+                tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
 
 
 # launched through their compiled launchers once compiled (Triton's per-call argument handling
@@ -353,7 +416,8 @@ def pack_rows(src, idx, own_start: int, own_end: int, plane, progress, chunk_row
 
 
 def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, out_idx, out_w, *,
-                    me: int, own_start: int, num_programs: int, plan=None) -> None:
+                    me: int, own_start: int, num_programs: int, marks, dev_marks, tag: int = 0,
+                    chunk_bytes: int = 1, timeout_ns: int = 0, plan=None) -> None:
     """Builds a dispatch's outputs (asynchronous, on the current stream).
 
     Args:
@@ -362,6 +426,10 @@ def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, 
             window (entry ``me`` unused). recv_off: host ``[W + 1]`` int64, rows per source as a
             prefix. in_idx, in_w: host ``[N, K]`` int64 / float32 (the checked routing rows).
         out_x, out_idx, out_w: ``[N, D]`` / ``[N, K]`` / ``[N, K]`` outputs (device).
+        marks: host ``[W * 256]`` int32, the transport's chunk marks; dev_marks: ``[W * 256]``
+            int32 on x's device, their copy (``marks.py``); ``tag`` != 0: the round's tag
+            (launched before its complete: the kernel waits for the marks, at most
+            ``timeout_ns``); 0: launched after it. chunk_bytes: the wire's chunk size.
     The host buffers must not change until the kernel ran (the caller records an event).
     """
     n, d = out_x.shape
@@ -371,15 +439,17 @@ def gather_dispatch(x, send_token_idx, src_ptrs, recv_off, in_idx, in_w, out_x, 
     world = src_ptrs.numel()
     elem = out_x.element_size()
     bd = kern._block_d(d, elem)
-    _go(_GATHER, _grid(n, num_programs), (
+    _go(_GATHER, (reads_grid(n, num_programs),), (
         x, send_token_idx, src_ptrs, host_arg(recv_off), host_arg(in_idx), host_arg(in_w),
-        out_x, out_idx, out_w, me, own_start, n, k, d, max(1, x.stride(0)),
-        world, max(2, next_pow2(world)), max(2, next_pow2(k)), bd,
-        _aligned(d, elem, max(1, x.stride(0)))), kern._warps(bd, elem), plan)
+        host_arg(marks), dev_marks, out_x, out_idx, out_w, me, own_start, n, k, d,
+        max(1, x.stride(0)), tag, chunk_bytes, timeout_ns, world, max(2, next_pow2(world)),
+        max(2, next_pow2(k)), bd,
+        _aligned(d, elem, max(1, x.stride(0))), _watcher()), kern._warps(bd, elem), plan)
 
 
 def reduce_combine(y, send_token_idx, send_off, src_ptrs, out, *, me: int, own_start: int,
-                   num_programs: int, plan=None) -> None:
+                   num_programs: int, marks, dev_marks, tag: int = 0, chunk_bytes: int = 1,
+                   timeout_ns: int = 0, plan=None) -> None:
     """``out`` ``[T, D]`` = combine's reduction (asynchronous, on the current stream).
 
     Args:
@@ -388,6 +458,7 @@ def reduce_combine(y, send_token_idx, send_off, src_ptrs, out, *, me: int, own_s
         send_off: host ``[W + 1]`` int64, rows sent to each rank as a prefix.
         src_ptrs: ``[W]`` int64 (device), the address of each rank's returned rows in the
             receive window (entry ``me`` unused). out: ``[T, D]`` in y's dtype (device).
+        marks, dev_marks, tag, chunk_bytes, timeout_ns: as :func:`gather_dispatch`'s.
     The host buffer must not change until the kernel ran (the caller records an event).
     """
     t, d = out.shape
@@ -396,7 +467,8 @@ def reduce_combine(y, send_token_idx, send_off, src_ptrs, out, *, me: int, own_s
     world = src_ptrs.numel()
     elem = out.element_size()
     bd = kern._block_d(d, elem)
-    _go(_REDUCE, _grid(t, num_programs), (
-        y, send_token_idx, host_arg(send_off), src_ptrs, out, me, own_start, t, d,
-        max(1, y.stride(0)), world, max(1, (t + 1).bit_length()), bd,
-        _aligned(d, elem, max(1, y.stride(0)))), kern._warps(bd, elem), plan)
+    _go(_REDUCE, (reads_grid(t, num_programs),), (
+        y, send_token_idx, host_arg(send_off), src_ptrs, host_arg(marks), dev_marks, out, me,
+        own_start, t, d, max(1, y.stride(0)), tag, chunk_bytes, timeout_ns, world,
+        max(1, (t + 1).bit_length()), bd, _aligned(d, elem, max(1, y.stride(0))),
+        _watcher()), kern._warps(bd, elem), plan)

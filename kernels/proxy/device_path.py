@@ -96,19 +96,32 @@ class DevicePath:
                                    in_idx[:n_recv * k].view(-1, k) if n_recv else in_idx,
                                    in_w[:n_recv * k].view(-1, k) if n_recv else in_w,
                                    *outs, me=me, own_start=own_start, num_programs=nprog,
-                                   plan=plan)
+                                   plan=plan, **self._mark_args(dev))
 
             prog = self._device_program(key, launch, (x, send_token_idx) + outs,
-                                        ("own_start", "num_rows"), (0,)) if n_recv else None
+                                        ("own_start", "num_rows", "tag"), (0,)) if n_recv else None
             if prog is None:
                 launch(None)
                 self._record_reads(dev)
                 return outs
         prog.run((xp, ip, recv_x.data_ptr(), recv_topk_idx.data_ptr(),
-                  recv_topk_weights.data_ptr(), own_start, n_recv,
-                  min(n_recv, self._num_programs(dev))), self._cuda_stream(dev))
+                  recv_topk_weights.data_ptr(), own_start, n_recv, 0,
+                  dk.reads_grid(n_recv, self._num_programs(dev))), self._cuda_stream(dev))
         self._record_reads(dev)
         return outs
+
+    def _mark_args(self, dev: torch.device) -> dict:
+        """The reading kernels' arguments for the chunk marks, launched after the round (tag 0;
+        the one-call path sets its round's tag, :func:`~efa_ep.kernels.proxy.native.mark_tag`,
+        as the bound program's variable ``tag``): the host marks, their copy on ``dev`` (made
+        once; tags are never reset, so neither is cleared), the wire's chunk size, the deadline
+        (twice the wire's: the host's waits fail first)."""
+        key = ("dev_marks", dev.type, dev.index)
+        dev_marks = self._buffers.get(key)
+        if dev_marks is None:
+            dev_marks = self._buffers[key] = torch.zeros_like(self.marks, device=dev)
+        return dict(marks=self.marks, dev_marks=dev_marks, tag=0, chunk_bytes=self.chunk_bytes,
+                    timeout_ns=2 * self.timeout_ms * 1_000_000)
 
     def _gather_key(self, dev, k: int, x, recv_off, in_idx, in_w) -> tuple:
         """The key of a dispatch's bound gather (the host buffers it reads are its constants)."""

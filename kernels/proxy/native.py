@@ -42,19 +42,22 @@ HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"),
            os.path.join(_NATIVE_DIR, "efa_util.h"))  # a changed header rebuilds too
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
 MSG_BITS = 20           # descriptor field and source-rank shift in the immediate
-IMM_MSG_MASK = 0xFFFF   # message ids in the immediate (the rest: 4 bits of generation)
+IMM_MSG_MASK = 0xFF     # message ids (then 8 bits of chunk mark, 4 of generation)
 IMM_GEN_MASK = 0xF
+# chunk marks (efa_proxy.h "Chunk marks"): uint32 per source, chunks 0..MARK_CHUNKS - 1 of a
+# marked message, then the consumer's whole-data mark at MARK_WHOLE
+MARKS, MARK_CHUNKS, MARK_WHOLE = 256, 254, 255
 MAX_RANKS = 4096
 NUM_STATS = 8
 STAT_NAMES = ("popped", "posted", "tx_done", "arrived", "eagain", "noop", "max_inflight", "sleeps")
 INJECT_TARGET, INJECT_SENDER = 1, 2
 # test-only faults on one data write (EFA_TAMPER_* in efa_proxy.h)
-TAMPER_KINDS = {"offset": 1, "msg": 2, "replay": 3, "gen": 4}
+TAMPER_KINDS = {"offset": 1, "msg": 2, "replay": 3, "gen": 4, "mark": 5}
 _ERRLEN = 1024
 
 _lock = threading.Lock()
@@ -183,13 +186,16 @@ _SIGS = {
     "efa_engine_region_info": ([_u64, _i32, _i32, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_expect": ([_u64, _u32], _i32),
     "efa_engine_tamper": ([_u64, _i32], _i32),
+    "efa_engine_set_marks": ([_u64, _vp], _i32),
+    "efa_engine_mark_whole": ([_u64, _u64], _i32),
     "efa_engine_set_idle": ([_u64, _i32], _i32),
     "efa_engine_local_info": ([_u64, _i32, _vp, _pu64, _pu64, _pu64, _cp, ctypes.c_size_t], _i32),
     "efa_engine_set_peers": ([_u64, _i32, _vp, _vp, _vp, _vp, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_ring_wait_space": ([_u64, _i32, _u32, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_ring_publish": ([_u64, _i32, _u64], _i32),
     "efa_ring_push": ([_u64, _i32, _vp, _u32, _i32, _cp, ctypes.c_size_t], _i32),
-    "efa_post_messages": ([_u64, _u32, _i32, _vp, _vp, _vp, _vp, _u32, _vp, _i32, _cp, ctypes.c_size_t], _i32),
+    "efa_post_messages": ([_u64, _u32, _u32, _i32, _vp, _vp, _vp, _vp, _u32, _vp, _i32, _cp,
+                           ctypes.c_size_t], _i32),
     "efa_wait_counters": ([_u64, _u32, _i32, _vp, _vp, _i32, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_wait_idle": ([_u64, _i32, _cp, ctypes.c_size_t], _i32),
     "efa_engine_stats": ([_u64, _vp, _i32], _i32),
@@ -219,7 +225,7 @@ _SIGS = {
     "efa_op_combine_packed_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_devop_dispatch": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_devop_rows": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
-    "efa_devop_reads": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_devop_dispatch_finish": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_describe_meta": ([_vp, _i64, _vp, _i64, _i64, _i64, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_route_layout": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _vp], _i64),
     "efa_unpack_meta": ([_i64, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp], _i64),
@@ -323,6 +329,15 @@ class Engine:
         busy only while there is work or a thread waits in the engine; 0 spins ``spin_us``."""
         self._lib.efa_engine_set_idle(self.handle, linger_us)
 
+    def set_marks(self, marks_ptr: int) -> None:
+        """Keep chunk marks in ``[world * MARKS]`` uint32 at ``marks_ptr`` (zeroed caller memory,
+        alive as long as the engine; see :func:`mark_tag`)."""
+        self._lib.efa_engine_set_marks(self.handle, marks_ptr)
+
+    def mark_whole(self, seq: int) -> None:
+        """Stores round ``seq``'s tag at every source's whole-data mark."""
+        self._lib.efa_engine_mark_whole(self.handle, seq)
+
     def tamper(self, kind: str) -> None:
         """Test-only: alters the next data write (TAMPER_KINDS)."""
         self._lib.efa_engine_tamper(self.handle, TAMPER_KINDS[kind] if kind else 0)
@@ -360,11 +375,12 @@ class Engine:
 
     def post_messages(self, msg: int, n: int, dests_ptr: int, local_offs_ptr: int,
                       remote_offs_ptr: int, sizes_ptr: int, chunk_bytes: int, next_channel_ptr: int,
-                      timeout_ms: int) -> None:
+                      timeout_ms: int, mark0: int = 0) -> None:
         """Cuts n messages into chunks and posts them (efa_post_messages). The four arrays are n
-        int64 each, next_channel_ptr one uint32 (addresses of contiguous CPU buffers)."""
+        int64 each, next_channel_ptr one uint32 (addresses of contiguous CPU buffers);
+        ``mark0`` > 0: chunk k of each message carries chunk mark ``mark0 + k``."""
         err = self._errbuf
-        _check(self._lib.efa_post_messages(self.handle, msg, n, dests_ptr, local_offs_ptr,
+        _check(self._lib.efa_post_messages(self.handle, msg, mark0, n, dests_ptr, local_offs_ptr,
                                            remote_offs_ptr, sizes_ptr, chunk_bytes, next_channel_ptr,
                                            timeout_ms, err, _ERRLEN), err)
 
@@ -535,6 +551,12 @@ class NativeOp:
 
 # A packed operation in one call (efa_devop.c; ``efa_devop`` in efa_proxy.h)
 DEVOP_DISPATCH, DEVOP_COMBINE, DEVOP_CACHED = 1, 2, 3
+
+
+def mark_tag(seq: int) -> int:
+    """The chunk marks' tag of round ``seq`` (efa_mark_tag): never 0, and different for the
+    2**30 rounds before it."""
+    return (seq & 0x3FFFFFFF) + 1
 (STEP_QUIESCE, STEP_LAUNCH, STEP_WAIT_READS, STEP_BEGIN, STEP_POST, STEP_COMPLETE, STEP_READS,
  STEP_DONE) = range(1, 9)
 
@@ -544,7 +566,8 @@ class DevopStruct(ctypes.Structure):
 
     _fields_ = [(name, _i64) for name in (
         "run", "event_record", "event_wait", "stream", "pack", "reads", "wait_event",
-        "reads_event", "kind", "recv_off", "send_off", "routing_cap", "own_start", "step")]
+        "reads_event", "kind", "early", "recv_off", "send_off", "routing_cap", "own_start",
+        "step")]
 
 
 def route_layout(idx_ptr: int, w_ptr: int, T: int, K: int, E: int, W: int, send_idx_ptr: int,

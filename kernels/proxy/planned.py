@@ -6,9 +6,10 @@ round in the three native calls of ``hostop.py``. Afterwards a call of the same 
 shapes, strides, dtypes and devices, so the same checks pass; 16-byte aligned rows; the same
 wire) goes from the transport's method to one native call (``efa_devop.c``): our previous
 writes waited for, the packing kernel launched, the previous op's reads waited for, the round's
-begin, post and complete, then the kernel that reads what arrived and its event. A dispatch
-takes a second call for that kernel, after Python allocated the outputs whose sizes the headers
-gave. Everything else is the stepped path's: the same kernels, programs, buffers, round and
+begin and post, the kernel that reads what arrives (it follows the chunk marks, so it reads
+while the rest is on the wire), the round's complete and the kernel's event. A dispatch takes
+a second call from its reading kernel on, after Python allocated the outputs whose sizes the
+headers gave. Everything else is the stepped path's: the same kernels, programs, buffers, round and
 checks of the peers' data, in C, so the outputs are the same bits.
 
 A call of any other case returns None here (nothing ran) and the stepped path takes it, whose
@@ -16,8 +17,9 @@ checks name any problem. Errors of the native call are raised as the stepped pat
 a flagged routing or a group's input error runs the same error round or raises the same error
 on every rank; anything else breaks the transport (its ``_guarded``).
 
-``EFA_EP_PROXY_ONE_CALL=0`` keeps every call on the stepped path (the other arm of the
-benchmarks' comparison).
+``EFA_EP_PROXY_ONE_CALL=0`` keeps every call on the stepped path, ``EFA_EP_PROXY_EARLY_READS=0``
+launches the reading kernel after the round completed (the other arms of the benchmarks'
+comparisons).
 """
 from __future__ import annotations
 
@@ -43,6 +45,13 @@ def enabled() -> bool:
     """Whether packed calls of a planned case go to one native call (``EFA_EP_PROXY_ONE_CALL``,
     default on)."""
     return raw("EFA_EP_PROXY_ONE_CALL") not in ("0", "off", "false")
+
+
+def early_reads() -> bool:
+    """Whether a one-call op launches its reading kernel as soon as its round's data is posted
+    (the kernel follows the chunk marks) rather than after the round completed
+    (``EFA_EP_PROXY_EARLY_READS``, default on)."""
+    return raw("EFA_EP_PROXY_EARLY_READS") not in ("0", "off", "false")
 
 
 def _addr(fn) -> int:
@@ -89,11 +98,12 @@ class PlannedOps:
         self._fns = (_addr(launch.efa_launch_run), _addr(launch.efa_launch_event_record),
                      _addr(launch.efa_launch_event_wait))
         self._dispatch_fn, self._rows_fn = lib.efa_devop_dispatch, lib.efa_devop_rows
-        self._reads_fn = lib.efa_devop_reads
+        self._finish_fn = lib.efa_devop_dispatch_finish
         self._err = ctypes.create_string_buffer(_ERRLEN)
+        from .device import reads_grid
         from .round_ops import ProxyHandleState
 
-        self._state_type = ProxyHandleState
+        self._state_type, self._reads_grid = ProxyHandleState, reads_grid
 
     @classmethod
     def create(cls, tr) -> Optional["PlannedOps"]:
@@ -116,7 +126,7 @@ class PlannedOps:
         ctypes.memmove(ctypes.byref(op), ctypes.byref(ops.st), ctypes.sizeof(op))
         d = native.DevopStruct()
         d.run, d.event_record, d.event_wait = self._fns
-        d.pack, d.kind = pack._addr, kind
+        d.pack, d.kind, d.early = pack._addr, kind, int(early_reads())
         d.reads = reads._addr if reads is not None else 0  # (none: the caller reads)
         d.reads_event = event.cuda_event if event is not None else 0
         return _Plan(op=op, dev=d, op_ref=ctypes.byref(op), dev_ref=ctypes.byref(d), pack=pack,
@@ -211,8 +221,8 @@ class PlannedOps:
         recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
         plan.reads.set_vars((xp, sp + 8 * plan.o_send, recv_x.data_ptr(), recv_idx.data_ptr(),
                              recv_w.data_ptr(), plan.dev.own_start, n,
-                             min(n, plan.num_programs)))
-        self._launch_reads(plan)
+                             self._tag(plan, plan.op.seq), self._reads_grid(n, plan.num_programs)))
+        self._finish_dispatch(plan)
         tr._reads_done = plan.event
         self.calls["dispatch"] += 1
         send_idx = scratch[plan.o_send:plan.o_send + sum(num_send)]
@@ -282,7 +292,8 @@ class PlannedOps:
         s_me = sum(num_recv[:me])
         out = torch.empty(t, y.shape[1], dtype=y.dtype, device=plan.device)
         plan.pack.set_vars((yp, s_me, s_me + num_recv[me], n, max(1, chunk_rows), grid))
-        plan.reads.set_vars((yp, ip, out.data_ptr(), s_me, t, min(t, plan.num_programs)))
+        plan.reads.set_vars((yp, ip, out.data_ptr(), s_me, t, self._tag(plan, tr.wire.seq),
+                             self._reads_grid(t, plan.num_programs)))
         self._run(plan, self._rows_fn, OP_COMBINE)
         tr._reads_done = plan.event
         self.calls["combine"] += 1
@@ -360,9 +371,16 @@ class PlannedOps:
         plan.op.progress_words, plan.op.chunk_rows = grid, chunk_rows
         return grid, chunk_rows
 
-    def _launch_reads(self, plan: _Plan) -> None:
-        """The dispatch's second native call: its reading kernel, then its event."""
-        rc = self._reads_fn(plan.dev_ref, self._err, _ERRLEN)
+    @staticmethod
+    def _tag(plan: _Plan, seq: int) -> int:
+        """The reading kernel's ``tag`` for round ``seq``: the marks' tag when it is launched
+        before the round's complete, else 0 (it waits for nothing)."""
+        return native.mark_tag(seq) if plan.dev.early else 0
+
+    def _finish_dispatch(self, plan: _Plan) -> None:
+        """The dispatch's second native call: its reading kernel (it reads the rows as their
+        chunks arrive), the round's complete, then the kernel's event."""
+        rc = self._finish_fn(plan.op_ref, plan.dev_ref, self._err, _ERRLEN)
         if rc:
             raise Wire.error_of(rc, self._text())
 

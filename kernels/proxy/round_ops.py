@@ -520,15 +520,17 @@ class RoundOps:
 
             def launch(plan):
                 dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=own_start,
-                                  num_programs=nprog, plan=plan)
+                                  num_programs=nprog, plan=plan, **self._mark_args(dev))
 
-            prog = self._device_program(key, launch, (yc, idx, out), ("own_start", "num_tokens"),
+            prog = self._device_program(key, launch, (yc, idx, out),
+                                        ("own_start", "num_tokens", "tag"),
                                         (0,)) if t else None
             if prog is None:
                 launch(None)
                 self._record_reads(dev)
                 return out
-        prog.run((yp, ip, out.data_ptr(), own_start, t, min(t, self._num_programs(dev))),
+        prog.run((yp, ip, out.data_ptr(), own_start, t, 0,
+                  dk.reads_grid(t, self._num_programs(dev))),
                  self._cuda_stream(dev))
         self._record_reads(dev)
         return out

@@ -195,6 +195,9 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         # one set of arrival counters per channel (efa_proxy.h): channels never share a counter
         self.counters = torch.zeros(self.num_channels * self.world_size * NUM_COUNTER_SLOTS,
                                     dtype=torch.int64, pin_memory=pin)
+        # chunk marks (efa_proxy.h): the reading kernels follow the arrivals of each source's rows
+        self.marks = torch.zeros(self.world_size * native.MARKS, dtype=torch.int32,
+                                 pin_memory=pin)
         self.wire = self._make_wire()
         self._broken: Optional[str] = None
         self._buffers: dict = {}  # work buffers (combine's float32, pinned staging), see _scratch
@@ -275,6 +278,7 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
                      f"through host memory instead)" if self.hmem == "cuda" else "a host window")
             raise TransportError(f"rank {self.rank}: the proxy engine over libfabric provider "
                                  f"{self.provider!r} with {where} failed to start: {ex}") from ex
+        self.engine.set_marks(self.marks.data_ptr())
         self._engine_rss = max(0, _rss_bytes() - rss0)
         # On a host with few CPUs per channel the channel threads leave the CPU to the host's
         # own work between ops (every waiter wakes them); with CPUs to spare they keep spinning,
@@ -416,6 +420,7 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         provider buffers, completion queues, registrations)."""
         return {"window": self.window_bytes, "region": self.region_bytes,
                 "rings": self.rings.rings.numel() * 8, "counters": self.counters.numel() * 8,
+                "marks": self.marks.numel() * 4,
                 "engine_rss": self._engine_rss, "num_channels": self.num_channels,
                 "per_channel": self._engine_rss // self.num_channels}
 

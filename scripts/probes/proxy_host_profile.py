@@ -84,7 +84,7 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
                          (transport.ProxyTransport, ["_sync", "_wait_reads", "_pack_rows", "_route",
                                                      "_reduce_torch", "_gather_into", "_checked",
                                                      "_receive_device", "_unpack_meta"]),
-                         (planned.PlannedOps, ["_run", "_launch_reads"]),
+                         (planned.PlannedOps, ["_run", "_finish_dispatch"]),
                          (torch.cuda, ["synchronize"])):
         for n in names:
             _wrap(owner, n, acc)

@@ -46,6 +46,9 @@ H = _defines("efa_proxy.h")
     ("EFA_MAX_RANKS", native.MAX_RANKS),
     ("EFA_IMM_MSG_MASK", native.IMM_MSG_MASK),
     ("EFA_IMM_GEN_MASK", native.IMM_GEN_MASK),
+    ("EFA_MARKS", native.MARKS),
+    ("EFA_MARK_CHUNKS", native.MARK_CHUNKS),
+    ("EFA_MARK_WHOLE", native.MARK_WHOLE),
     ("EFA_INJECT_TARGET", native.INJECT_TARGET),
     ("EFA_INJECT_SENDER", native.INJECT_SENDER),
     ("EFA_HDR_FIXED", window.HDR_FIXED),
@@ -72,7 +75,6 @@ def test_wire_header_fields_and_op_codes_match():
                    "OP_CACHED": window.OP_CACHED}
     c = _defines("efa_round.c")
     assert c["FOOTER_BYTES"] == window.FOOTER_BYTES
-    assert c["MSG_MASK"] == native.IMM_MSG_MASK
 
 
 def test_launcher_constants_match_python():

@@ -45,10 +45,10 @@ def _at(ptr: int, shape, dtype) -> torch.Tensor:
 
 class _Program:
     """Stands in for a bound native program: ``set_vars`` keeps the call's values, the native
-    call's launch runs ``device(values)``."""
+    call's launch runs ``device(values)`` (a reading program's at the event recorded after it)."""
 
-    def __init__(self, device, programs):
-        self.device, self.values = device, None
+    def __init__(self, device, programs, reads=False):
+        self.device, self.values, self.reads = device, None, reads
         self._addr = 1000 + len(programs)
         programs[self._addr] = self
 
@@ -68,22 +68,30 @@ def _one_call_rank(rank, world):
     from efa_ep.testing.routes import contract_route
 
     ref = create_transport("torch", None, E, H, MAX_T, torch.float32)
+    # chunks of two rows: every peer's rows span several chunk marks
     px = create_transport("proxy", None, E, H, MAX_T, torch.float32, provider="tcp",
-                          num_channels=2, timeout_s=30)
+                          num_channels=2, timeout_s=30, chunk_bytes=2 * H * 4)
     px._native_off = None  # (programs are stand-ins here)
     planned = px._planned = PlannedOps.create(px)
-    log, programs, fail = [], {}, {"launch": False}
+    log, programs, fail, pending = [], {}, {"launch": False}, []
 
     def run(prog, stream, err, n):
         if fail["launch"]:
             ctypes.memmove(err, b"stand-in launch failed\0", 23)
             return -5
         log.append(("run", prog))
-        programs[prog].device(programs[prog].values)
+        p = programs[prog]
+        if p.reads:  # launched before the round completed: runs at its event, as on a stream
+            pending.append(p)  # after the marks (checked there) say its rows are in
+        else:
+            p.device(p.values)
         return 0
 
     def record(ev, stream, err, n):
         log.append(("record", ev))
+        while pending:
+            p = pending.pop(0)
+            p.device(p.values)
         return 0
 
     def wait(ev, err, n):
@@ -133,8 +141,23 @@ def _one_call_rank(rank, world):
         progress.fill_(1 << 40)  # every chunk stored
         counts[-1] = 1  # the ready word, last
 
+    marks = px.marks.view(W, native.MARKS)
+    report_marks = []
+
+    def check_marks(tag, rows_from):
+        """Every chunk of every peer's rows marked with this round's tag by the engine, and
+        the whole marks stored after the complete."""
+        ok = tag != 0 and bool((marks[:, native.MARK_WHOLE] == tag).all())
+        for r in range(W):
+            if r != me and rows_from[r]:
+                chunks = -(-rows_from[r] * H * 4 // px.chunk_bytes)
+                ok &= chunks > 1 and bool((marks[r, :chunks] == tag).all())
+        report_marks.append(ok)
+
     def gather(values):
-        xp, sip, rxp, rip, rwp, own, n, grid = values
+        xp, sip, rxp, rip, rwp, own, n, tag, grid = values
+        offs = recv_off.tolist()
+        check_marks(tag, [offs[r + 1] - offs[r] for r in range(W)])
         x = _at(xp, (T, H), torch.float32)
         rx = _at(rxp, (n, H), torch.float32)
         offs = recv_off.tolist()
@@ -149,7 +172,7 @@ def _one_call_rank(rank, world):
     x = torch.randn(T, H, generator=g)
     idx, w = contract_route("random", T, E, K, world, seed=rank)
     planned.plan_dispatch(_dispatch_key(x, idx, w), x.device, _Program(front, programs),
-                          _Program(gather, programs), _Event(), counts, meta, progress, 1,
+                          _Program(gather, programs, True), _Event(), counts, meta, progress, 1,
                           words, o_send, in_idx, in_w, recv_off)
 
     def pack(values):  # combine: y's rows back to the ranks they came from, rank order
@@ -161,8 +184,9 @@ def _one_call_rank(rank, world):
         _at(op.progress, (op.progress_words,), torch.int64).fill_(1 << 40)
 
     def reduce(values):
-        yp, ip, outp, own, t, grid = values
+        yp, ip, outp, own, t, tag, grid = values
         sends = list(handle_now["h"].num_send_per_rank)
+        check_marks(tag, sends)
         sst = np.concatenate([[0], np.cumsum(sends)]).tolist()
         y = _at(yp, (handle_now["h"].num_recv_tokens, H), torch.float32)
         views = [y[own:own + sends[me]] if r == me else peer_rows(r, sends[r]) for r in range(W)]
@@ -189,13 +213,14 @@ def _one_call_rank(rank, world):
         y = torch.randn(exp[0].shape[0], H, generator=g)
         if step == 0:  # the combine case's plan, once its shape is known
             planned.plan_rows(_combine_key(y, T), y, _Program(pack, programs),
-                              _Program(reduce, programs), _Event())
+                              _Program(reduce, programs, True), _Event())
         handle_now["h"] = got[4]
         log.clear()
         equal &= torch.equal(ref.combine(y, exp[4]), px.combine(y, got[4]))
         report["combine_log"].append([k for k, _ in log])
         report["equal"].append(equal)
     report["one_calls"] = px.one_calls
+    report["marks"] = report_marks
     fail["launch"] = True
     idx, w = contract_route("random", T, E, K, world, seed=99 + rank)
     try:
@@ -213,6 +238,9 @@ def test_one_call_path_over_a_stand_in_device():
         assert r["equal"] == [True, True, True], (rank, r)
         assert len(r["errors"]) == 1 and "rank 1" in r["errors"][0], (rank, r)
         assert r["one_calls"] == {"dispatch": 3, "combine": 3, "cached": 0}, (rank, r)
+        # each reading kernel found every chunk of its peer's rows marked by the engine, with
+        # the round's tag, and the whole marks stored
+        assert r["marks"] == [True] * 6, (rank, r)
         # the packing launched, the previous op's reads waited for (none before the first op
         # and after the refused one, which waited), then the reading kernel and its event
         assert r["dispatch_log"] == [["run", "run", "record"]] * 2 + [

@@ -2,8 +2,9 @@
 proxy's D+C of a DeepSeek-V3-shaped batch in two rank processes, interleaved with its own wire
 floor (the same rows' two wire rounds alone) and gloo, every arm checked bit for bit against
 ``torch`` (``one_call``: whether a case that ran before goes to one native call per op,
-``EFA_EP_PROXY_ONE_CALL``); and the helpers the benchmark's parts share (rank environment,
-summaries, the engine-wait clock)."""
+``EFA_EP_PROXY_ONE_CALL``; ``early_reads``: whether its reading kernel follows the chunks'
+arrival, ``EFA_EP_PROXY_EARLY_READS``); and the helpers the benchmark's parts share (rank
+environment, summaries, the engine-wait clock)."""
 from __future__ import annotations
 
 import resource
@@ -12,6 +13,7 @@ import time
 
 import torch
 
+from efa_ep.kernels.proxy.planned import early_reads
 from efa_ep.kernels.proxy.planned import enabled as one_call_enabled
 
 # The dispatch+combine cells' shape: DeepSeek-V3 (hidden, routed experts, top-k), bf16.
@@ -220,6 +222,7 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
                "spin_us": "default" if spin_us is None else spin_us,
                "route": "random, fresh per iteration" if fresh_routes else "random",
                "device": device, "hmem": hmem, "one_call": one_call_enabled(),
+               "early_reads": early_reads(),
                "starts": starts, "iters_per_start": iters, "torch_timed": time_torch,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}
