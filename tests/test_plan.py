@@ -278,12 +278,12 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert shipped["gda_fixed_us"].tag == "measured"
     assert all(f"results/gda_perop/{n}" in shipped["gda_fixed_us"].source for n in names)
     assert shipped["proxy_fixed_us"].tag == "measured"
-    assert ("results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json"
+    assert ("results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json"
             in shipped["proxy_fixed_us"].source)
     assert "results/plan/measured_h200x2.jsonl" in shipped["gda_link_eff"].source
     # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
     assert shipped["hier_fixed_us"].tag == "measured"
-    assert ("results/h200/bench_hier_ep4_one_call/bench_summary.json"
+    assert ("results/h200/bench_hier_ep4_early_reads/bench_summary.json"
             in shipped["hier_fixed_us"].source)
 
 

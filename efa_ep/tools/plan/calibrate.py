@@ -547,5 +547,7 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
              "results/gda_perop/gda_gpu_check_cpp_after_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
-             "results/h200/bench_hier_ep4_one_call/bench_summary.json"]
+             "results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json",
+             "results/h200/bench_hier_ep4_one_call/bench_summary.json",
+             "results/h200/bench_hier_ep4_early_reads/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
