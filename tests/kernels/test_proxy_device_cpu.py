@@ -184,8 +184,10 @@ def _check_gather():
         out_x = torch.full((n_recv, d), 3.0).to(dtype)
         out_idx = torch.full((n_recv, topk), 5, dtype=torch.int64)
         out_w = torch.full((n_recv, topk), 5.0)
+        marks = torch.zeros(world * 256, dtype=torch.int32)  # (launched after the round: tag 0)
         dk.gather_dispatch(x, send_token_idx, src_ptrs, rstarts, in_idx, in_w, out_x, out_idx,
-                           out_w, me=me, own_start=own_start, num_programs=4)
+                           out_w, me=me, own_start=own_start, num_programs=4, marks=marks,
+                           dev_marks=marks.clone())
         want = torch.cat([x[send_token_idx[own_start:own_start + n_own]] if r == me else blocks[r]
                           for r in range(world)])
         case = (world, topk, t, dtype_name, me, n_from)
@@ -215,8 +217,10 @@ def _check_reduce():
         src_ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64)
         out = torch.full((t, d), 3.0).to(dtype)
         send_off = torch.tensor([0] + num_send, dtype=torch.int64).cumsum(0)
+        marks = torch.zeros(world * 256, dtype=torch.int32)  # (launched after the round: tag 0)
         dk.reduce_combine(y, ref.send_token_idx_S, send_off, src_ptrs, out, me=me,
-                          own_start=own_start, num_programs=5)
+                          own_start=own_start, num_programs=5, marks=marks,
+                          dev_marks=marks.clone())
         want = reduce_rows_by_rank(torch.cat(blocks), ref.send_token_idx_S, num_send, t).to(dtype)
         case = (world, num_experts, topk, t, dtype_name, me)
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), case
