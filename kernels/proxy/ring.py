@@ -38,7 +38,8 @@ def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes
     Args:
         dest, local_off, remote_off, nbytes: ``[M]`` int64 CPU, one entry per message; offsets are
             16-byte aligned window offsets, nbytes > 0.
-        msg: message id (20 bits). chunk_bytes: multiple of 16.
+        msg: message id (its low 8 bits are sent; the descriptor's chunk-mark bits stay 0: no
+            chunk marks from this producer). chunk_bytes: multiple of 16.
     Returns:
         ``[D, 2]`` int64 CPU descriptor words (see efa_proxy.h), chunks in message order.
     """
@@ -51,7 +52,7 @@ def describe_messages(dest, local_off, remote_off, nbytes, msg: int, chunk_bytes
     k = torch.arange(total) - first[owner]
     off = k * chunk_bytes
     length = torch.minimum(nbytes[owner] - off, torch.full_like(off, chunk_bytes))
-    w0 = (dest[owner] << 52) | ((msg & ((1 << native.MSG_BITS) - 1)) << 32) | length
+    w0 = (dest[owner] << 52) | ((msg & native.IMM_MSG_MASK) << 32) | length
     w1 = (((local_off[owner] + off) >> 4) << 32) | ((remote_off[owner] + off) >> 4)
     return torch.stack([w0, w1], 1)
 
@@ -92,7 +93,7 @@ def triton_producer():
             m = k < nch
             off = k * cb
             length = tl.minimum(nbytes - off, cb)
-            w0 = (dest << 52) | ((msg.to(tl.int64) & 0xFFFFF) << 32) | length
+            w0 = (dest << 52) | ((msg.to(tl.int64) & 0xFF) << 32) | length  # (no chunk mark)
             w1 = (((loff + off) >> 4) << 32) | ((roff + off) >> 4)
             slot = (tail0.to(tl.int64) + first + k) % ring_slots
             tl.store(ring_ptr + slot * 2, w0, mask=m)

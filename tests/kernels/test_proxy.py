@@ -256,6 +256,11 @@ def test_describe_messages_encoding():
     assert ((d[:, 0] >> 32) & 0xFFFFF).tolist() == [7] * 4
     assert ((d[:, 1] >> 32) << 4).tolist() == [32, 48, 64, 4096]
     assert ((d[:, 1] & 0xFFFFFFFF) << 4).tolist() == [64, 80, 96, 8192]
+    # only the id's 8 bits are sent: the field's chunk-mark bits stay 0 (a mark from this
+    # producer would be refused by the receiver)
+    d = proxy_mod.describe_messages(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]),
+                                    torch.tensor([16]), 0x307, 16)
+    assert ((d[:, 0] >> 32) & 0xFFFFF).tolist() == [7]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
