@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 
 from ..gda import launches as kern
-from ..gda.device import _now_ns, _round_f32_to, _source_of_row, next_pow2
+from ..gda.device import _round_f32_to, _source_of_row, next_pow2
 from ..launch import FastKernel
 from ..native_launch import KernelStep
-from .marks import await_bytes, await_mark, watch
+from .marks import await_bytes, await_mark, begin_reads
 from .native import MARK_WHOLE
 from .ring import HostPtr
 
@@ -223,13 +223,9 @@ def _gather_dispatch_kernel(
     (``marks.py``), the others read; 0: no waits (the interpreter)."""
     elt = out_x_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0) - WATCHER
     k = tl.arange(0, K_PAD)
     km = k < num_topk
-    start = _now_ns(WATCHER == 1)
-    if WATCHER == 1:
-        if (pid == 0) & (tag != 0):
-            watch(marks_ptr, dev_marks_ptr, me, tag, start, timeout_ns, W)
+    start, nprog = begin_reads(marks_ptr, dev_marks_ptr, me, tag, timeout_ns, W, WATCHER)
     if pid >= WATCHER:
         row_bytes = D * elt.primitive_bitwidth // 8
         for i in range(pid - WATCHER, num_rows, nprog):
@@ -293,12 +289,8 @@ def _reduce_combine_kernel(
     ``tag``; ``WATCHER`` as :func:`_gather_dispatch_kernel`'s)."""
     elt = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0) - WATCHER
     offs = tl.arange(0, BLOCK_D)
-    start = _now_ns(WATCHER == 1)
-    if WATCHER == 1:
-        if (pid == 0) & (tag != 0):
-            watch(marks_ptr, dev_marks_ptr, me, tag, start, timeout_ns, W)
+    start, nprog = begin_reads(marks_ptr, dev_marks_ptr, me, tag, timeout_ns, W, WATCHER)
     if pid >= WATCHER:
         row_bytes = D * elt.primitive_bitwidth // 8
         for t in range(pid - WATCHER, num_tokens, nprog):

@@ -67,6 +67,19 @@ def watch(marks_ptr, dev_marks_ptr, me, tag, start, timeout_ns, W: tl.constexpr)
 
 
 @triton.jit
+def begin_reads(marks_ptr, dev_marks_ptr, me, tag, timeout_ns, W: tl.constexpr,
+                WATCHER: tl.constexpr):
+    """The start of a reading kernel: with ``WATCHER`` 1 program 0 is the watcher (it returns
+    when the round is wholly in) and the others read. Returns (the clock at the start, for the
+    waits' deadline; the number of reading programs)."""
+    start = _now_ns(WATCHER == 1)
+    if WATCHER == 1:
+        if (tl.program_id(0) == 0) & (tag != 0):
+            watch(marks_ptr, dev_marks_ptr, me, tag, start, timeout_ns, W)
+    return start, tl.num_programs(0) - WATCHER
+
+
+@triton.jit
 def await_mark(dev_marks_ptr, s, slot, tag, start, timeout_ns):
     """Spins (backing off) until source ``s``'s forwarded mark ``slot`` or its whole mark holds
     ``tag``, or the deadline."""
