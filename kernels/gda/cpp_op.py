@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from . import gather_ahead
-from .gate import GATE_SPIN_NS, wait_record
+from .gate import GATE_SPIN_NS, KIND_OF, wait_record
 from .window import GdaDispatchState
 from ..base import DispatchHandle
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
@@ -207,9 +207,8 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
     """A planned regular dispatch in one C++ call, its outputs allocated ahead (or, at capacity
     0, after its count read; see the
     module); ``ph``: the transport's ``GdaPhases``, ``plan``: its bound dispatch plan for this
-    shape, ``epoch``: the op's number. Returns what ``GdaPhases.dispatch_head`` returns when
-    the call gathered, else the dispatch's scratch (its header ran; the caller reads the counts
-    and gathers). With ``device`` (the CUDA device index; -2: CPU tensors of the host-only
+    shape, ``epoch``: the op's number. Returns what ``GdaPhases.dispatch_head`` returns (when
+    the call did not gather, its header ran: the caller checks the counts and gathers). With ``device`` (the CUDA device index; -2: CPU tensors of the host-only
     stand-in) the C++ call first checks that the inputs are the plan's case (shapes, dtypes,
     dense rows, the device, 16-byte alignment) and returns None when not (nothing ran, the
     transport's op number is not taken); otherwise the op's number is the transport's from
@@ -231,39 +230,74 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
             o_out=o_out, o_offsets=o_offsets, n_info=n_info, num_local=num_local,
             hidden=tr.cfg.hidden, topk=ahead.k, tokens=t,
             run=ctypes.cast(front._lib["efa_launch_run"], ctypes.c_void_p).value)
-    record = wait_record(epoch, "dispatch")
-    delta = epoch - tr._dev_base
-    res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, delta, record, stream,
-                          device)
+    res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, epoch - tr._dev_base,
+                          wait_record(epoch, "dispatch"), stream, device)
     status = _began(tr, res, epoch)
     if status is None:
         return None
-    scratch = res[3]
-    tr.blocked_s += (res[1] + res[2]) * 1e-9
     if status == RAN:
+        tr.blocked_s += (res[1] + res[2]) * 1e-9
         recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res[4:]
         ahead.fit(recv_x.shape[0])
-        return (scratch, slot, o_send, None, tpe, offsets,
+        return (res[3], slot, o_send, None, tpe, offsets,
                 (recv_x, recv_idx, recv_w, num_send, num_recv, send_idx))
+    return _not_gathered(ph, res, plan, epoch, t)
+
+
+def _not_gathered(ph, res, plan, epoch: int, t: int):
+    """What ``GdaPhases.dispatch_head`` returns for a C++ dispatch result ``res`` (op
+    ``epoch``, ``t`` tokens, dispatch plan ``plan``) whose status is not RAN: the header ran
+    (after the transport's gate wait when a peer was late), the gather is left to the
+    transport; a completion word that never came raises."""
+    tr = ph.tr
+    scratch = res[3]
+    tr.blocked_s += (res[1] + res[2]) * 1e-9
+    status = res[0]
     sp = scratch.data_ptr()
+    o_rank, o_out, n_info = plan[5], plan[6], plan[8]
     if status == GATE_LATE:  # the front ran and is published: wait (deadline), then the header
         tr._await_peers(epoch, "dispatch")
-        tr.blocked_s += ph._run_wait(header, (sp + 8 * o_rank, sp + 8 * o_out, delta), stream,
-                                     flag, epoch, "dispatch")
+        tr.blocked_s += ph._run_wait(plan[1], (sp + 8 * o_rank, sp + 8 * o_out,
+                                               epoch - tr._dev_base), _stream(ph._dev),
+                                     ph._host[0] + 8 * n_info, epoch, "dispatch")
     elif status == FLAG_LATE:
         tr._device_late(epoch, "dispatch", ph._flag_wait_ns * 1e-9)  # raises
     # counts the native check refused, more rows than allocated, a late peer: the header ran,
     # the caller checks the counts and gathers
-    return scratch
+    return gather_ahead.head_tail(ph, scratch, t, plan)
 
 
 # ---- straight from the transport's methods ----------------------------------------------
+_DISPATCH_KIND, _COMBINE_KIND = KIND_OF["dispatch"], KIND_OF["combine"]
+_CACHED_KIND, _WEIGHT_KIND = KIND_OF["cached dispatch"], KIND_OF["weight combine"]
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _handle(x, topk_idx, recv_x, recv_idx, send_idx, num_send, num_recv, owner, slot, offsets,
+            epoch):
+    """The :class:`DispatchHandle` of a dispatch that gathered in its C++ call: the same frozen
+    objects the transport makes, their fields set at once (a frozen dataclass's own ``__init__``
+    sets each field through ``object.__setattr__``: several microseconds per dispatch)."""
+    st = _new(GdaDispatchState)
+    _set(st, "__dict__", {"owner": owner, "slot_TW": slot, "recv_offsets": offsets,
+                          "epoch": epoch, "fixed": False, "num_recv_W": None})
+    h = _new(DispatchHandle)
+    _set(h, "__dict__", {"num_tokens": x.shape[0], "num_recv_tokens": recv_x.shape[0],
+                         "topk_idx": topk_idx, "send_token_idx": send_idx,
+                         "num_send_per_rank": num_send, "num_recv_per_rank": num_recv,
+                         "recv_topk_idx": recv_idx, "state": st})
+    return h
+
+
 def dispatch_planned(ph, x, topk_idx, topk_weights):
     """A regular dispatch of ``GdaPhases`` ``ph`` straight to the C++ call, before the
     transport's own input checks: when its shape has a plan that gathers ahead and the C++
-    call finds the inputs the plan's case (:func:`dispatch`). Returns (the op's number, what
-    ``GdaPhases.dispatch_head`` returns), or None when the call is not that case (nothing
-    ran; the transport's checked path takes it and names any problem)."""
+    call finds the inputs the plan's case (see :func:`dispatch`). Returns what
+    ``GdaTransport.dispatch`` returns (the outputs and the handle; when the call did not gather,
+    the transport's :meth:`~GdaTransport.dispatch_tail` checked the counts and gathered), or
+    None when the call is not that case (nothing ran; the transport's checked path takes it
+    and names any problem)."""
     tr = ph.tr
     if tr._capturing or tr._broken is not None:
         return None
@@ -273,18 +307,35 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None  # not tensors of two dimensions
     plan = ph._plans.get(key)
-    if plan is None or plan[-1].cpp is None or epoch >= 2**31 - 1:
+    if plan is None:
         return None
-    if torch.cuda.is_current_stream_capturing():
-        return None  # the checked path raises, naming the capture
-    done = dispatch(ph, x, topk_idx, topk_weights, plan, epoch, _stream(ph._dev),
-                    ph._cpp_device)
-    if done is None:
-        return None
-    ph._ahead = plan[-1]
-    if not isinstance(done, tuple):
-        done = gather_ahead.head_tail(ph, done, key[2], plan)
-    return epoch, done
+    ahead = plan[-1]
+    if ahead.cpp is None or epoch >= 2**31 - 1 or torch.cuda.is_current_stream_capturing():
+        return None  # (while capturing the checked path raises, naming the capture)
+    res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, epoch - tr._dev_base,
+                          epoch * 8 + _DISPATCH_KIND, _stream(ph._dev), ph._cpp_device)
+    status = res[0]
+    if status != RAN:
+        if status == NOT_PLANNED:
+            return None
+        tr._epoch = epoch
+        if status < 0:
+            raise NativeLaunchError(res[4])
+        ph._ahead = ahead  # the transport gathers, then sizes the next calls' outputs
+        head = _not_gathered(ph, res, plan, epoch, key[2])
+        return tr.dispatch_tail(x, topk_idx, topk_weights, epoch, head)
+    tr._epoch = epoch
+    tr.blocked_s += (res[1] + res[2]) * 1e-9
+    _, _, _, _, recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res
+    ahead.fit(recv_x.shape[0])
+    parity, k = epoch & 1, key[3]
+    if tr._idx_k[parity] != k:  # (GdaTransport._note_idx_width of a regular dispatch)
+        tr._idx_k[parity] = k
+        tr._idx_full[parity] = True
+    tr._idx_epoch[parity] = epoch
+    return recv_x, recv_idx, recv_w, tpe, _handle(x, topk_idx, recv_x, recv_idx, send_idx,
+                                                  num_send, num_recv, tr.uid, slot, offsets,
+                                                  epoch)
 
 
 def _planned_op(ph, handle):
@@ -300,11 +351,28 @@ def _planned_op(ph, handle):
     return tr._epoch + 1, st
 
 
+def _finished(ph, res, second, lead, rows: int, epoch: int, kind: str, stream: int,
+              op: Optional[str] = None):
+    """The output of op ``epoch`` from its C++ gated call's result ``res`` (as
+    :func:`_second_after_gate`; None: its inputs were not the plan's case), after what
+    ``GdaTransport._finish`` checks (a rank that refused the op, ``check_every_call``)."""
+    if res[0] == NOT_PLANNED:
+        return None
+    out = _second_after_gate(ph, res, second, lead, rows, epoch, kind, epoch - ph.tr._dev_base,
+                             stream)
+    tr = ph.tr
+    gate = tr._gate
+    if tr.check_every_call or (gate is not None and gate.bad_at(epoch)):
+        return tr._finish(epoch, kind, out, op)
+    return out
+
+
 def combine_planned(ph, y, handle):
     """A combine of ``GdaPhases`` ``ph`` straight to its C++ call, before the transport's
     checks: when this shape has a plan and the call finds ``y`` the handle's rows, dense, on
-    this device (see :func:`combine`). Returns the output, or None when not that case (nothing
-    ran; the transport's checked path takes it and names any problem)."""
+    this device (see :func:`combine`). Returns the output, checked as the transport's
+    ``_finish`` checks it, or None when not that case (nothing ran; the transport's checked
+    path takes it and names any problem)."""
     op = _planned_op(ph, handle)
     if op is None or not handle.num_tokens:
         return None
@@ -316,9 +384,11 @@ def combine_planned(ph, y, handle):
     plan = ph._plans.get(key)
     if plan is None or plan[2] is None:
         return None
-    return combine(ph, y, st.recv_offsets, None, st.slot_TW, handle.num_tokens, plan[2],
-                   plan[1], epoch, "combine", _stream(ph._dev), handle.num_recv_tokens,
-                   ph._cpp_device)
+    tr, stream, t = ph.tr, _stream(ph._dev), handle.num_tokens
+    res = ph.cpp.combine(y, st.recv_offsets, None, st.slot_TW, t, plan[2].address,
+                         epoch - tr._dev_base, epoch * 8 + _COMBINE_KIND, stream,
+                         handle.num_recv_tokens, ph._cpp_device)
+    return _finished(ph, res, plan[1], st.slot_TW, t, epoch, "combine", stream)
 
 
 def weight_combine_planned(ph, g, handle):
@@ -340,9 +410,11 @@ def weight_combine_planned(ph, g, handle):
     plan = ph._plans.get(key)
     if plan is None or plan[2] is None:
         return None
-    return combine(ph, g, st.recv_offsets, handle.recv_topk_idx, st.slot_TW, handle.num_tokens,
-                   plan[2], plan[1], epoch, "weight combine", _stream(ph._dev),
-                   handle.num_recv_tokens, ph._cpp_device)
+    tr, stream, t = ph.tr, _stream(ph._dev), handle.num_tokens
+    res = ph.cpp.combine(g, st.recv_offsets, handle.recv_topk_idx, st.slot_TW, t,
+                         plan[2].address, epoch - tr._dev_base, epoch * 8 + _WEIGHT_KIND, stream,
+                         handle.num_recv_tokens, ph._cpp_device)
+    return _finished(ph, res, plan[1], st.slot_TW, t, epoch, "weight combine", stream)
 
 
 def cached_planned(ph, x, handle):
@@ -359,5 +431,9 @@ def cached_planned(ph, x, handle):
     plan = ph._plans.get(key)
     if plan is None or plan[2] is None:
         return None
-    return cached(ph, x, st.slot_TW, st.recv_offsets, handle.num_recv_tokens, plan[2],
-                  plan[1], epoch, _stream(ph._dev), handle.num_tokens, ph._cpp_device)
+    tr, stream, n = ph.tr, _stream(ph._dev), handle.num_recv_tokens
+    res = ph.cpp.cached(x, st.slot_TW, st.recv_offsets, n, plan[2].address,
+                        epoch - tr._dev_base, epoch * 8 + _CACHED_KIND, stream,
+                        handle.num_tokens, ph._cpp_device)
+    return _finished(ph, res, plan[1], st.recv_offsets, n, epoch, "cached dispatch", stream,
+                     "dispatch_cached")

@@ -335,12 +335,8 @@ class GdaPhases:
         # the whole call in C++ (fast_launch=4), its outputs allocated ahead or, when too large
         # for that, after the count read
         if bound and self.cpp is not None:
-            done = cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch,
+            return cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch,
                                    _stream(self._dev))
-            if isinstance(done, tuple):
-                return done
-            # no gather: the transport checks the counts and gathers
-            return gather_ahead.head_tail(self, done, t, plan)
         else:
             scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
             sp = scratch.data_ptr()

@@ -360,33 +360,40 @@ class GdaTransport(Transport):
             recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64 (local ids, -1 elsewhere),
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
-        cfg = self.cfg
         phases = self._phases
-        # a shape seen before, its inputs as then: one C++ call that checks them and runs it all
-        planned = (cpp_op.dispatch_planned(phases, x, topk_idx, topk_weights) if phases.cpp
-                   else None)
-        if planned is not None:
-            epoch, head = planned
-            error = None
-        else:
-            if self._capturing:
-                raise TransportError(
-                    f"rank {self.rank}: gda dispatch reads the receive counts on the host and "
-                    f"cannot be captured in a CUDA graph; use dispatch_fixed inside capture()")
-            error = self._host_check(x, topk_idx, topk_weights)
-            epoch = self._begin_op("dispatch")
-            if error is not None:  # take part with no rows and a bad status: nobody waits
-                if self._gate is not None:
-                    self._gate.post_text(epoch, error)  # before publishing: peers read it later
-                x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
-                topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
-                topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
-            x = x.contiguous() if x.stride(-1) != 1 else x
-            topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-            # layout, stores, the launch gate, then the one host sync per dispatch
-            head = phases.dispatch_head(x, topk_idx, topk_weights, epoch,
-                                        None if error is None else STATUS_BAD_INPUT)
+        # a shape seen before, its inputs as then: one C++ call that checks them, runs it all and
+        # returns the outputs (None: not that case, nothing ran)
+        if phases.cpp is not None:
+            out = cpp_op.dispatch_planned(phases, x, topk_idx, topk_weights)
+            if out is not None:
+                return out
+        cfg = self.cfg
+        if self._capturing:
+            raise TransportError(
+                f"rank {self.rank}: gda dispatch reads the receive counts on the host and "
+                f"cannot be captured in a CUDA graph; use dispatch_fixed inside capture()")
+        error = self._host_check(x, topk_idx, topk_weights)
+        epoch = self._begin_op("dispatch")
+        if error is not None:  # take part with no rows and a bad status: nobody waits
+            if self._gate is not None:
+                self._gate.post_text(epoch, error)  # before publishing: peers read it later
+            x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
+            topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
+            topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
+        x = x.contiguous() if x.stride(-1) != 1 else x
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        # layout, stores, the launch gate, then the one host sync per dispatch
+        head = phases.dispatch_head(x, topk_idx, topk_weights, epoch,
+                                    None if error is None else STATUS_BAD_INPUT)
+        return self.dispatch_tail(x, topk_idx, topk_weights, epoch, head, error)
+
+    def dispatch_tail(self, x, topk_idx, topk_weights, epoch: int, head, error=None):
+        """The rest of dispatch op ``epoch`` after its header ran (``head``: what
+        ``GdaPhases.dispatch_head`` returns): the counts checked and the rows gathered unless
+        the native call did both, then the handle. ``error``: this rank's refusal of its own
+        input (it took part with no rows). Returns what :meth:`dispatch` returns."""
         k = topk_idx.shape[1]
+        phases = self._phases
         scratch, slot, o_send, vals, tokens_per_expert, recv_offsets, got = head
         if self._note_idx_width(epoch % 2, k):
             self._idx_full[epoch % 2] = True  # only a fixed-capacity receive clears rows
@@ -476,7 +483,7 @@ class GdaTransport(Transport):
         phases = self._phases
         out = cpp_op.cached_planned(phases, x, handle) if phases.cpp else None  # as combine's
         if out is not None:
-            return self._finish(self._epoch, "cached dispatch", out, "dispatch_cached")
+            return out
         try:
             st = self.handle_state(handle)
             error = rows_input_error(self.rank, "cached dispatch input x", x, handle.num_tokens,
@@ -511,7 +518,7 @@ class GdaTransport(Transport):
         out = cpp_op.combine_planned(phases, y, handle) if phases.cpp else None
         if out is None:
             return self._combine(y, handle, "combine")
-        return self._finish(self._epoch, "combine", out)
+        return out
 
     def _finish(self, epoch: int, kind: str, out, op: Optional[str] = None):
         """``out`` of op ``epoch`` (of ``kind``, the call ``op``) after the group's refusal
@@ -527,7 +534,7 @@ class GdaTransport(Transport):
         phases = self._phases
         out = cpp_op.weight_combine_planned(phases, g, handle) if phases.cpp else None
         if out is not None:  # (as combine's)
-            return self._finish(self._epoch, "weight combine", out)
+            return out
         error = self.handle_error(handle) or rows_input_error(
             self.rank, "combine_topk_weights input", g, handle.num_recv_tokens,
             width=handle.recv_topk_idx.shape[1], device=self.device)

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -48,7 +49,36 @@ enum {
     C_NUM_FIELDS
 };
 
+// The host-time trace of the last call (see trace()): steady-clock nanoseconds at its entry,
+// before its native call, after it, and before its result is built, then the native call's
+// device and gate waits. Off unless a probe turns it on: one branch per stamp.
+bool g_trace_on = false;
+int64_t g_trace[6];
+
+inline void stamp(int i) {
+    if (g_trace_on)
+        g_trace[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now().time_since_epoch())
+                         .count();
+}
+
+inline void waits(int64_t sync_ns, int64_t gate_ns) {
+    if (g_trace_on) {
+        g_trace[4] = sync_ns;
+        g_trace[5] = gate_ns;
+    }
+}
+
 }  // namespace
+
+// Turns the host-time trace on or off and returns the last traced call's
+// (entry, before native, after native, before result, sync_ns, gate_ns); the clock is
+// CLOCK_MONOTONIC's, as Python's time.perf_counter_ns(). For the probes (never on in a run).
+py::tuple trace(bool on) {
+    g_trace_on = on;
+    return py::make_tuple(g_trace[0], g_trace[1], g_trace[2], g_trace[3], g_trace[4],
+                          g_trace[5]);
+}
 
 // Status of a dispatch whose inputs are not the plan's clean case (see inputs_fit): nothing
 // ran, the caller takes the checked path.
@@ -79,6 +109,44 @@ static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Ten
            w.is_contiguous() && on(w, device);
 }
 
+// A tensor of `dtype` (sizes, strides) over the bytes of `buf`'s storage from `byte_off` on, made
+// as one TensorImpl: no allocation and no dispatcher call, which several at::empty and views cost
+// per call. The tensors carved out of one allocation keep all of it alive; a dispatch's are used
+// together (its outputs, its handle's layout). `byte_off` is a multiple of dtype's size.
+static at::Tensor carve(const at::Tensor &buf, at::ScalarType dtype, at::IntArrayRef sizes,
+                        at::IntArrayRef strides, int64_t byte_off) {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(
+        c10::Storage(buf.storage()), buf.key_set(), caffe2::TypeMeta::fromScalarType(dtype));
+    impl->set_sizes_and_strides(sizes, strides,
+                                (buf.storage_offset() * buf.element_size() + byte_off) /
+                                    static_cast<int64_t>(c10::elementSize(dtype)));
+    return at::Tensor(std::move(impl));
+}
+
+static int64_t up256(int64_t n) { return (n + 255) & ~int64_t(255); }
+
+// The dispatch's outputs [rows, H] in x's dtype, [rows, K] int64, [rows, K] float32 carved from
+// `buf` at `at` bytes on (256-byte aligned each: the gather's kernel was bound for 16-byte
+// aligned outputs); returns the bytes they take.
+static int64_t outputs_bytes(int64_t rows, int64_t hidden, int64_t k, int64_t elem) {
+    return up256(rows * hidden * elem) + up256(rows * k * 8) + up256(rows * k * 4);
+}
+
+struct Outputs {
+    at::Tensor x, idx, w;
+};
+
+static Outputs carve_outputs(const at::Tensor &buf, int64_t at, int64_t rows, int64_t hidden,
+                             int64_t k, at::ScalarType x_type, int64_t elem) {
+    Outputs o;
+    o.x = carve(buf, x_type, {rows, hidden}, {hidden, 1}, at);
+    at += up256(rows * hidden * elem);
+    o.idx = carve(buf, at::kLong, {rows, k}, {k, 1}, at);
+    at += up256(rows * k * 8);
+    o.w = carve(buf, at::kFloat, {rows, k}, {k, 1}, at);
+    return o;
+}
+
 // Outputs are allocated ahead at the plan's capacity (shape[5] rows) before the native call, which
 // then gathers too; a plan of capacity 0 (outputs larger than the caller allocates ahead) gets
 // them allocated here after the call read clean counts (at most world x t_max rows: the peers'
@@ -93,16 +161,20 @@ static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Ten
 py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Tensor &topk_weights,
                    int64_t plan_address, int64_t delta, int64_t record, int64_t stream,
                    int64_t device) {
+    stamp(0);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     const int64_t *shape = reinterpret_cast<const int64_t *>(p[P_SHAPE]);
     const int64_t w = p[P_WORLD], cap = shape[5], k = p[P_TOPK], t = p[P_TOKENS];
     if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
         return py::make_tuple(NOT_PLANNED);
-    auto scratch = at::empty({p[P_WORDS]}, x.options().dtype(at::kLong));
+    // one allocation: the scratch (layout, counts: the handle's), then the outputs ahead
+    const int64_t elem = x.element_size(), hidden = p[P_HIDDEN];
+    const int64_t scratch_bytes = up256(8 * p[P_WORDS]);
+    auto buf = at::empty({scratch_bytes + outputs_bytes(cap, hidden, k, elem)},
+                         x.options().dtype(at::kByte));
+    auto scratch = carve(buf, at::kLong, {p[P_WORDS]}, {1}, 0);
     const bool after = cap == 0;  // the outputs once the counts are read
-    auto recv_x = at::empty({cap, p[P_HIDDEN]}, x.options());
-    auto recv_idx = at::empty({cap, k}, topk_idx.options());
-    auto recv_w = at::empty({cap, k}, topk_weights.options());
+    Outputs out = carve_outputs(buf, scratch_bytes, cap, hidden, k, x.scalar_type(), elem);
     const int64_t sp = reinterpret_cast<int64_t>(scratch.data_ptr());
     auto *front = reinterpret_cast<Program *>(p[P_FRONT]);
     auto *header = reinterpret_cast<Program *>(p[P_HEADER]);
@@ -113,9 +185,9 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     std::memcpy(front->vars, fv, sizeof fv);
     const int64_t hv[3] = {sp + 8 * p[P_O_RANK], sp + 8 * p[P_O_OUT], delta};
     std::memcpy(header->vars, hv, sizeof hv);
-    const int64_t gv[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(recv_x.data_ptr()),
-                           reinterpret_cast<int64_t>(recv_idx.data_ptr()),
-                           reinterpret_cast<int64_t>(recv_w.data_ptr()), cap,
+    const int64_t gv[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(out.x.data_ptr()),
+                           reinterpret_cast<int64_t>(out.idx.data_ptr()),
+                           reinterpret_cast<int64_t>(out.w.data_ptr()), cap,
                            cap < shape[6] ? cap : shape[6]};
     std::memcpy(gather->vars, gv, sizeof gv);
     int64_t sync_ns = 0, gate_ns = 0;
@@ -123,6 +195,7 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     auto fn = reinterpret_cast<DispatchFn>(p[P_FN]);
     auto *rows_out = reinterpret_cast<int64_t *>(p[P_ROWS]);
     int rc;
+    stamp(1);
     {
         py::gil_scoped_release unlocked;  // the call waits for peers and the device
         rc = fn(front, header, gather, stream, reinterpret_cast<int64_t *>(p[P_GATE]),
@@ -130,16 +203,17 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
                 reinterpret_cast<const int64_t *>(p[P_FLAG]), record, p[P_WAIT_NS], shape,
                 rows_out, &sync_ns, &gate_ns, err, sizeof err);
     }
+    stamp(2);
+    waits(sync_ns, gate_ns);
     if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
     if (after && rc == 3 && *rows_out > 0) {  // clean counts, rows > 0: gather them now
         const int64_t rows = *rows_out;
-        recv_x = at::empty({rows, p[P_HIDDEN]}, x.options());
-        recv_idx = at::empty({rows, k}, topk_idx.options());
-        recv_w = at::empty({rows, k}, topk_weights.options());
-        const int64_t av[6] = {sp + 8 * p[P_O_OFFSETS],
-                               reinterpret_cast<int64_t>(recv_x.data_ptr()),
-                               reinterpret_cast<int64_t>(recv_idx.data_ptr()),
-                               reinterpret_cast<int64_t>(recv_w.data_ptr()), rows,
+        // (outputs of their own: large, and each may be freed without the others)
+        out = Outputs{at::empty({rows, hidden}, x.options()), at::empty({rows, k}, topk_idx.options()),
+                      at::empty({rows, k}, topk_weights.options())};
+        const int64_t av[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(out.x.data_ptr()),
+                               reinterpret_cast<int64_t>(out.idx.data_ptr()),
+                               reinterpret_cast<int64_t>(out.w.data_ptr()), rows,
                                rows < shape[6] ? rows : shape[6]};
         std::memcpy(gather->vars, av, sizeof av);
         rc = reinterpret_cast<RunFn>(p[P_RUN])(gather, stream, err, sizeof err);
@@ -151,17 +225,22 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
     const int64_t end = 1 + w * (2 + num_local);
-    std::vector<int64_t> num_send(info + end, info + end + w), num_recv(w);
+    py::tuple num_send(w), num_recv(w);
     int64_t sent = 0;
     for (int64_t s = 0; s < w; s++) {
-        num_recv[s] = info[2 + s * (2 + num_local)];
-        sent += num_send[s];
+        num_recv[s] = py::int_(info[2 + s * (2 + num_local)]);
+        num_send[s] = py::int_(info[end + s]);
+        sent += info[end + s];
     }
-    return py::make_tuple(
-        rc, sync_ns, gate_ns, scratch, recv_x.narrow(0, 0, n), recv_idx.narrow(0, 0, n),
-        recv_w.narrow(0, 0, n), scratch.as_strided({t, w}, {w, 1}, p[P_O_SLOT]),
-        scratch.as_strided({w + 1}, {1}, p[P_O_OFFSETS]),
-        scratch.as_strided({sent}, {1}, p[P_O_SEND]), tokens_per_expert, num_send, num_recv);
+    auto rx = n == cap ? out.x : carve(out.x, x.scalar_type(), {n, hidden}, {hidden, 1}, 0);
+    auto ri = n == cap ? out.idx : carve(out.idx, at::kLong, {n, k}, {k, 1}, 0);
+    auto rw = n == cap ? out.w : carve(out.w, at::kFloat, {n, k}, {k, 1}, 0);
+    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * p[P_O_SLOT]);
+    auto offsets = carve(scratch, at::kLong, {w + 1}, {1}, 8 * p[P_O_OFFSETS]);
+    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * p[P_O_SEND]);
+    stamp(3);
+    return py::make_tuple(rc, sync_ns, gate_ns, scratch, rx, ri, rw, slot, offsets, send_idx,
+                          tokens_per_expert, num_send, num_recv);
 }
 
 // The first program, the launch gate and the second in one native call of a combine plan `p`
@@ -173,12 +252,16 @@ static py::tuple run_gated(const int64_t *p, Program *first, Program *second,
     char err[512] = {0};
     auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
     int rc;
+    stamp(1);
     {
         py::gil_scoped_release unlocked;
         rc = fn(first, second, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
                 static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
                 p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
     }
+    stamp(2);
+    waits(sync_ns, gate_ns);
+    stamp(3);
     if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
     return py::make_tuple(rc, sync_ns, gate_ns, out);
 }
@@ -195,6 +278,7 @@ py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
                   const c10::optional<at::Tensor> &ids, const at::Tensor &slot,
                   int64_t num_tokens, int64_t plan_address, int64_t delta, int64_t record,
                   int64_t stream, int64_t num_rows, int64_t device) {
+    stamp(0);
     if (device != -1 &&
         (!rows_fit(y, num_rows, device) ||
          (ids.has_value() && !(rows_fit(*ids, num_rows, device) && ids->is_contiguous() &&
@@ -230,6 +314,7 @@ py::tuple combine(const at::Tensor &y, const at::Tensor &offsets,
 py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &offsets,
                  int64_t num_rows, int64_t plan_address, int64_t delta, int64_t record,
                  int64_t stream, int64_t num_tokens, int64_t device) {
+    stamp(0);
     if (device != -1 && !rows_fit(x, num_tokens, device)) return py::make_tuple(NOT_PLANNED);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     auto out = at::empty({num_rows, x.size(1)}, x.options());
@@ -249,6 +334,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached", &cached, "a planned gda cached dispatch in one call (see the file)");
     m.def("dispatch", &dispatch, "a planned gda regular dispatch in one call (see the file)");
     m.def("combine", &combine, "a planned gda combine in one call (see the file)");
+    m.def("trace", &trace, "the host-time trace of the last call, on or off (see the file)");
     m.attr("PLAN_FIELDS") = static_cast<int64_t>(P_NUM_FIELDS);
     m.attr("COMBINE_FIELDS") = static_cast<int64_t>(C_NUM_FIELDS);
     m.attr("NOT_PLANNED") = static_cast<int64_t>(NOT_PLANNED);

@@ -153,6 +153,51 @@ def test_cpp_dispatch_too_large_to_allocate_ahead_gathers_after_its_count_read(
     assert ran == [0] * 4  # calls 2-5 each ran whole in the C++ call (status 0: gathered)
 
 
+def test_cpp_dispatch_carves_its_outputs_and_layout_from_one_allocation(tmp_path, monkeypatch):
+    """A dispatch that gathers in its C++ call makes one allocation: the layout scratch and the
+    outputs are tensors over it, each of its own dtype, shape and strides, 256-byte aligned,
+    none overlapping another; the handle is the transport's own frozen objects with every
+    field; the Python path gives the same counts and the same layout for the same inputs."""
+    import dataclasses
+
+    from efa_ep.kernels.base import DispatchHandle
+    from efa_ep.kernels.gda.window import GdaDispatchState
+
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    (tmp_path / "py").mkdir()
+    ref = _transport(tmp_path / "py", monkeypatch)
+    _, x, idx, w = _inputs(9)
+    n = T + 5
+    for _ in range(6):  # from call 4 the C++ call gathers into outputs allocated ahead
+        out = tr.dispatch(x, idx, w)
+        want = ref.dispatch(x, idx, w)
+    recv_x, recv_idx, recv_w, tpe, h = out
+    st = h.state
+    parts = [(recv_x, torch.bfloat16, (n, H)), (recv_idx, torch.int64, (n, K)),
+             (recv_w, torch.float32, (n, K)), (st.slot_TW, torch.int64, (T, W)),
+             (st.recv_offsets, torch.int64, (W + 1,)), (h.send_token_idx, torch.int64, (T + 6,))]
+    base = recv_x.untyped_storage().data_ptr()
+    spans = []
+    for t, dtype, shape in parts:
+        assert t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
+        assert t.untyped_storage().data_ptr() == base  # one allocation
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    for t in parts[:3]:
+        assert t[0].data_ptr() % 256 == 0
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two overlap
+    assert type(h) is DispatchHandle and type(st) is GdaDispatchState
+    assert dataclasses.asdict(st).keys() == {f.name for f in dataclasses.fields(st)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.num_tokens = 0
+    wh = want[-1]
+    assert (h.num_tokens, h.num_recv_tokens) == (wh.num_tokens, wh.num_recv_tokens) == (T, n)
+    assert h.num_send_per_rank == wh.num_send_per_rank and h.topk_idx is idx
+    assert h.num_recv_per_rank == wh.num_recv_per_rank
+    assert (st.epoch, st.owner, st.fixed, st.num_recv_W) == (tr._epoch, tr.uid, False, None)
+    assert torch.equal(tpe, want[3])
+
+
 def test_cpp_dispatch_checks_its_inputs_and_leaves_other_cases_to_the_checked_path(tmp_path,
                                                                                  monkeypatch):
     tr = _transport(tmp_path, monkeypatch, cpp=True)
