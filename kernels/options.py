@@ -134,6 +134,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "2 = each op phase's kernels in one native call (where the driver allows, else 1); "
                "1 = each kernel through its compiled launcher; 0 = Triton's own launch path",
                choices=(0, 1, 2, 3, 4)),
+        Option("layout_in_store", int, 1, "1 = a small batch's routing layout (decode sizes) is "
+               "computed inside the dispatch's store kernel, one launch instead of two; 0 = its "
+               "own launch first", choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

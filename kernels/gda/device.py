@@ -52,6 +52,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .layout_kernels import _count_and_check, _token_ranks
+
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
@@ -169,28 +171,64 @@ def _dispatch_store_kernel(
     x_ptr,                                          # [T, D] rows (any dtype), row stride stride_x
     topk_idx_ptr: tl.pointer_type(tl.int64),        # [T, K]
     topk_w_ptr: tl.pointer_type(tl.float32),        # [T, K]
-    slot_ptr: tl.pointer_type(tl.int64),            # [T, W] from the layout
-    num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W]
-    num_per_expert_ptr: tl.pointer_type(tl.int64),  # [E]
-    status_ptr: tl.pointer_type(tl.int64),          # [1]
+    slot_ptr: tl.pointer_type(tl.int64),            # [T, W] from the layout (LAYOUT: out)
+    send_token_idx_ptr: tl.pointer_type(tl.int64),  # out [S] (LAYOUT only) as the layout's
+    num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] (LAYOUT: out)
+    num_per_expert_ptr: tl.pointer_type(tl.int64),  # [E] (LAYOUT: out)
+    status_ptr: tl.pointer_type(tl.int64),          # [1] (LAYOUT: out)
     buf_ptrs: tl.pointer_type(tl.int64),            # [W] window base address of every rank
     sig_ptrs: tl.pointer_type(tl.int64),            # [W] signal pad address of every rank
     done_ptr: tl.pointer_type(tl.int32),            # [1] local grid-completion counter (0)
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
     data_off, idx_off, w_off, hdr_off,              # byte offsets of the regions (this parity)
-    me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, epoch_delta,
+    me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, num_experts, epoch_delta,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr, WITH_META: tl.constexpr, ALIGNED: tl.constexpr,
+    LAYOUT: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr, BAD_ID: tl.constexpr,
+    BAD_WEIGHT: tl.constexpr,
 ):
     """Token t of rank ``me`` goes to every rank r with slot[t, r] >= 0, at window row
     me * T_MAX + slot[t, r]: the row is loaded once per chunk and stored W times at most.
     Example: W=2, me=1, T_MAX=4, slot=[[0, -1], [1, 0]] -> rank 0 rows 4, 5 = x[0], x[1];
-    rank 1 row 4 = x[1]; then each rank's signal[1] = epoch."""
+    rank 1 row 4 = x[1]; then each rank's signal[1] = epoch.
+
+    ``LAYOUT`` (a small batch: T <= T_PAD, decode): the routing layout is computed here first,
+    as :func:`~efa_ep.kernels.gda.layout_kernels._layout_small_kernel` computes it (the same
+    prefix sums), by every program for all T tokens (a few thousand elements), so that no
+    separate layout launch precedes the stores: each program writes the slot rows of the tokens
+    it stores, program 0 the rest of the layout (send order, counts, status)."""
     elt = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
     me64 = tl.cast(me, tl.int64)
+    if LAYOUT:
+        tt = tl.arange(0, T_PAD).to(tl.int64)
+        tmask = tt < num_tokens
+        ids, m, valid, is_in = _token_ranks(topk_idx_ptr, tt, tmask, num_topk, num_experts,
+                                            num_local, W_PAD, K_PAD)
+        rr = tl.arange(0, W_PAD)
+        rmask = rr < W
+        sent = is_in > 0
+        slot_all = tl.where(sent, tl.cumsum(is_in, axis=0) - 1, -1)
+        mine = tmask & ((tt % nprog) == pid)  # the tokens this program stores below
+        tl.store(slot_ptr + tt[:, None] * W + rr[None, :], slot_all,
+                 mask=mine[:, None] & rmask[None, :])
+        if pid == 0:
+            total = tl.sum(is_in, axis=0)
+            rank_off = tl.cumsum(total, axis=0) - total
+            tl.store(num_per_rank_ptr + rr, total, mask=rmask)
+            pos = tl.where(sent, rank_off[None, :] + slot_all, 0)
+            tl.store(send_token_idx_ptr + pos, tl.broadcast_to(tt[:, None], pos.shape),
+                     mask=sent & tmask[:, None] & rmask[None, :])
+            e = tl.arange(0, E_PAD)
+            tl.store(num_per_expert_ptr + e, tl.zeros([E_PAD], dtype=tl.int64),
+                     mask=e < num_experts)
+            tl.debug_barrier()  # the zeros land before this program's own atomics below
+            tl.store(status_ptr, _count_and_check(num_per_expert_ptr, topk_w_ptr, ids, m, valid,
+                                                  tt, num_topk, num_experts, K_PAD, BAD_ID,
+                                                  BAD_WEIGHT))
+        tl.debug_barrier()  # this program's slot rows are written before it reads them
     for t in range(pid, num_tokens, nprog):
         t64 = tl.cast(t, tl.int64)
         for d0 in range(0, D, BLOCK_D):
@@ -222,14 +260,17 @@ def _dispatch_store_kernel(
     if WITH_META:
         # Header rows are written by program 0; the grid-done release below covers them.
         if pid == 0:
-            st = tl.load(status_ptr)
+            # (".cg": from L2, where LAYOUT's count atomics of this program landed)
+            tl.debug_barrier()
+            st = tl.load(status_ptr, cache_modifier=".cg")
             hl = tl.arange(0, L_PAD)
             for r in tl.static_range(W):
                 hdr = (tl.load(buf_ptrs + r) + hdr_off).to(tl.pointer_type(tl.int64))
                 hdr += me64 * (2 + num_local)
                 tl.store(hdr, st)
-                tl.store(hdr + 1, tl.load(num_per_rank_ptr + r))
-                cnt = tl.load(num_per_expert_ptr + r * num_local + hl, mask=hl < num_local)
+                tl.store(hdr + 1, tl.load(num_per_rank_ptr + r, cache_modifier=".cg"))
+                cnt = tl.load(num_per_expert_ptr + r * num_local + hl, mask=hl < num_local,
+                              cache_modifier=".cg")
                 tl.store(hdr + 2 + hl, cnt, mask=hl < num_local)
     epoch, _ = _op_epoch(op_base_ptr, epoch_delta, 0)
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)

@@ -19,7 +19,8 @@ from .gate import KIND_OF, OP_KINDS, wait_record  # noqa: F401  (kinds: one defi
 from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_small_kernel
 
 __all__ = [
-    "layout", "layout_words", "dispatch_store", "recv_header", "recv_header_fixed",
+    "layout", "layout_words", "layout_views", "layout_in_store", "dispatch_store", "recv_header",
+    "recv_header_fixed",
     "wait_for_sources", "gather_rows", "combine_store", "combine_reduce", "next_pow2", "OP_KINDS",
     "wait_record", "check_err", "op_base_zero",
 ]
@@ -97,6 +98,9 @@ LAYOUT_BLOCK_T = 64
 # One-program layout when the whole batch fits: T_PAD x K_PAD x W_PAD elements at most
 # (decode sizes; larger batches use the two block kernels).
 LAYOUT_SMALL_ELEMS = 1 << 14
+#: T_PAD x K_PAD x W_PAD of a batch whose layout the store kernel computes itself (every program
+#: computes it whole; 4096: up to 128 tokens of top-8 at EP 4)
+LAYOUT_IN_STORE_ELEMS = 1 << 12
 
 
 def layout_words(t: int, num_experts: int, world: int, k: int) -> int:
@@ -149,16 +153,12 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     t, k = topk_idx.shape
     num_local = num_experts // world
     w_pad, k_pad, t_pad = _pad(world), _pad(k), _pad(t)
-    tw = t * world
     small, nb, o_exp, o_rank, o_slot, o_send, o_blk, words = _layout_offsets(
         t, num_experts, world, k)
     if scratch is None:
         scratch = torch.empty(words, dtype=torch.int64, device=topk_idx.device)
-    status = scratch[0:1]
-    num_per_expert = scratch[o_exp:o_exp + num_experts]
-    num_per_rank = scratch[o_rank:o_rank + world]
-    slot = scratch[o_slot:o_slot + tw].view(t, world)
-    send_token_idx = scratch[o_send:o_send + max(1, tw)]
+    slot, send_token_idx, num_per_rank, num_per_expert, status = layout_views(
+        scratch, t, num_experts, world, k)
     if small:  # the kernel zeroes the counts itself
         _go(_K_LAYOUT_SMALL, _ONE, (
             topk_idx, topk_weights, slot, send_token_idx, num_per_rank, num_per_expert, status,
@@ -184,6 +184,16 @@ def layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
     return slot, send_token_idx, num_per_rank, num_per_expert, status
 
 
+def layout_views(scratch: torch.Tensor, t: int, num_experts: int, world: int, k: int):
+    """The outputs of :func:`layout` as views of its ``scratch`` (int64, at least
+    :func:`layout_words` elements): (slot ``[T, W]``, send_token_idx ``[T * W]``, num_per_rank
+    ``[W]``, num_per_expert ``[E]``, status ``[1]``)."""
+    _, _, o_exp, o_rank, o_slot, o_send, _, _ = _layout_offsets(t, num_experts, world, k)
+    tw = t * world
+    return (scratch[o_slot:o_slot + tw].view(t, world), scratch[o_send:o_send + max(1, tw)],
+            scratch[o_rank:o_rank + world], scratch[o_exp:o_exp + num_experts], scratch[0:1])
+
+
 def op_base_zero(device) -> torch.Tensor:
     """A ``[1]`` int32 zero op-number base (``epoch`` is then the whole op number)."""
     return torch.zeros(1, dtype=torch.int32, device=device)
@@ -200,16 +210,28 @@ def _base(op_base, device) -> torch.Tensor:
 # counters) are made and checked once when it is created; the wrappers below check what
 # changes per call: rows, routing tensors and outputs.
 
+def layout_in_store(t: int, k: int, world: int) -> bool:
+    """Whether a dispatch of ``t`` tokens of top-``k`` computes its layout inside its store
+    kernel (:func:`dispatch_store` with ``send_token_idx``): a batch small enough for every
+    program of the store to compute it whole (decode sizes)."""
+    return _pad(t) * _pad(k) * _pad(world) <= LAYOUT_IN_STORE_ELEMS
+
+
 def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                    buf_ptrs, sig_ptrs, done, *, data_off, idx_off, w_off, hdr_off, me, t_max,
                    num_local, epoch, with_meta, num_programs, op_base=None, fast=True,
-                   plan=None):
+                   plan=None, send_token_idx=None, num_experts=0):
     """Stores rows (and, ``with_meta``, ids, weights and headers) into every destination's
     window, then raises ``signal[me] = op_base[0] + epoch`` at every rank. ``x``: ``[T, D]``
     (row stride ``x.stride(0)``, unit column stride); ``slot``: ``[T, W]`` int64; tables:
     ``[W]`` int64; ``done``: ``[1]`` int32; ``op_base``: ``[1]`` int32 device op-number base
     (None: 0; the same rule for every ``epoch`` argument of this module). Without
-    ``with_meta`` the id, weight and count arguments are not read (None is fine)."""
+    ``with_meta`` the id, weight and count arguments are not read (None is fine).
+
+    With ``send_token_idx`` (``[T * W]`` int64; ``with_meta``, :func:`layout_in_store` true,
+    ``num_experts`` E) the kernel computes the routing layout first, as :func:`layout` does:
+    ``slot``, ``send_token_idx``, ``num_per_rank``, ``num_per_expert`` and ``status`` are then
+    its outputs (one launch instead of two)."""
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [T, D] with unit column stride, got {tuple(x.shape)}")
     if slot.dtype != torch.int64 or slot.dim() != 2:
@@ -225,15 +247,22 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
         k = 1
         topk_idx = num_per_expert = num_per_rank = status = slot
         topk_weights = _unused_f32(x.device)
+    in_store = send_token_idx is not None
+    if in_store and not (with_meta and layout_in_store(t, k, world) and num_experts > 0):
+        raise ValueError(f"a layout inside the store needs ids, weights and a small batch "
+                         f"(T={t}, K={k}, W={world}, E={num_experts})")
     elem = x.element_size()
     bd = _block_d(d, elem)
     stride = max(1, x.stride(0))
     _go(_K_STORE, (max(1, min(t, num_programs)),), (
-        x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs,
+        x, topk_idx, topk_weights, slot, send_token_idx if in_store else slot, num_per_rank,
+        num_per_expert, status, buf_ptrs, sig_ptrs,
         done, _base(op_base, x.device), data_off, idx_off, w_off, hdr_off, me, t, stride, d, k,
-        t_max, num_local, epoch,
+        t_max, num_local, num_experts, epoch,
         world, _pad(world), _pad(k), _pad(num_local), bd, bool(with_meta),
-        _aligned16(d, elem, stride, data_off)), _warps(bd, elem), fast, plan)
+        _aligned16(d, elem, stride, data_off), in_store, _pad(t) if in_store else 2,
+        _pad(num_experts) if in_store else 2, STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT),
+        _warps(bd, elem), fast, plan)
 
 
 # Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).

@@ -103,6 +103,8 @@ class GdaPhases:
                 cpp_op.warn_off(self.cpp_off)
         # the C++ input check's device: the CUDA index (-2: CPU tensors, the tests' stand-in)
         self._cpp_device = transport.device.index if transport.device.type == "cuda" else -2
+        # a small batch's routing layout computed inside the dispatch's store kernel
+        self.layout_in_store = bool(transport.layout_in_store)
 
     @property
     def native(self) -> bool:
@@ -198,16 +200,26 @@ class GdaPhases:
         parity = epoch % 2
         op = self._op(epoch)
 
+        # a small batch: the store kernel computes the layout itself (one launch, not two)
+        in_store = (self.layout_in_store and bad_status is None and t > 0
+                    and kern.layout_in_store(t, k, w))
+
         def launch(plan):
-            slot, send_idx, npr, npe, status = kern.layout(
-                topk_idx, topk_weights, cfg.num_experts, w, fast=self.fast, scratch=scratch,
-                plan=plan)
+            if in_store:
+                slot, send_idx, npr, npe, status = kern.layout_views(scratch, t, cfg.num_experts,
+                                                                     w, k)
+            else:
+                slot, send_idx, npr, npe, status = kern.layout(
+                    topk_idx, topk_weights, cfg.num_experts, w, fast=self.fast, scratch=scratch,
+                    plan=plan)
             if bad_status is not None:
                 status.fill_(bad_status)
             kern.dispatch_store(x, topk_idx, topk_weights, slot, npr, npe, status, tr._buf_ptrs,
                                 tr._sig_ptrs, tr._done[0:1], **tr._offs[parity], me=tr.rank,
                                 t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,
-                                **op, with_meta=True, num_programs=tr.num_programs, plan=plan)
+                                **op, with_meta=True, num_programs=tr.num_programs, plan=plan,
+                                send_token_idx=send_idx if in_store else None,
+                                num_experts=cfg.num_experts)
             return slot, send_idx
 
         prog = None

@@ -51,9 +51,10 @@ class GdaTransport(Transport):
     Options (``create_transport(..., **options)``, identical on every rank): declared once,
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
-    ``launch_gate``, ``fast_launch``). Where they need more than a line: ``check_backward``
-    makes :meth:`after_backward` raise deferred deadline errors before the gradients are used
-    (one host sync at the end of each backward pass, however many layers it crosses);
+    ``launch_gate``, ``fast_launch``, ``layout_in_store``). Where they need more than a line:
+    ``check_backward`` makes :meth:`after_backward` raise deferred deadline errors before the
+    gradients are used (one host sync at the end of each backward pass, however many layers it
+    crosses);
     ``launch_gate`` (default on) launches a waiting kernel only once every source
     has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
     kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
@@ -102,6 +103,7 @@ class GdaTransport(Transport):
         self.check_backward = bool(int(opts.get("check_backward", 1)))
         self._check_queued = False  # a check waits for the end of the running backward pass
         self.fast_launch = int(opts.get("fast_launch", 4))
+        self.layout_in_store = int(opts.get("layout_in_store", 1))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):

@@ -18,7 +18,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKS = ["layout", "layout_errors", "dispatch_combine", "dispatch_combine_float32", "wait_timeout",
+CHECKS = ["layout", "layout_errors", "layout_in_store", "dispatch_combine",
+          "dispatch_combine_float32", "wait_timeout",
           "fixed_capacity", "device_op_base"]
 
 
@@ -71,7 +72,6 @@ def _check_layout():
 
 
 def _check_layout_errors():
-    import torch
     from efa_ep.kernels.gda import launches as kern
 
     for small in (kern.LAYOUT_SMALL_ELEMS, 0):  # one-program kernel, then the block kernels
@@ -437,12 +437,66 @@ def _check_fixed_capacity():
     print("fixed-capacity steps: 4 + bad status")
 
 
+def _check_layout_in_store():
+    """The store kernel that computes a small batch's layout itself (``send_token_idx`` given)
+    writes the layout the layout kernel writes (slots, send order, counts, status: bad ids and
+    NaN weights included) and leaves every byte of every peer's window and signal pad as the
+    layout launch followed by the plain store does, for grids that split the tokens unevenly."""
+    import torch
+    from efa_ep.kernels.gda import launches as kern
+    from efa_ep.testing.routes import contract_route
+
+    cases = 0
+    for world, num_experts, topk, hidden, t, kind, progs in [
+        (1, 4, 2, 16, 5, "random", 2), (2, 8, 2, 24, 12, "random", 1),
+        (2, 8, 8, 32, 12, "hot_experts", 5), (4, 16, 4, 24, 9, "dropped", 4),
+        (4, 8, 1, 8, 12, "one_rank", 64), (2, 8, 2, 16, 7, "bad", 3), (2, 8, 2, 16, 1, "nan", 2),
+    ]:
+        t_max, num_local = 12, num_experts // world
+        assert kern.layout_in_store(t, topk, world)
+        g = torch.Generator().manual_seed(world * 10 + t)
+        peers = [_Peers(world, t_max, hidden, torch.bfloat16, 8, num_local) for _ in range(2)]
+        xs = [torch.randn(t, hidden, generator=g).to(torch.bfloat16) for _ in range(world)]
+        routes = [contract_route("random" if kind in ("bad", "nan") else kind, t, num_experts,
+                                 topk, world, 3 + r) for r in range(world)]
+        if kind == "bad":
+            routes[1][0][t // 2, 0] = num_experts + 3
+        if kind == "nan":
+            routes[0][1][0, 1] = float("nan")
+        offs = peers[0].layout.offsets(1)
+        for me in range(world):
+            idx, w = routes[me]
+            words = kern.layout_words(t, num_experts, world, topk)
+            lay = kern.layout(idx, w, num_experts, world)
+            fused = kern.layout_views(torch.full((words,), -5, dtype=torch.int64), t,
+                                      num_experts, world, topk)
+            for p, (slot, send_idx, per_rank, per_expert, status) in zip(peers, (lay, fused)):
+                kern.dispatch_store(
+                    xs[me], idx, w, slot, per_rank, per_expert, status, p.buf_ptrs, p.sig_ptrs,
+                    p.dones[me], **offs, me=me, t_max=t_max, num_local=num_local, epoch=1,
+                    with_meta=True, num_programs=progs,
+                    send_token_idx=send_idx if p is peers[1] else None, num_experts=num_experts)
+            s = int(lay[2].sum())
+            case = (world, kind, me)
+            assert torch.equal(fused[0], lay[0]) and torch.equal(fused[1][:s], lay[1][:s]), case
+            for a, b in zip(fused[2:], lay[2:]):
+                assert torch.equal(a, b), case
+            assert int(fused[4]) == {"bad": 1 if me == 1 else 0, "nan": 2 if me == 0 else 0}.get(
+                kind, 0), case
+        for r in range(world):
+            assert torch.equal(peers[1].bufs[r], peers[0].bufs[r]), (world, kind, r)
+            assert peers[1].sigs[r].tolist() == peers[0].sigs[r].tolist() == [1] * world
+        cases += 1
+    print(f"layout in the store kernel: {cases} cases")
+
+
 def _main(check):
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     sys.path.insert(0, REPO)
     {
         "layout": _check_layout,
         "layout_errors": _check_layout_errors,
+        "layout_in_store": _check_layout_in_store,
         "dispatch_combine": lambda: _run_dispatch_combine("bfloat16"),
         "dispatch_combine_float32": lambda: _run_dispatch_combine("float32"),
         "wait_timeout": _check_wait_timeout,
