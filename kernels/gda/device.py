@@ -205,8 +205,9 @@ def _dispatch_store_kernel(
     if LAYOUT:
         tt = tl.arange(0, T_PAD).to(tl.int64)
         tmask = tt < num_tokens
-        ids, m, valid, is_in = _token_ranks(topk_idx_ptr, tt, tmask, num_topk, num_experts,
-                                            num_local, W_PAD, K_PAD)
+        # (names of their own: the token loop below reassigns ids of another shape)
+        l_ids, l_m, l_valid, is_in = _token_ranks(topk_idx_ptr, tt, tmask, num_topk,
+                                                  num_experts, num_local, W_PAD, K_PAD)
         rr = tl.arange(0, W_PAD)
         rmask = rr < W
         sent = is_in > 0
@@ -225,9 +226,9 @@ def _dispatch_store_kernel(
             tl.store(num_per_expert_ptr + e, tl.zeros([E_PAD], dtype=tl.int64),
                      mask=e < num_experts)
             tl.debug_barrier()  # the zeros land before this program's own atomics below
-            tl.store(status_ptr, _count_and_check(num_per_expert_ptr, topk_w_ptr, ids, m, valid,
-                                                  tt, num_topk, num_experts, K_PAD, BAD_ID,
-                                                  BAD_WEIGHT))
+            tl.store(status_ptr, _count_and_check(num_per_expert_ptr, topk_w_ptr, l_ids, l_m,
+                                                  l_valid, tt, num_topk, num_experts, K_PAD,
+                                                  BAD_ID, BAD_WEIGHT))
         tl.debug_barrier()  # this program's slot rows are written before it reads them
     for t in range(pid, num_tokens, nprog):
         t64 = tl.cast(t, tl.int64)
