@@ -545,7 +545,9 @@ def default_record_files(root: str) -> List[str]:
     """The record files in ``results/`` the shipped calibration is built from."""
     cands = ["results/h200/bench_ep4/bench_summary.json", "results/h200/bench_proxy.json",
              "results/h200/bench_proxy_run1_cpu_gather.json", "results/plan/measured_h200x2.jsonl",
-             "results/gda_perop/gda_gpu_check_cpp_after_2026-12-03.json",
+             "results/gda_perop/gda_gpu_check_carve_2026-12-03.json",
+             "results/gda_perop/gda_gpu_check_layout_lis1_1_2026-12-03.json",
+             "results/gda_perop/gda_gpu_check_layout_lis1_2_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json",
              "results/h200/bench_hier_ep4_one_call/bench_summary.json",
