@@ -137,6 +137,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         Option("layout_in_store", int, 1, "1 = a small batch's routing layout (decode sizes) is "
                "computed inside the dispatch's store kernel, one launch instead of two; 0 = its "
                "own launch first", choices=(0, 1)),
+        Option("wait_in_reduce", int, 0, "1 = a combine's or cached dispatch's wait for its "
+               "sources runs inside its reduce/gather kernel (one launch instead of two; that "
+               "kernel's grid capped at SMs / ranks sharing the GPU); 0 = a one-program wait "
+               "kernel first", choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

@@ -141,7 +141,7 @@ def combine_plan(ph, store, reduce, fixed: bool) -> CppPlan:
                    fn=ctypes.cast(store._lib.efa_launch_run_gated, ctypes.c_void_p).value,
                    store=store._addr, reduce=reduce._addr,
                    gate=gate.address if gate is not None else 0, world=tr.world_size,
-                   rank=tr.rank, spin_ns=GATE_SPIN_NS, max_grid=tr.num_programs,
+                   rank=tr.rank, spin_ns=GATE_SPIN_NS, max_grid=ph.read_programs,
                    fixed_rows=tr.cfg.max_tokens_per_rank if fixed else 0)
 
 
@@ -198,7 +198,7 @@ def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, 
     tr.blocked_s += res[2] * 1e-9
     if status == GATE_LATE:  # the first program ran and is published: wait, then the second
         tr._await_peers(epoch, kind)
-        second.run((lead.data_ptr(), out.data_ptr(), delta, rows, min(rows, tr.num_programs)),
+        second.run((lead.data_ptr(), out.data_ptr(), delta, rows, min(rows, ph.read_programs)),
                    stream)
     return out
 

@@ -447,6 +447,38 @@ def _gather_rows_kernel(
                      mask=km)
 
 
+@triton.jit
+def _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, max_spins,
+               W: tl.constexpr, W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+    """The op's wait at the start of a reading kernel: every program waits for every source
+    itself, as :func:`_wait_kernel` does (a program's own expiry sets the error word that its
+    read then sees)."""
+    epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
+    _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
+                      USE_GLOBALTIMER)
+
+
+@triton.jit(do_not_specialize=["num_rows", "epoch_delta", "kind", "timeout_ns", "max_spins"])
+def _gather_rows_wait_kernel(
+    win_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, err_ptr,
+    my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    data_off, idx_off, w_off, num_rows, D, num_topk, T_MAX, epoch_delta, kind, timeout_ns,
+    max_spins,
+    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_META: tl.constexpr, ALIGNED: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+):
+    """:func:`_gather_rows_kernel` with the op's wait in it (:func:`_wait_here`): one launch
+    instead of a one-program wait kernel and the copy. Every program spins until the sources
+    signalled, so the caller bounds the grid (the waiting programs of every rank sharing the
+    GPU must leave the peers' stores room to run)."""
+    _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, max_spins, W,
+               W_PAD, USE_GLOBALTIMER)
+    _gather_rows_kernel(win_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, err_ptr,
+                        data_off, idx_off, w_off, num_rows, D, num_topk, T_MAX, W, W_PAD, K_PAD,
+                        BLOCK_D, WITH_META, ALIGNED)
+
+
 # -------------------------------------------------------------------------------------------
 # 4. Combine: return rows to their sources, reduce in ascending rank order in float32
 # -------------------------------------------------------------------------------------------
@@ -546,3 +578,20 @@ def _combine_reduce_kernel(
                     acc += part.to(tl.float32)
             acc = tl.where(bad, float("nan"), acc)
             tl.store(out_ptr + t64 * D + cols, _round_f32_to(acc, elt), mask=cm)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "epoch_delta", "kind", "timeout_ns", "max_spins"])
+def _combine_reduce_wait_kernel(
+    win_ptr, slot_ptr, out_ptr, err_ptr,
+    my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
+    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    data_off, num_tokens, D, T_MAX, epoch_delta, kind, timeout_ns, max_spins,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+):
+    """:func:`_combine_reduce_kernel` with the op's wait in it, as
+    :func:`_gather_rows_wait_kernel`."""
+    _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, max_spins, W,
+               W_PAD, USE_GLOBALTIMER)
+    _combine_reduce_kernel(win_ptr, slot_ptr, out_ptr, err_ptr, data_off, num_tokens, D, T_MAX,
+                           W, W_PAD, BLOCK_D, ALIGNED)

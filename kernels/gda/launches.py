@@ -12,7 +12,8 @@ from ..base import STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT, ceil_div
 from ..launch import FastKernel
 from ..native_launch import KernelStep, MemsetStep
 from .device import (
-    _combine_reduce_kernel, _combine_store_kernel, _dispatch_store_kernel, _gather_rows_kernel,
+    _combine_reduce_kernel, _combine_reduce_wait_kernel, _combine_store_kernel,
+    _dispatch_store_kernel, _gather_rows_kernel, _gather_rows_wait_kernel,
     _recv_header_fixed_kernel, _recv_header_kernel, _wait_kernel, next_pow2,
 )
 from .gate import KIND_OF, OP_KINDS, wait_record  # noqa: F401  (kinds: one definition)
@@ -75,6 +76,8 @@ _K_WAIT = FastKernel(_wait_kernel)
 _K_GATHER = FastKernel(_gather_rows_kernel)
 _K_COMBINE_STORE = FastKernel(_combine_store_kernel)
 _K_REDUCE = FastKernel(_combine_reduce_kernel)
+_K_GATHER_WAIT = FastKernel(_gather_rows_wait_kernel)
+_K_REDUCE_WAIT = FastKernel(_combine_reduce_wait_kernel)
 _ONE = (1,)
 
 
@@ -333,20 +336,25 @@ def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_glo
 
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
                 w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs,
-                kind="cached dispatch", op_base=None, fast=True, plan=None):
+                kind="cached dispatch", op_base=None, fast=True, plan=None,
+                wait_in_kernel=False):
     """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
     ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order. With
-    ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`). Float rows are
-    NaN if any wait of this window expired. ``offsets``: ``[W + 1]`` int64."""
+    ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`), or with
+    ``wait_in_kernel`` every program of the copy waits itself (one launch; the caller bounds
+    ``num_programs`` so that the waiting programs of every rank on the GPU leave room for the
+    peers' stores; a copy of no rows still launches its wait). Float rows are NaN if any wait
+    of this window expired. ``offsets``: ``[W + 1]`` int64."""
     if not out_x.is_contiguous() or out_x.dim() != 2:
         raise ValueError(f"out_x must be a contiguous [N, D] tensor, got {tuple(out_x.shape)}")
-    if wait:
+    in_kernel = wait and wait_in_kernel
+    if wait and not in_kernel:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
                          max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
                          fast=fast, plan=plan)
     world = offsets.numel() - 1
     n, d = out_x.shape
-    if n == 0:
+    if n == 0 and not in_kernel:
         return
     with_meta = out_idx is not None
     if with_meta:
@@ -358,11 +366,18 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
         out_idx, out_w, k = offsets, _unused_f32(out_x.device), 1
     elem = out_x.element_size()
     bd = _block_d(d, elem)
-    _go(_K_GATHER, (max(1, min(n, num_programs)),), (
+    grid, aligned = (max(1, min(n, num_programs)),), _aligned16(d, elem, d, data_off)
+    if in_kernel:
+        _go(_K_GATHER_WAIT, grid, (
+            win_ptr, offsets, out_x, out_idx, out_w, err, my_sig, _base(op_base, err.device),
+            data_off, idx_off, w_off, n, d, k, t_max, epoch, KIND_OF[kind], timeout_ns,
+            max_spins, world, _pad(world), _pad(k), bd, with_meta, aligned,
+            bool(use_globaltimer)), _warps(bd, elem), fast, plan)
+        return
+    _go(_K_GATHER, grid, (
         win_ptr, offsets, out_x, out_idx, out_w, err, data_off, idx_off, w_off,
         n, d, k, t_max,
-        world, _pad(world), _pad(k), bd, with_meta, _aligned16(d, elem, d, data_off)),
-        _warps(bd, elem), fast, plan)
+        world, _pad(world), _pad(k), bd, with_meta, aligned), _warps(bd, elem), fast, plan)
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,
@@ -392,25 +407,34 @@ def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, 
 
 def combine_reduce(win_ptr, slot, out, my_sig, err, *, data_off, t_max, epoch, wait, timeout_ns,
                    max_spins, use_globaltimer, num_programs, kind="combine", op_base=None,
-                   fast=True, plan=None):
+                   fast=True, plan=None, wait_in_kernel=False):
     """``out`` ``[T, D]`` = float32 sum of this rank's returned partials in ascending rank order
     (see :func:`_combine_reduce_kernel`), written in ``out``'s dtype. ``slot``: ``[T, W]``
-    int64 of the matching dispatch. With ``wait``, a one-program wait kernel runs first; rows
-    are NaN if any wait of this window expired."""
+    int64 of the matching dispatch. With ``wait``, a one-program wait kernel runs first, or
+    with ``wait_in_kernel`` every program of the reduce waits itself (as :func:`gather_rows`);
+    rows are NaN if any wait of this window expired."""
     if slot.dtype != torch.int64 or slot.dim() != 2:
         raise ValueError(f"slot must be [T, W] int64, got {tuple(slot.shape)} {slot.dtype}")
     if not out.is_contiguous() or out.dim() != 2:
         raise ValueError(f"out must be a contiguous [T, D] tensor, got {tuple(out.shape)}")
-    if wait:
+    in_kernel = wait and wait_in_kernel
+    if wait and not in_kernel:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
                          max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
                          fast=fast, plan=plan)
     t, d = out.shape
-    if t == 0:
+    if t == 0 and not in_kernel:
         return
     world = slot.shape[1]
     elem = out.element_size()
     bd = _block_d(d, elem)
-    _go(_K_REDUCE, (max(1, min(t, num_programs)),), (
+    grid, aligned = (max(1, min(t, num_programs)),), _aligned16(d, elem, d, data_off)
+    if in_kernel:
+        _go(_K_REDUCE_WAIT, grid, (
+            win_ptr, slot, out, err, my_sig, _base(op_base, err.device), data_off, t, d, t_max,
+            epoch, KIND_OF[kind], timeout_ns, max_spins, world, _pad(world), bd, aligned,
+            bool(use_globaltimer)), _warps(bd, elem), fast, plan)
+        return
+    _go(_K_REDUCE, grid, (
         win_ptr, slot, out, err, data_off, t, d, t_max,
-        world, _pad(world), bd, _aligned16(d, elem, d, data_off)), _warps(bd, elem), fast, plan)
+        world, _pad(world), bd, aligned), _warps(bd, elem), fast, plan)

@@ -105,6 +105,15 @@ class GdaPhases:
         self._cpp_device = transport.device.index if transport.device.type == "cuda" else -2
         # a small batch's routing layout computed inside the dispatch's store kernel
         self.layout_in_store = bool(transport.layout_in_store)
+        # the wait of a combine or cached dispatch inside its reading kernel (reduce, gather):
+        # one launch instead of two, every program waiting; its grid is then capped so that the
+        # waiting programs of all ranks on this GPU hold at most one program slot per SM, which
+        # leaves the peers' stores room to run. _read_step: the program step whose grid a call
+        # sets (after the separate wait kernel, or the only one)
+        self.wait_in_kernel = bool(transport.wait_in_reduce)
+        self.read_programs = (min(transport.num_programs, transport.wait_programs)
+                              if self.wait_in_kernel else transport.num_programs)
+        self._read_step = 0 if self.wait_in_kernel else 1
 
     @property
     def native(self) -> bool:
@@ -441,7 +450,7 @@ class GdaPhases:
         values = (yp, offsets.data_ptr(), n, delta, grid) if not masked else \
             (yp, offsets.data_ptr(), ids.data_ptr(), n, delta, grid)
         self._gated((store, values), reduce,
-                    (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, tr.num_programs)),
+                    (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, self.read_programs)),
                     epoch, kind)
         return out
 
@@ -491,17 +500,18 @@ class GdaPhases:
             kern.combine_reduce(tr._win_ptr, slot, out, tr._my_sig, tr._err,
                                 data_off=tr._offs[parity]["data_off"],
                                 t_max=tr.cfg.max_tokens_per_rank, **op, wait=True, kind=kind,
-                                num_programs=tr.num_programs, plan=plan, **tr._wait_kw)
+                                num_programs=self.read_programs, plan=plan, **tr._wait_kw,
+                                wait_in_kernel=self.wait_in_kernel)
 
         prog = self._progs.get(("creduce", parity, out.shape[1], out.dtype, kind))
         if prog is None and t and self.native:
             prog = self._program(("creduce", parity, out.shape[1], out.dtype, kind), launch,
-                                 (slot, out), ("epoch_delta", "num_tokens"), (1,))
+                                 (slot, out), ("epoch_delta", "num_tokens"), (self._read_step,))
         if prog is None:
             self._then(first, epoch, kind)
             launch(None)
             return
-        values = (slot.data_ptr(), out.data_ptr(), op["epoch"], t, min(t, tr.num_programs))
+        values = (slot.data_ptr(), out.data_ptr(), op["epoch"], t, min(t, self.read_programs))
         if first is not None:
             self._gated(first, prog, values, epoch, kind)
             return
@@ -541,7 +551,7 @@ class GdaPhases:
         out = x.new_empty((n, x.shape[1]))
         self._gated((store, (xp, state.slot_TW.data_ptr(), delta)), gather,
                     (state.recv_offsets.data_ptr(), out.data_ptr(), delta, n,
-                     min(n, tr.num_programs)), epoch, "cached dispatch")
+                     min(n, self.read_programs)), epoch, "cached dispatch")
         return out
 
     def cached_store(self, x, slot, epoch: int) -> None:
@@ -578,15 +588,16 @@ class GdaPhases:
             kern.gather_rows(tr._win_ptr, offsets, out, None, None, tr._my_sig, tr._err,
                              data_off=tr._offs[parity]["data_off"], idx_off=0, w_off=0,
                              t_max=tr.cfg.max_tokens_per_rank, **op, wait=True,
-                             kind="cached dispatch", num_programs=tr.num_programs, plan=plan,
-                             **tr._wait_kw)
+                             kind="cached dispatch", num_programs=self.read_programs, plan=plan,
+                             **tr._wait_kw, wait_in_kernel=self.wait_in_kernel)
 
         key = ("cgather", parity, out.shape[1], out.dtype)
         prog = self._progs.get(key)
         if prog is None and n and self.native:
-            prog = self._program(key, launch, (offsets, out), ("epoch_delta", "num_rows"), (1,))
+            prog = self._program(key, launch, (offsets, out), ("epoch_delta", "num_rows"),
+                                 (self._read_step,))
         if prog is None:
             launch(None)
             return
         prog.run((offsets.data_ptr(), out.data_ptr(), op["epoch"], n,
-                  min(n, tr.num_programs)), _stream(self._dev))
+                  min(n, self.read_programs)), _stream(self._dev))

@@ -51,7 +51,7 @@ class GdaTransport(Transport):
     Options (``create_transport(..., **options)``, identical on every rank): declared once,
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
-    ``launch_gate``, ``fast_launch``, ``layout_in_store``). Where they need more than a line:
+    ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``). Where they need more than a line:
     ``check_backward`` makes :meth:`after_backward` raise deferred deadline errors before the
     gradients are used (one host sync at the end of each backward pass, however many layers it
     crosses);
@@ -104,6 +104,7 @@ class GdaTransport(Transport):
         self._check_queued = False  # a check waits for the end of the running backward pass
         self.fast_launch = int(opts.get("fast_launch", 4))
         self.layout_in_store = int(opts.get("layout_in_store", 1))
+        self.wait_in_reduce = int(opts.get("wait_in_reduce", 0))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):
@@ -131,6 +132,8 @@ class GdaTransport(Transport):
         sms = props.multi_processor_count
         default_programs = max(4, 2 * sms // self.ranks_per_device)
         self.num_programs = int(opts.get("num_programs", default_programs))
+        # at most one waiting program per SM over the ranks sharing this GPU (wait_in_reduce)
+        self.wait_programs = max(1, sms // self.ranks_per_device)
         self._elem = cfg.dtype.itemsize
         self.layout = WindowLayout(world=self.world_size, t_max=cfg.max_tokens_per_rank,
                                    row_bytes=align_up(cfg.hidden * self._elem, 16),

@@ -209,9 +209,10 @@ def _run_dispatch_combine(row_dtype_name):
         ref_out = reference_combine(ys, [r[4] for r in ref], ts)
         for s in range(world):
             out = torch.full((ts[s], hidden), float("nan"), dtype=dtype)
+            # odd ranks: the wait inside the reduce kernel
             kern.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
                              data_off=offs["data_off"], t_max=t_max, epoch=epoch, wait=True,
-                             num_programs=progs, **WAIT)
+                             num_programs=progs, **WAIT, wait_in_kernel=bool(s % 2))
             assert peers.errs[s].tolist() == [0, 0, 0]
             iv = torch.int16 if dtype != torch.float32 else torch.int32
             assert torch.equal(out.view(iv), ref_out[s].view(iv)), (world, kind, s)
@@ -244,7 +245,8 @@ def _run_dispatch_combine(row_dtype_name):
             out = torch.full((recv[me][0], d2), float("nan"))
             kern.gather_rows(peers.win_ptrs[me], recv[me][1], out, None, None, peers.sigs[me],
                           peers.errs[me], data_off=offs["data_off"], idx_off=0, w_off=0,
-                          t_max=t_max, epoch=epoch, wait=True, num_programs=progs, **WAIT)
+                          t_max=t_max, epoch=epoch, wait=True, num_programs=progs, **WAIT,
+                          wait_in_kernel=bool(me % 2))  # odd ranks: the wait in the gather
             want = torch.stack([x2[s][t] for s, t in ref[me][4]]) if ref[me][4] else out
             assert torch.equal(out, want)
             assert peers.errs[me].tolist() == [0, 0, 0]
@@ -301,6 +303,26 @@ def _check_wait_timeout():
                      data_off=offs["data_off"], t_max=4, epoch=5, wait=True, kind="combine",
                      timeout_ns=0, max_spins=5, use_globaltimer=False, num_programs=1)
     assert peers.errs[2].tolist() == [0, 0, 0] and torch.equal(out, torch.zeros(2, 8))
+    # The wait inside the reduce / gather kernel (every program waits): the same bits, the
+    # same first record, NaN rows; a copy of no rows still waits (its expiry is recorded).
+    for grid in (1, 3):
+        peers = _Peers(world, 4, 8, torch.float32, 2, 2)
+        peers.sigs[2][:] = torch.tensor([5, 4, 5, 5], dtype=torch.int32)
+        out = torch.zeros(2, 8)
+        kern.combine_reduce(peers.win_ptrs[2], slot, out, peers.sigs[2], peers.errs[2],
+                            data_off=offs["data_off"], t_max=4, epoch=5, wait=True,
+                            kind="combine", timeout_ns=0, max_spins=5, use_globaltimer=False,
+                            num_programs=grid, wait_in_kernel=True)
+        assert peers.errs[2].tolist() == [0b0010, kern.wait_record(5, "combine"), 0], grid
+        assert torch.isnan(out).all()
+        peers = _Peers(world, 4, 8, torch.float32, 2, 2)
+        peers.sigs[1][:] = torch.tensor([3, 3, 2, 3], dtype=torch.int32)
+        kern.gather_rows(peers.win_ptrs[1], torch.tensor([0, 0, 0, 0, 0]),
+                         torch.zeros(0, 8), None, None, peers.sigs[1], peers.errs[1],
+                         data_off=offs["data_off"], idx_off=0, w_off=0, t_max=4, epoch=3,
+                         wait=True, timeout_ns=0, max_spins=5, use_globaltimer=False,
+                         num_programs=grid, wait_in_kernel=True)
+        assert peers.errs[1].tolist() == [0b0100, kern.wait_record(3, "cached dispatch"), 0]
 
 
 def _check_device_op_base():

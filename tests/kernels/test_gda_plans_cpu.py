@@ -431,6 +431,47 @@ def test_cached_dispatch_plan_passes_its_tensors(tr_any):
                for k, p in ph._plans.items() if k[0] == "cached")
 
 
+def test_wait_in_reduce_binds_one_step_reading_programs_with_a_capped_grid(tr_any, monkeypatch):
+    """With ``wait_in_reduce=1`` a combine's reduce and a cached dispatch's gather are bound as
+    one step (the wait inside the kernel) whose grid is at most SMs / ranks sharing the GPU,
+    on the Python path and in the C++ calls' plans; the dispatch's own gather keeps its grid."""
+    from efa_ep.kernels.gda import cpp_op, phases
+
+    fake = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0, "layout_in_store": 1,
+                           "num_programs": 264, "wait_programs": 66})
+    made = {v: phases.GdaPhases(type("T", (fake,), {"wait_in_reduce": v})(), 3) for v in (0, 1)}
+    assert (made[1].read_programs, made[1]._read_step, made[1].wait_in_kernel) == (66, 0, True)
+    assert (made[0].read_programs, made[0]._read_step, made[0].wait_in_kernel) == (264, 1, False)
+    tr = tr_any
+    ph = tr._phases
+    ph.wait_in_kernel, ph.read_programs, ph._read_step = True, 3, 0  # as wait_in_reduce=1 would
+    steps = {}
+    bind = phases.GdaPhases._program
+
+    def recording(self, key, launch, tensors, ints=phases._EPOCH, grid_steps=()):
+        steps[key[0]] = tuple(grid_steps)
+        return bind(self, key, launch, tensors, ints, grid_steps)
+
+    monkeypatch.setattr(phases.GdaPhases, "_program", recording)
+    g, x, idx, w = _inputs(11)
+    for call in range(4):  # two calls bind each parity's programs, two run the plans
+        recv_x, _, _, _, h = tr.dispatch(x, idx, w)
+        n = recv_x.shape[0]
+        out = tr.combine(torch.randn(n, H, generator=g).to(torch.bfloat16), h)
+        reduce = ph._progs[("creduce", tr._epoch % 2, H, out.dtype, "combine")]
+        assert _vars(reduce)[2:] == [tr._epoch, T, min(T, 3)]
+        x2 = torch.randn(T, H // 2, generator=g)
+        back = tr.dispatch_cached(x2, h)
+        gather = ph._progs[("cgather", tr._epoch % 2, H // 2, x2.dtype)]
+        assert _vars(gather)[2:] == [tr._epoch, n, min(n, 3)] and back.shape == (n, H // 2)
+    assert steps["creduce"] == steps["cgather"] == (0,) and n > 3
+    assert _vars(_next_gather_prog(tr))[-1] == min(n, tr.num_programs)  # the dispatch's own
+    if tr.fast_launch == 4:  # the C++ calls' plans carry the capped grid
+        at = cpp_op.COMBINE_FIELDS.index("max_grid")
+        assert {p[2].values[at] for k, p in ph._plans.items() if k[0] in ("combine", "cached")} \
+            == {3}
+
+
 def test_no_program_is_bound_from_a_call_with_an_empty_tensor():
     # (an empty tensor's address, 0 for every one of them, would bind the wrong argument:
     # a weight combine of zero rows once bound its ids as its gradient)
@@ -505,7 +546,8 @@ def test_cpp_dispatch_says_why_it_is_off(monkeypatch):
     why = cpp_op.availability()
     assert why is not None and "ninja" in why and "pip install ninja" in why
     # a transport asking for it (fast_launch=4) keeps the Python path and says why
-    tr = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0, "layout_in_store": 1})()
+    tr = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0, "layout_in_store": 1,
+                         "wait_in_reduce": 0, "num_programs": 8, "wait_programs": 4})()
     monkeypatch.setattr(cpp_op, "_warned", False)
     monkeypatch.setattr(phases, "availability", lambda: None)  # native launching works here
     with pytest.warns(UserWarning, match="ninja"):
