@@ -1,11 +1,12 @@
 """Planned ``gda`` ops as one C++ call each (``kernels/native/efa_gda_op.cpp``).
 
 With ``fast_launch=4`` (the default) a regular dispatch whose plan gathers ahead
-(:mod:`.gather_ahead`) makes its tensors (scratch, outputs, their views, ``tokens_per_expert``)
-through ATen and writes its programs' variables in C++, then makes the same native call as the
-Python path (``efa_launch_dispatch``); a planned combine, weight combine or cached dispatch
-likewise allocates its output and writes both programs' variables, then makes the gated native
-call (``efa_launch_run_gated``). Same kernels with the same arguments, so the same results.
+(:mod:`.gather_ahead`) makes its tensors in C++ (the scratch and the outputs carved out of one
+allocation, their views, ``tokens_per_expert``) and writes its programs' variables there, then
+makes the same native call as the Python path (``efa_launch_dispatch``); a planned combine,
+weight combine or cached dispatch likewise allocates its output and writes both programs'
+variables, then makes the gated native call (``efa_launch_run_gated``). Same kernels with the
+same arguments, so the same results.
 
 A call whose shape has such a plan goes from the transport's method straight to C++
 (``GdaPhases.dispatch_planned``, ``combine_planned``, ``cached_planned``): the C++ call first
@@ -205,14 +206,14 @@ def _second_after_gate(ph, res, second, lead, rows: int, epoch: int, kind: str, 
 
 def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, device: int = -1):
     """A planned regular dispatch in one C++ call, its outputs allocated ahead (or, at capacity
-    0, after its count read; see the
-    module); ``ph``: the transport's ``GdaPhases``, ``plan``: its bound dispatch plan for this
-    shape, ``epoch``: the op's number. Returns what ``GdaPhases.dispatch_head`` returns (when
-    the call did not gather, its header ran: the caller checks the counts and gathers). With ``device`` (the CUDA device index; -2: CPU tensors of the host-only
-    stand-in) the C++ call first checks that the inputs are the plan's case (shapes, dtypes,
-    dense rows, the device, 16-byte alignment) and returns None when not (nothing ran, the
-    transport's op number is not taken); otherwise the op's number is the transport's from
-    the call on."""
+    0, after its count read; see the module); ``ph``: the transport's ``GdaPhases``, ``plan``:
+    its bound dispatch plan for this shape, ``epoch``: the op's number. Returns what
+    ``GdaPhases.dispatch_head`` returns (when the call did not gather, its header ran: the
+    caller checks the counts and gathers). With ``device`` (the CUDA device index; -2: CPU
+    tensors of the host-only stand-in) the C++ call first checks that the inputs are the
+    plan's case (shapes, dtypes, dense rows, the device, 16-byte alignment) and returns None
+    when not (nothing ran, the transport's op number is not taken); otherwise the op's number
+    is the transport's from the call on."""
     tr = ph.tr
     front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
     w, t, num_local = tr.world_size, topk_idx.shape[0], tr.cfg.num_local_experts

@@ -450,7 +450,8 @@ class GdaPhases:
         values = (yp, offsets.data_ptr(), n, delta, grid) if not masked else \
             (yp, offsets.data_ptr(), ids.data_ptr(), n, delta, grid)
         self._gated((store, values), reduce,
-                    (state.slot_TW.data_ptr(), out.data_ptr(), delta, t, min(t, self.read_programs)),
+                    (state.slot_TW.data_ptr(), out.data_ptr(), delta, t,
+                     min(t, self.read_programs)),
                     epoch, kind)
         return out
 

@@ -51,12 +51,12 @@ class GdaTransport(Transport):
     Options (``create_transport(..., **options)``, identical on every rank): declared once,
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
-    ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``). Where they need more than a line:
-    ``check_backward`` makes :meth:`after_backward` raise deferred deadline errors before the
-    gradients are used (one host sync at the end of each backward pass, however many layers it
-    crosses);
-    ``launch_gate`` (default on) launches a waiting kernel only once every source
-    has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's
+    ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``). Where they need
+    more than a line: ``check_backward`` makes :meth:`after_backward` raise deferred deadline
+    errors before the gradients are used (one host sync at the end of each backward pass,
+    however many layers it crosses); ``launch_gate`` (default on) launches a waiting kernel
+    only once every source has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2
+    launches each op phase's
     kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
     path runs, ``native_launch_off`` why not), 1 each kernel through its compiled launcher, 0
     Triton's own path, 3 launches an op's two phases and the launch gate between them in one

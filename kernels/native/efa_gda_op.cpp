@@ -4,8 +4,9 @@
 // The Python path of a planned dispatch (kernels/gda/phases.py) makes a dozen tensor objects per
 // call (scratch, outputs, their views, tokens_per_expert) and packs three programs' variables
 // before its one native call (efa_launch_dispatch of kernels/native/efa_launch.c). This does the
-// same here: the tensors through ATen, the variables written straight into the programs, the
-// native call through its function pointer, then the views of a call that gathered. Python keeps
+// same here: the scratch and the outputs carved out of one allocation (see carve), the variables
+// written straight into the programs, the native call through its function pointer, then the
+// views of a call that gathered. Python keeps
 // the plan, the checks of a call that did not gather, and the handle. Built on first use by
 // kernels/gda/cpp_op.py (torch.utils.cpp_extension); without it the Python path runs.
 #include <torch/extension.h>
@@ -209,7 +210,8 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     if (after && rc == 3 && *rows_out > 0) {  // clean counts, rows > 0: gather them now
         const int64_t rows = *rows_out;
         // (outputs of their own: large, and each may be freed without the others)
-        out = Outputs{at::empty({rows, hidden}, x.options()), at::empty({rows, k}, topk_idx.options()),
+        out = Outputs{at::empty({rows, hidden}, x.options()),
+                      at::empty({rows, k}, topk_idx.options()),
                       at::empty({rows, k}, topk_weights.options())};
         const int64_t av[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(out.x.data_ptr()),
                                reinterpret_cast<int64_t>(out.idx.data_ptr()),
