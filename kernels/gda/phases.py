@@ -20,16 +20,14 @@ hands the wait back to the transport's gate wait, which has the deadline and nam
 ranks. With ``fast_launch=2`` each phase is its own native call and the gate runs in Python.
 
 A regular dispatch whose shape has run before goes further: its outputs are allocated ahead at
-the rows the shape's recent calls received (at most
-:data:`~efa_ep.kernels.gda.gather_ahead.GATHER_AHEAD_BYTES`), and the one native call also
-waits for the counts, checks them as the transport does and launches the gather
-(:func:`~efa_ep.kernels.gda.gather_ahead.dispatch_gather`); counts the check refuses, more rows than allocated or a
-late peer leave the gather to the transport's own checks.
+the rows the shape's recent calls received (at most :data:`.gather_ahead.GATHER_AHEAD_BYTES`),
+and the one native call also waits for the counts, checks them as the transport does and
+launches the gather (:func:`.gather_ahead.dispatch_gather`); counts the check refuses, more
+rows than allocated or a late peer leave the gather to the transport's own checks.
 
-Both paths launch the same compiled kernels with the same arguments, so results are the same
-bit for bit. A program that cannot be bound (another Triton calling convention) turns native
-launching off for the transport, with the reason in :attr:`GdaPhases.native_off`; a launch
-the driver refuses raises.
+Both paths launch the same compiled kernels with the same arguments: the same bits. A program
+that cannot be bound (another Triton calling convention) turns native launching off for the
+transport, with the reason in :attr:`GdaPhases.native_off`; a launch the driver refuses raises.
 
 Program keys hold everything that changes a kernel's specialization or constant arguments:
 window parity, shapes, dtypes, row strides, op kind. Variable tensors are the call's own
@@ -105,11 +103,9 @@ class GdaPhases:
         self._cpp_device = transport.device.index if transport.device.type == "cuda" else -2
         # a small batch's routing layout computed inside the dispatch's store kernel
         self.layout_in_store = bool(transport.layout_in_store)
-        # the wait of a combine or cached dispatch inside its reading kernel (reduce, gather):
-        # one launch instead of two, every program waiting; its grid is then capped so that the
-        # waiting programs of all ranks on this GPU hold at most one program slot per SM, which
-        # leaves the peers' stores room to run. _read_step: the program step whose grid a call
-        # sets (after the separate wait kernel, or the only one)
+        # wait_in_reduce: a combine's or cached dispatch's wait inside its reduce/gather, grid
+        # capped: all ranks' waiting programs on this GPU hold <= 1 slot per SM (room for the
+        # peers' stores); _read_step: the step whose grid a call sets
         self.wait_in_kernel = bool(transport.wait_in_reduce)
         self.read_programs = (min(transport.num_programs, transport.wait_programs)
                               if self.wait_in_kernel else transport.num_programs)
