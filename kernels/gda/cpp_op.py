@@ -328,7 +328,9 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
     tr._epoch = epoch
     tr.blocked_s += (res[1] + res[2]) * 1e-9
     _, _, _, _, recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res
-    ahead.fit(recv_x.shape[0])
+    n = recv_x.shape[0]
+    if n > ahead.cap or 4 * n < 3 * ahead.cap:  # (GatherAhead.fit's test: resize the outputs)
+        ahead.fit(n)
     parity, k = epoch & 1, key[3]
     if tr._idx_k[parity] != k:  # (GdaTransport._note_idx_width of a regular dispatch)
         tr._idx_k[parity] = k
@@ -357,11 +359,17 @@ def _finished(ph, res, second, lead, rows: int, epoch: int, kind: str, stream: i
     """The output of op ``epoch`` from its C++ gated call's result ``res`` (as
     :func:`_second_after_gate`; None: its inputs were not the plan's case), after what
     ``GdaTransport._finish`` checks (a rank that refused the op, ``check_every_call``)."""
-    if res[0] == NOT_PLANNED:
-        return None
-    out = _second_after_gate(ph, res, second, lead, rows, epoch, kind, epoch - ph.tr._dev_base,
-                             stream)
+    status = res[0]
     tr = ph.tr
+    if status == RAN:  # (the common case of _second_after_gate, inline)
+        tr._epoch = epoch
+        tr.blocked_s += res[2] * 1e-9
+        out = res[3]
+    elif status == NOT_PLANNED:
+        return None
+    else:
+        out = _second_after_gate(ph, res, second, lead, rows, epoch, kind,
+                                 epoch - tr._dev_base, stream)
     gate = tr._gate
     if tr.check_every_call or (gate is not None and gate.bad_at(epoch)):
         return tr._finish(epoch, kind, out, op)
