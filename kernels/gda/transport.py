@@ -56,13 +56,12 @@ class GdaTransport(Transport):
     errors before the gradients are used (one host sync at the end of each backward pass,
     however many layers it crosses); ``launch_gate`` (default on) launches a waiting kernel
     only once every source has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2
-    launches each op phase's
-    kernels in one native call (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which
-    path runs, ``native_launch_off`` why not), 1 each kernel through its compiled launcher, 0
-    Triton's own path, 3 launches an op's two phases and the launch gate between them in one
-    native call, 4 (the default) also makes a repeated regular dispatch one C++ call
-    (:mod:`efa_ep.kernels.gda.cpp_op`; ``cpp_dispatch_off`` says why not, and a transport that
-    cannot build it warns once and runs as 3): same kernels, same results.
+    launches each op phase's kernels in one native call (:mod:`efa_ep.kernels.native_launch`;
+    ``launch_path`` says which path runs, ``native_launch_off`` why not), 1 each kernel through
+    its compiled launcher, 0 Triton's own path, 3 launches an op's two phases and the launch
+    gate between them in one native call, 4 (the default) also makes a repeated regular
+    dispatch one C++ call (:mod:`efa_ep.kernels.gda.cpp_op`; ``cpp_dispatch_off`` says why not,
+    and a transport that cannot build it warns once and runs as 3): same kernels, same results.
 
     Host time: ``blocked_s`` accumulates the seconds this transport's calls spent blocked on
     the device (the dispatch's count read) or on peers' hosts (the launch gate); a call's wall
