@@ -48,7 +48,7 @@ __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availabi
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
-ABI_VERSION = 6
+ABI_VERSION = 7
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
@@ -390,9 +390,12 @@ class Program:
         wait for the header's completion word at ``flag``), then the counts before ``flag``
         checked and, when clean with ``0 < rows <= cap``, ``third`` (the gather) with
         ``values3`` whose row count and grid the library sets. ``shape``: address of the
-        ``[10]`` int64 ``[world, hdr_len, L, t_max, top-k, cap, max_grid, row-count variable,
-        grid variable, counts before flag]``; ``rows_out``: address of an int64 that receives
-        the rows (-1: counts not clean).
+        ``[11]`` int64 ``[world, hdr_len, L, t_max, top-k, cap, max_grid, row-count variable,
+        grid variable, counts before flag, early]``; with ``early`` (and cap > 0) ``third`` is
+        the early gather, launched with ``values3`` as given before the wait for ``flag`` (it
+        copies only the clean rows the header left on the device, see
+        ``launches.gather_rows``); ``rows_out``: address of an int64 that receives the rows
+        (-1: counts not clean).
 
         Returns:
             (status, seconds waiting for the device, seconds waiting for the peers): the

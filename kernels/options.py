@@ -141,6 +141,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "sources runs inside its reduce/gather kernel (one launch instead of two; that "
                "kernel's grid capped at SMs / ranks sharing the GPU); 0 = a one-program wait "
                "kernel first", choices=(0, 1)),
+        Option("gather_early", int, 1, "1 = a repeated regular dispatch launches its gather "
+               "right after its header kernel, before the host reads the counts (the kernel "
+               "copies only counts that are clean and fit the outputs allocated ahead); 0 = "
+               "after the count read", choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

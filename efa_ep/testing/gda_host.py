@@ -72,11 +72,15 @@ int efa_launch_dispatch(const prog_t *a, const prog_t *b, const prog_t *c, int64
                         int64_t *gate, int w, int r, int64_t rec, int64_t spin, int64_t *flag,
                         int64_t value, int64_t wait, const int64_t *shape, int64_t *rows_out,
                         int64_t *sync, int64_t *gns, void *e, size_t l) {
+  /* early (and cap > 0): the early gather is launched as bound, before the count read */
+  const int early = shape[10] != 0 && shape[5] > 0;
   int rc = efa_launch_run_gated(a, b, s, gate, w, r, rec, spin, flag, value, wait, sync, gns, e, l);
   if (rc) return rc;
+  if (early) bind(c);
   int64_t rows = rows_received(flag - shape[9], shape);
   *rows_out = rows;
   if (rows <= 0 || rows > shape[5]) return 3;
+  if (early) return 0;
   int64_t *vars = (int64_t *)c->vars;
   vars[shape[7]] = rows;
   vars[shape[8]] = rows < shape[6] ? rows : shape[6];
@@ -186,7 +190,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     ph._ahead, ph.cpp, ph.cpp_off = None, (cpp_op.load() if cpp else None), None
     ph._cpp_device = -2  # the C++ input check takes CPU tensors
     ph.layout_in_store = tr.layout_in_store = 1
-    tr.wait_in_reduce, tr.wait_programs = 0, 66
+    tr.wait_in_reduce, tr.wait_programs, tr.gather_early = 0, 66, 1
     ph.wait_in_kernel, ph.read_programs, ph._read_step = False, tr.num_programs, 1
     tr.fast_launch = 4 if cpp else 3
     n_info = 1 + W * (2 + L) + W + L

@@ -219,12 +219,11 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
     w, t, num_local = tr.world_size, topk_idx.shape[0], tr.cfg.num_local_experts
     flag = ph._host[0] + 8 * n_info
     if ahead.cpp is None:
-        if ahead.prog is None:
-            ahead.prog = ph._progs[ahead.key]
+        gather = gather_ahead.program(ph, ahead)
         gate = tr._gate
         ahead.cpp = CppPlan(
             PLAN_FIELDS, fn=ctypes.cast(front._lib.efa_launch_dispatch, ctypes.c_void_p).value,
-            front=front._addr, header=header._addr, gather=ahead.prog._addr,
+            front=front._addr, header=header._addr, gather=gather._addr,
             gate=gate.address if gate is not None else 0, world=w, rank=tr.rank,
             spin_ns=GATE_SPIN_NS, flag=flag, wait_ns=ph._flag_wait_ns, shape=ahead.shape_addr,
             rows=ahead.rows_addr, words=words, o_slot=o_slot, o_send=o_send, o_rank=o_rank,

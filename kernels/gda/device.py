@@ -284,7 +284,8 @@ def _recv_header_kernel(
     err_ptr: tl.pointer_type(tl.int64),             # [3] sticky error word (see _wait_for_sources)
     num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
     info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W + L (+ 1)] for the host
-    offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 1] first received row per source
+    offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 2] first received row per source,
+                                                    # then the clean row count (see below)
     hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
     num_local, T_MAX, epoch_delta, kind, timeout_ns, max_spins,
@@ -293,9 +294,13 @@ def _recv_header_kernel(
 ):
     """One program: wait for every source, then copy the headers (and the error word, this
     rank's send counts and the rows received per local expert, summed over sources) into
-    ``info``; offsets = exclusive prefix sum of the rows each source sent here. ``hw`` keeps
-    the highest row count of this parity's id region per source, so a fixed-capacity dispatch
-    knows which stale rows to clear.
+    ``info``; offsets = exclusive prefix sum of the rows each source sent here, then
+    ``offsets[W + 1]`` = the rows received when these counts are clean (error word 0, every
+    source's status 0 and rows in [0, T_MAX], no negative per-expert count), else -1: what a
+    gather launched before the host's count read copies (the host checks the same values, and
+    more). Everything comes from one read of the headers, so ``info``, the offsets and that
+    word agree whatever a peer writes meanwhile. ``hw`` keeps the highest row count of this
+    parity's id region per source, so a fixed-capacity dispatch knows which stale rows to clear.
 
     ``info`` is device memory the host copies, or (``HOST_FLAG``) page-locked host memory the
     kernel writes over the bus: then the word after ``info`` receives the op's record last
@@ -311,8 +316,10 @@ def _recv_header_kernel(
     h = tl.load(hdr_ptr + s[:, None] * hdr_len + c[None, :], mask=hm, other=0)
     tl.store(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], h, mask=hm)
     per_expert = tl.sum(h, axis=0)  # [HDR_PAD]: column 2 + l is local expert l's rows
-    tl.store(info_ptr + 1 + W * hdr_len + W + c - 2, per_expert, mask=(c >= 2) & (c < hdr_len))
-    n = tl.load(hdr_ptr + s * hdr_len + 1, mask=s < W, other=0)
+    pe_cols = (c >= 2) & (c < hdr_len)
+    tl.store(info_ptr + 1 + W * hdr_len + W + c - 2, per_expert, mask=pe_cols)
+    status = tl.sum(tl.where(c[None, :] == 0, h, 0), axis=1)  # [W_PAD] (0 past W)
+    n = tl.sum(tl.where(c[None, :] == 1, h, 0), axis=1)
     tl.store(offsets_ptr + 1 + s, tl.cumsum(n, axis=0), mask=s < W)
     tl.store(offsets_ptr, 0)
     hw = tl.load(hw_ptr + s, mask=s < W, other=0)
@@ -320,7 +327,11 @@ def _recv_header_kernel(
     sent = tl.load(num_per_rank_ptr + s, mask=s < W)
     tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
     tl.debug_barrier()
-    tl.store(info_ptr, tl.atomic_add(err_ptr, 0, sem="relaxed"))
+    err = tl.atomic_add(err_ptr, 0, sem="relaxed")
+    tl.store(info_ptr, err)
+    bad = tl.sum(((status != 0) | (n < 0) | (n > T_MAX)).to(tl.int32), axis=0) + \
+        tl.sum((pe_cols & (per_expert < 0)).to(tl.int32), axis=0)
+    tl.store(offsets_ptr + W + 1, tl.where((err == 0) & (bad == 0), tl.sum(n, axis=0), -1))
     if HOST_FLAG:
         tl.debug_barrier()
         tl.atomic_xchg(info_ptr + 1 + W * hdr_len + W + num_local, record, sem="release",
@@ -393,61 +404,6 @@ def _recv_header_fixed_kernel(
 
 
 @triton.jit
-def _poisoned(v, bad):
-    """``v`` unchanged, or NaN everywhere when ``bad`` (a float ``v``; integer rows pass)."""
-    if v.dtype.is_floating():
-        v = tl.where(bad, tl.full(v.shape, float("nan"), v.dtype), v)
-    return v
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _gather_rows_kernel(
-    win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
-    offsets_ptr: tl.pointer_type(tl.int64),         # [W + 1]
-    out_x_ptr,                                      # out [N, D] received rows (compact)
-    out_idx_ptr: tl.pointer_type(tl.int64),         # out [N, K] (WITH_META)
-    out_w_ptr: tl.pointer_type(tl.float32),         # out [N, K] (WITH_META)
-    err_ptr: tl.pointer_type(tl.int64),             # [3] error word (read: poison on expiry)
-    data_off, idx_off, w_off,
-    num_rows, D, num_topk, T_MAX,
-    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    WITH_META: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    """Receive permutation: output row i (source s, j-th row from s) = window row
-    s * T_MAX + j. Example: W=2, T_MAX=4, offsets [0, 1, 3] -> out rows 0, 1, 2 = window rows
-    0, 4, 5. Runs after the op's wait (stream order); if any wait of this transport expired
-    (error word set), float rows are written as NaN so no consumer mistakes them for data."""
-    elt = out_x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK_D)
-    bad = tl.load(err_ptr) != 0
-    win = tl.load(win_ptr)
-    src_x = (win + data_off).to(tl.pointer_type(elt))
-    for i in range(pid, num_rows, nprog):
-        i64 = tl.cast(i, tl.int64)
-        s, j = _source_of_row(offsets_ptr, i64, W, W_PAD)
-        row = s * T_MAX + j
-        src_row = src_x + row * D
-        if ALIGNED:
-            src_row = tl.multiple_of(src_row, 16)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + offs
-            cm = cols < D
-            v = _poisoned(tl.load(src_row + cols, mask=cm), bad)
-            tl.store(out_x_ptr + i64 * D + cols, v, mask=cm)
-        if WITH_META:
-            k = tl.arange(0, K_PAD)
-            km = k < num_topk
-            pi = (win + idx_off).to(tl.pointer_type(tl.int64))
-            pw = (win + w_off).to(tl.pointer_type(tl.float32))
-            tl.store(out_idx_ptr + i64 * num_topk + k, tl.load(pi + row * num_topk + k, mask=km),
-                     mask=km)
-            tl.store(out_w_ptr + i64 * num_topk + k, tl.load(pw + row * num_topk + k, mask=km),
-                     mask=km)
-
-
-@triton.jit
 def _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, max_spins,
                W: tl.constexpr, W_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """The op's wait at the start of a reading kernel: every program waits for every source
@@ -456,27 +412,6 @@ def _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, 
     epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
-
-
-@triton.jit(do_not_specialize=["num_rows", "epoch_delta", "kind", "timeout_ns", "max_spins"])
-def _gather_rows_wait_kernel(
-    win_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, err_ptr,
-    my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
-    op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
-    data_off, idx_off, w_off, num_rows, D, num_topk, T_MAX, epoch_delta, kind, timeout_ns,
-    max_spins,
-    W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    WITH_META: tl.constexpr, ALIGNED: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-):
-    """:func:`_gather_rows_kernel` with the op's wait in it (:func:`_wait_here`): one launch
-    instead of a one-program wait kernel and the copy. Every program spins until the sources
-    signalled, so the caller bounds the grid (the waiting programs of every rank sharing the
-    GPU must leave the peers' stores room to run)."""
-    _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, max_spins, W,
-               W_PAD, USE_GLOBALTIMER)
-    _gather_rows_kernel(win_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, err_ptr,
-                        data_off, idx_off, w_off, num_rows, D, num_topk, T_MAX, W, W_PAD, K_PAD,
-                        BLOCK_D, WITH_META, ALIGNED)
 
 
 # -------------------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ GATHER_AHEAD_BYTES = 16 << 20
 class GatherAhead:
     """The gather of a bound dispatch plan (see :data:`GATHER_AHEAD_BYTES`): its program once
     bound, the rows the outputs are allocated at (0: none ahead), and the native call's
-    ``[10]`` int64 shape block (:meth:`~efa_ep.kernels.native_launch.Program.run_dispatch`)."""
+    ``[11]`` int64 shape block (:meth:`~efa_ep.kernels.native_launch.Program.run_dispatch`).
+    With ``gather_early`` (the shape block's last word) the program is the early gather
+    (``launches.gather_rows``' ``early``), which the native call launches right after the
+    header, before its count read, so that its launch overlaps the device's work."""
 
     __slots__ = ("key", "prog", "cap", "row_bytes", "k", "shape", "shape_addr", "rows",
                  "rows_addr", "cpp")
@@ -30,7 +33,7 @@ class GatherAhead:
     def __init__(self, key, row_bytes: int, k: int, shape):
         self.key, self.prog, self.cap, self.row_bytes, self.k = key, None, 0, row_bytes, k
         self.cpp = None  # the plan's constants for the C++ dispatch (cpp_op.CppPlan), once made
-        self.shape = (ctypes.c_int64 * 10)(*shape)
+        self.shape = (ctypes.c_int64 * 11)(*shape)
         self.shape_addr = ctypes.addressof(self.shape)
         self.rows = ctypes.c_int64(-1)
         self.rows_addr = ctypes.addressof(self.rows)
@@ -44,6 +47,34 @@ class GatherAhead:
             self.shape[5] = self.cap
 
 
+def program(ph, ahead: GatherAhead):
+    """The bound gather program of ``ahead`` (``ph``: its ``GdaPhases``): the phases' own
+    gather, bound by the calls before the plan, or the early gather, bound here once from
+    placeholder tensors (its addresses and row counts are the call's variables); None when
+    not bound (the kernels launch from Python)."""
+    if ahead.prog is None:
+        if not ahead.shape[10]:
+            ahead.prog = ph._progs.get(ahead.key)
+        else:
+            tr = ph.tr
+            dev, k, parity = tr.device, ahead.k, ahead.key[1]
+            offsets = torch.zeros(tr.world_size + 2, dtype=torch.int64, device=dev)
+            outs = (torch.empty(1, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev),
+                    torch.empty(1, k, dtype=torch.int64, device=dev),
+                    torch.empty(1, k, dtype=torch.float32, device=dev))
+            offs = tr._offs[parity]
+
+            def launch(plan):
+                kern.gather_rows(tr._win_ptr, offsets, *outs, tr._my_sig, tr._err,
+                                 data_off=offs["data_off"], idx_off=offs["idx_off"],
+                                 w_off=offs["w_off"], t_max=tr.cfg.max_tokens_per_rank,
+                                 **ph._op(0), wait=False, num_programs=tr.num_programs,
+                                 plan=plan, **tr._wait_kw, early=True)
+
+            ahead.prog = ph._program(ahead.key, launch, (offsets,) + outs, ("num_rows",), (0,))
+    return ahead.prog
+
+
 def dispatch_gather(ph, front, values, header, values2, ahead: GatherAhead, offsets: int,
                     epoch: int, flag: int, stream: int):
     """Front, gate, header, count read and gather of a planned dispatch of ``ph`` (its
@@ -53,15 +84,14 @@ def dispatch_gather(ph, front, values, header, values2, ahead: GatherAhead, offs
     them) when the gather ran, else None (counts that need the transport's checks, more
     rows than the capacity, a late peer: both phases ran, the caller gathers)."""
     tr = ph.tr
-    if ahead.prog is None:
-        ahead.prog = ph._progs[ahead.key]
+    prog = program(ph, ahead)
     cap, k, dev, gate = ahead.cap, ahead.k, tr.device, tr._gate
     recv_x = torch.empty(cap, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev)
     recv_idx = torch.empty(cap, k, dtype=torch.int64, device=dev)
     recv_w = torch.empty(cap, k, dtype=torch.float32, device=dev)
     record = kern.wait_record(epoch, "dispatch")
     status, sync_s, gate_s = front.run_dispatch(
-        values, header, values2, ahead.prog,
+        values, header, values2, prog,
         (offsets, recv_x.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), cap,
          min(cap, tr.num_programs)), stream, gate.address if gate is not None else 0,
         tr.world_size, tr.rank, record, GATE_SPIN_NS, flag, record, ph._flag_wait_ns,
@@ -92,11 +122,13 @@ def record_plan(ph, parity: int, t: int, k: int, x) -> None:
         t, tr.cfg.num_experts, w, k)
     n_info = 1 + w * (2 + num_local) + w + num_local
     hidden = tr.cfg.hidden
-    # the gather program's variables: 4 addresses, the row count, the grid (see gather)
-    ahead = GatherAhead(("gather", parity, k, hidden, tr.cfg.dtype),
+    # the gather program's variables: 4 addresses, the row count (the early gather's: the
+    # rows the outputs hold), the grid (see gather)
+    early = int(tr.gather_early)
+    ahead = GatherAhead(("gather_early" if early else "gather", parity, k, hidden, tr.cfg.dtype),
                         hidden * tr.cfg.dtype.itemsize + 12 * k, k,
                         (w, 2 + num_local, num_local, tr.cfg.max_tokens_per_rank, k, 0,
-                         tr.num_programs, 4, 5, n_info))
+                         tr.num_programs, 4, 5, n_info, early))
     ph._plans[("dispatch", parity, t, k, x.dtype, x.stride(0), x.shape[1])] = (
         front, header, words + ph.header_words(), o_slot, o_send, o_rank, words,
         words + kern._even(n_info), n_info, ahead)

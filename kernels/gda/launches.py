@@ -13,8 +13,11 @@ from ..launch import FastKernel
 from ..native_launch import KernelStep, MemsetStep
 from .device import (
     _combine_reduce_kernel, _combine_reduce_wait_kernel, _combine_store_kernel,
-    _dispatch_store_kernel, _gather_rows_kernel, _gather_rows_wait_kernel,
-    _recv_header_fixed_kernel, _recv_header_kernel, _wait_kernel, next_pow2,
+    _dispatch_store_kernel, _recv_header_fixed_kernel, _recv_header_kernel, _wait_kernel,
+    next_pow2,
+)
+from .gather_kernels import (
+    _gather_rows_early_kernel, _gather_rows_kernel, _gather_rows_wait_kernel,
 )
 from .gate import KIND_OF, OP_KINDS, wait_record  # noqa: F401  (kinds: one definition)
 from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_small_kernel
@@ -77,6 +80,7 @@ _K_GATHER = FastKernel(_gather_rows_kernel)
 _K_COMBINE_STORE = FastKernel(_combine_store_kernel)
 _K_REDUCE = FastKernel(_combine_reduce_kernel)
 _K_GATHER_WAIT = FastKernel(_gather_rows_wait_kernel)
+_K_GATHER_EARLY = FastKernel(_gather_rows_early_kernel)
 _K_REDUCE_WAIT = FastKernel(_combine_reduce_wait_kernel)
 _ONE = (1,)
 
@@ -283,19 +287,22 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
                 host=None, plan=None):
     """Waits for every source and returns (info [1 + W*(2+L) + W + L] int64, offsets [W+1]
     int64 on the device). info = [error bits, headers (status, rows, rows per local expert) per
-    source, rows this rank sent per destination, rows received per local expert].
+    source, rows this rank sent per destination, rows received per local expert]. The int64
+    after the offsets receives the rows received when the counts are clean, else -1 (see
+    :func:`gather_rows`' ``early``).
     ``my_sig``: ``[W]`` int32; ``hdr``: ``[W, 2 + L]`` int64; ``err``: ``[3]`` int64 error
     word (:func:`check_err`); ``hw``: ``[W]`` int64 id-region high-water mark of this parity
     (updated). ``out``: an int64 device buffer of at least ``info + offsets`` elements to write
     into (None: allocated here). ``host``: a page-locked CPU int64 tensor of at least
     ``len(info) + 1`` elements: info is written there instead (a host view is returned), then
     ``host[len(info)]`` = this op's record (``epoch * 8 + kind``), last: the host waits for
-    that word instead of copying and synchronizing."""
+    that word instead of copying and synchronizing. ``out`` holds ``_even(len(info)) + W + 2``
+    elements."""
     world = my_sig.numel()
     n_info = 1 + world * (2 + num_local) + world + num_local
     o_off = _even(n_info)
     if out is None:
-        out = torch.empty(o_off + world + 1, dtype=torch.int64, device=hdr.device)
+        out = torch.empty(o_off + world + 2, dtype=torch.int64, device=hdr.device)
     if host is not None and (host.dtype != torch.int64 or host.numel() < n_info + 1):
         raise ValueError(f"host must hold {n_info + 1} int64, got {host.numel()} {host.dtype}")
     info = out[:n_info] if host is None else host[:n_info]
@@ -337,22 +344,27 @@ def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_glo
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,
                 w_off, t_max, epoch, wait, timeout_ns, max_spins, use_globaltimer, num_programs,
                 kind="cached dispatch", op_base=None, fast=True, plan=None,
-                wait_in_kernel=False):
+                wait_in_kernel=False, early=False):
     """Copies the received rows out of this rank's window into ``out_x`` ``[N, D]`` (and, when
     ``out_idx`` is given, ids and weights into ``[N, K]``), in (source, row) order. With
     ``wait``, a one-program wait kernel runs first (:func:`wait_for_sources`), or with
     ``wait_in_kernel`` every program of the copy waits itself (one launch; the caller bounds
     ``num_programs`` so that the waiting programs of every rank on the GPU leave room for the
     peers' stores; a copy of no rows still launches its wait). Float rows are NaN if any wait
-    of this window expired. ``offsets``: ``[W + 1]`` int64."""
+    of this window expired. ``offsets``: ``[W + 1]`` int64. With ``early`` (no ``wait``) the
+    copy may be launched before the host read the counts: ``offsets`` is :func:`recv_header`'s
+    (``[W + 2]``: the clean row count after them) and the copy moves that many rows when it is
+    in ``[1, N]`` (N: the rows ``out_x`` holds), else none."""
     if not out_x.is_contiguous() or out_x.dim() != 2:
         raise ValueError(f"out_x must be a contiguous [N, D] tensor, got {tuple(out_x.shape)}")
+    if early and wait:
+        raise ValueError("an early gather runs after the header's wait (wait=False)")
     in_kernel = wait and wait_in_kernel
     if wait and not in_kernel:
         wait_for_sources(my_sig, err, epoch=epoch, kind=kind, timeout_ns=timeout_ns,
                          max_spins=max_spins, use_globaltimer=use_globaltimer, op_base=op_base,
                          fast=fast, plan=plan)
-    world = offsets.numel() - 1
+    world = offsets.numel() - (2 if early else 1)
     n, d = out_x.shape
     if n == 0 and not in_kernel:
         return
@@ -367,6 +379,12 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
     elem = out_x.element_size()
     bd = _block_d(d, elem)
     grid, aligned = (max(1, min(n, num_programs)),), _aligned16(d, elem, d, data_off)
+    if early:
+        _go(_K_GATHER_EARLY, grid, (
+            win_ptr, offsets, out_x, out_idx, out_w, err, data_off, idx_off, w_off,
+            n, d, k, t_max,
+            world, _pad(world), _pad(k), bd, with_meta, aligned), _warps(bd, elem), fast, plan)
+        return
     if in_kernel:
         _go(_K_GATHER_WAIT, grid, (
             win_ptr, offsets, out_x, out_idx, out_w, err, my_sig, _base(op_base, err.device),

@@ -182,12 +182,12 @@ class GdaPhases:
 
     # ---- dispatch ---------------------------------------------------------------------------
     def header_words(self) -> int:
-        """int64 elements recv_header writes: info, then the per-source offsets."""
+        """int64 elements recv_header writes: info, the per-source offsets, the clean rows."""
         if self._header_words is None:
             tr = self.tr
             w, num_local = tr.world_size, tr.cfg.num_local_experts
             n_info = 1 + w * (2 + num_local) + w + num_local
-            self._header_words = kern._even(n_info) + w + 1
+            self._header_words = kern._even(n_info) + w + 2
         return self._header_words
 
     def front(self, x, topk_idx, topk_weights, epoch: int, bad_status: Optional[int] = None,
@@ -345,7 +345,7 @@ class GdaPhases:
             return scratch, slot, o_send, vals, tokens_per_expert, offsets, None
         front, header, words, o_slot, o_send, o_rank, o_out, o_offsets, n_info, ahead = plan
         self._ahead = ahead
-        bound = (ahead.prog or self._progs.get(ahead.key)) is not None
+        bound = gather_ahead.program(self, ahead) is not None
         gathers = ahead.cap and bound
         buf_ptr = self._host[0]
         got = None

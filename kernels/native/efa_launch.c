@@ -34,7 +34,7 @@
 #include <string.h>
 #include <time.h>
 
-#define EFA_LAUNCH_ABI 6
+#define EFA_LAUNCH_ABI 7
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -357,21 +357,41 @@ int64_t efa_gda_rows_received(const int64_t *info, const int64_t *shape) {
  * header's completion word; the n_info counts precede it), then, when efa_gda_rows_received
  * finds them clean with 0 < rows <= cap, third (the gather) with its variables var_rows = rows
  * and var_grid = min(rows, max_grid). shape = [world, hdr_len, L, t_max, top-k, cap, max_grid,
- * var_rows, var_grid, n_info]. Returns 0 when the gather ran (*rows_out = rows); 3 when it did not
- * (counts not clean: *rows_out = -1; no rows or more than cap: *rows_out = rows), the caller
- * checks the counts and gathers; else what efa_launch_run_gated returns. */
+ * var_rows, var_grid, n_info, early]. With early (and cap > 0) third is the early gather,
+ * launched as the caller bound it (var_rows = cap, var_grid = min(cap, max_grid)) right after
+ * second, before the wait for flag: it reads the row count the header kernel left on the device
+ * and copies only when the counts were clean and fit, which this check then confirms (its
+ * conditions include the kernel's). Returns 0 when the gather ran (*rows_out = rows); 3 when it
+ * did not (counts not clean: *rows_out = -1; no rows or more than cap: *rows_out = rows), the
+ * caller checks the counts and gathers; else what efa_launch_run_gated returns. */
 int efa_launch_dispatch(const efa_program_t *first, const efa_program_t *second,
                         const efa_program_t *third, int64_t stream, int64_t *gate, int world,
                         int rank, int64_t record, int64_t spin_ns, const int64_t *flag,
                         int64_t value, int64_t wait_ns, const int64_t *shape, int64_t *rows_out,
                         int64_t *sync_ns, int64_t *gate_ns, char *err, size_t errlen) {
     *rows_out = -1;
-    int rc = efa_launch_run_gated(first, second, stream, gate, world, rank, record, spin_ns, flag,
-                                  value, wait_ns, sync_ns, gate_ns, err, errlen);
-    if (rc) return rc;
+    int rc;
+    const int early = shape[10] != 0 && shape[5] > 0;
+    if (early) {
+        rc = efa_launch_run_gated(first, second, stream, gate, world, rank, record, spin_ns,
+                                  NULL, 0, 0, sync_ns, gate_ns, err, errlen);
+        if (rc) return rc;
+        rc = run(third, (void *)(uintptr_t)stream, err, errlen);
+        if (rc) return rc;
+        if (!efa_launch_wait_flag(flag, value, wait_ns, sync_ns)) {
+            set_err(err, errlen, "the program's completion word was not written within %lld ns",
+                    (long long)wait_ns);
+            return 2;
+        }
+    } else {
+        rc = efa_launch_run_gated(first, second, stream, gate, world, rank, record, spin_ns,
+                                  flag, value, wait_ns, sync_ns, gate_ns, err, errlen);
+        if (rc) return rc;
+    }
     const int64_t rows = efa_gda_rows_received(flag - shape[9], shape);
     *rows_out = rows;
     if (rows <= 0 || rows > shape[5]) return 3;
+    if (early) return 0;
     int64_t *vars = (int64_t *)third->vars;
     vars[shape[7]] = rows;
     vars[shape[8]] = rows < shape[6] ? rows : shape[6];

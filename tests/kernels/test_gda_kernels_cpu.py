@@ -19,7 +19,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKS = ["layout", "layout_errors", "layout_in_store", "dispatch_combine",
-          "dispatch_combine_float32", "wait_timeout",
+          "dispatch_combine_float32", "wait_timeout", "header_clean_rows",
           "fixed_capacity", "device_op_base"]
 
 
@@ -168,6 +168,7 @@ def _run_dispatch_combine(row_dtype_name):
                              num_programs=progs)
         ref = reference_dispatch(xs, idxs, ws, num_experts)
         recv = []
+        iv = torch.int16 if dtype != torch.float32 else torch.int32
         for me in range(world):
             assert peers.sigs[me].tolist() == [epoch] * world
             hl = 2 + num_local
@@ -198,6 +199,25 @@ def _run_dispatch_combine(row_dtype_name):
                                ref_x.view(torch.int16 if dtype != torch.float32 else torch.int32))
             assert torch.equal(ri, ref_i) and torch.equal(rw.view(torch.int32), ref_w.view(torch.int32))
             assert torch.equal(hdr[:, 2:].sum(0), ref_tpe)
+            # the clean row count after the offsets, and the early gather that copies by it:
+            # the same rows into outputs with room to spare (the rest untouched), nothing when
+            # the word says the counts were not clean (-1) or exceed the outputs
+            offsets2 = offsets.as_strided((world + 2,), (1,))
+            assert int(offsets2[world + 1]) == n
+            for word, copies in ((n, True), (-1, False), (n + 4, False)):
+                offsets2[world + 1] = word
+                ex = torch.full((n + 3, hidden), float("nan"), dtype=dtype)
+                ei = torch.full((n + 3, topk), -7, dtype=torch.int64)
+                ew = torch.full((n + 3, topk), float("nan"))
+                kern.gather_rows(peers.win_ptrs[me], offsets2, ex, ei, ew, peers.sigs[me],
+                                 peers.errs[me], data_off=offs["data_off"],
+                                 idx_off=offs["idx_off"], w_off=offs["w_off"], t_max=t_max,
+                                 epoch=epoch, wait=False, num_programs=progs, **WAIT, early=True)
+                got = n if copies else 0
+                assert torch.equal(ex[:got].view(iv), rx[:got].view(iv)), (world, word)
+                assert torch.equal(ei[:got], ri[:got]) and torch.equal(ew[:got], rw[:got])
+                assert torch.isnan(ex[got:].float()).all() and (ei[got:] == -7).all()
+            offsets2[world + 1] = n
             recv.append((n, offsets, ri))
         # ---- combine (epoch 2, parity 0) ----
         epoch, offs = 2, peers.layout.offsets(0)
@@ -323,6 +343,60 @@ def _check_wait_timeout():
                          wait=True, timeout_ns=0, max_spins=5, use_globaltimer=False,
                          num_programs=grid, wait_in_kernel=True)
         assert peers.errs[1].tolist() == [0b0100, kern.wait_record(3, "cached dispatch"), 0]
+
+
+def _check_header_clean_rows():
+    """The row count the header kernel leaves after the offsets for a gather launched before
+    the host's count read: the rows received when the counts are clean, else -1, from one read
+    of the headers. Every count the host's own check (the native library's
+    efa_gda_rows_received) accepts, the kernel accepts with the same rows; what the kernel
+    refuses, the host refuses too (headers a peer wrote wrong: status, rows out of bounds,
+    negative per-expert counts, the error word set)."""
+    import ctypes
+
+    import torch
+    from efa_ep.kernels import native_launch as nl
+    from efa_ep.kernels.gda import launches as kern
+
+    world, t_max, num_local, k = 3, 6, 2, 2
+    hl = 2 + num_local
+    n_info = 1 + world * hl + world + num_local
+    lib = nl.load()
+    check = lib.efa_gda_rows_received
+    check.restype = ctypes.c_int64
+    good = [[0, 3, 2, 1], [0, 0, 0, 0], [0, 6, 5, 4]]
+    cases = {"clean": (good, 0), "no rows": ([[0, 0, 0, 0]] * 3, 0),
+             "status": ([[0, 3, 2, 1], [2, 0, 0, 0], [0, 6, 5, 4]], 0),
+             "rows over t_max": ([[0, 7, 2, 1], [0, 0, 0, 0], [0, 6, 5, 4]], 0),
+             "negative rows": ([[0, -1, 0, 0], [0, 4, 2, 1], [0, 6, 5, 4]], 0),
+             "negative expert": ([[0, 3, -9, 1], [0, 0, 0, 0], [0, 6, 5, 4]], 0),
+             "pairs over rows x k": ([[0, 1, 9, 9], [0, 0, 0, 0], [0, 1, 0, 0]], 0),
+             "error word": (good, 0b100)}
+    for name, (hdr_rows, err_bits) in cases.items():
+        peers = _Peers(world, t_max, 8, torch.float32, k, num_local)
+        offs = peers.layout.offsets(1)
+        peers.hdr(0, offs["hdr_off"])[:] = torch.tensor(hdr_rows, dtype=torch.int64)
+        peers.sigs[0][:] = 1
+        peers.errs[0][0] = err_bits
+        host = torch.full((n_info + 1,), -9, dtype=torch.int64)
+        out = torch.full((kern._even(n_info) + world + 2,), -5, dtype=torch.int64)
+        info, offsets = kern.recv_header(peers.sigs[0], peers.hdr(0, offs["hdr_off"]),
+                                         peers.errs[0], torch.zeros(world, dtype=torch.int64),
+                                         peers.hws[0][1], num_local=num_local, t_max=t_max,
+                                         epoch=1, host=host, out=out, **WAIT)
+        word = int(out[kern._even(n_info) + world + 1])
+        shape = (ctypes.c_int64 * 5)(world, hl, num_local, t_max, k)
+        host_rows = check(ctypes.c_void_p(host.data_ptr()), shape)
+        rows = sum(r[1] for r in hdr_rows)
+        assert offsets.tolist() == [0] + [sum(r[1] for r in hdr_rows[:s + 1])
+                                          for s in range(world)], name
+        if name in ("clean", "no rows"):
+            assert word == host_rows == rows, (name, word, host_rows)
+        elif name == "pairs over rows x k":  # (the host's check is stricter)
+            assert (word, host_rows) == (rows, -1), (name, word, host_rows)
+        else:
+            assert word == host_rows == -1, (name, word, host_rows)
+    print(f"header clean rows cases: {len(cases)}")
 
 
 def _check_device_op_base():
@@ -522,6 +596,7 @@ def _main(check):
         "dispatch_combine": lambda: _run_dispatch_combine("bfloat16"),
         "dispatch_combine_float32": lambda: _run_dispatch_combine("float32"),
         "wait_timeout": _check_wait_timeout,
+        "header_clean_rows": _check_header_clean_rows,
         "fixed_capacity": _check_fixed_capacity,
         "device_op_base": _check_device_op_base,
     }[check]()

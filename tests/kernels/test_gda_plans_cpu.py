@@ -88,33 +88,43 @@ def test_dispatch_plan_passes_what_the_phase_methods_pass(tr):
     assert plans == [1, 2, 2, 2]  # both parities' plans bound, then reused
 
 
-def _next_gather_prog(tr):
-    """The bound gather program the next dispatch (its parity) launches."""
-    return tr._phases._progs[("gather", (tr._epoch + 1) % 2, K, H, torch.bfloat16)]
+def _next_gather_prog(tr, early=False):
+    """The bound gather program the next dispatch (its parity) launches (``early``: the gather
+    launched before the count read, bound once its plan gathers ahead)."""
+    key = ("gather_early" if early else "gather", (tr._epoch + 1) % 2, K, H, torch.bfloat16)
+    return tr._phases._progs.get(key)
 
 
-def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr_any):
+@pytest.mark.parametrize("early", [0, 1])
+def test_dispatch_gathers_in_its_native_call_once_its_rows_are_known(tr_any, early):
     tr = tr_any
+    tr.gather_early = early
     # calls 0, 1 bind each parity's plan, 2, 3 learn the rows they receive; from call 4 the
-    # outputs are allocated ahead and the library checks the counts and launches the gather
+    # outputs are allocated ahead and the library checks the counts and launches the gather:
+    # after its count read, with the rows it read, or (early) before it, with the rows the
+    # outputs hold (the kernel reads the count the header left on the device)
     _, x, idx, w = _inputs(6)
     n = T + 5
+    cap = n + n // 8
     for call in range(8):
-        gather = _next_gather_prog(tr) if call >= 2 else None
+        gather = _next_gather_prog(tr, early and call >= 4) if call >= 2 else None
         if gather is not None:
-            gather._vars[4] = -7  # the library must write the row count it read
+            gather._vars[4] = -7  # the call must write the row count (or capacity) itself
         recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
         assert recv_x.shape == (n, H) and recv_idx.shape == recv_w.shape == (n, K)
         assert h.num_recv_per_rank == (T, 5) and h.num_send_per_rank == (T, 6)
         assert h.send_token_idx.numel() == T + 6 and tpe.tolist() == [2] * L
         if call >= 4:
+            rows = cap if early else n
             assert _vars(gather) == [h.state.recv_offsets.data_ptr(), recv_x.data_ptr(),
-                                     recv_idx.data_ptr(), recv_w.data_ptr(), n,
-                                     min(n, tr.num_programs)]
+                                     recv_idx.data_ptr(), recv_w.data_ptr(), rows,
+                                     min(rows, tr.num_programs)]
             # allocated ahead with headroom: the outputs are views of larger blocks
-            assert recv_x.untyped_storage().nbytes() > n * H * 2
+            assert recv_x.untyped_storage().nbytes() >= cap * H * 2 > n * H * 2
         elif call >= 2:  # gathered from Python, into outputs of exactly n rows
             assert recv_x.untyped_storage().nbytes() == n * H * 2
+    # the early gather is a program of its own; the phases' gather is the one Python launches
+    assert (_next_gather_prog(tr, True) is not None) == bool(early)
 
 
 def test_cpp_dispatch_too_large_to_allocate_ahead_gathers_after_its_count_read(
@@ -137,7 +147,9 @@ def test_cpp_dispatch_too_large_to_allocate_ahead_gathers_after_its_count_read(
     _, x, idx, w = _inputs(8)
     n = T + 5
     for call in range(6):
-        gather = _next_gather_prog(tr) if call >= 2 else None
+        # (the plan's gather: the early one, bound by the first call of the plan; it copies the
+        # rows the header left on the device, up to the rows it is given: here all of them)
+        gather = _next_gather_prog(tr, early=True) if call >= 3 else None
         if gather is not None:
             gather._vars[4] = -7  # the C++ call must write the row count it read
         epoch = tr._epoch
@@ -147,6 +159,8 @@ def test_cpp_dispatch_too_large_to_allocate_ahead_gathers_after_its_count_read(
         assert recv_x.untyped_storage().nbytes() == n * H * 2  # exact: nothing ahead
         assert h.num_recv_per_rank == (T, 5) and tpe.tolist() == [2] * L
         if call >= 2:
+            if gather is None:  # (this call's parity)
+                gather = tr._phases._progs[("gather_early", tr._epoch % 2, K, H, torch.bfloat16)]
             assert _vars(gather) == [h.state.recv_offsets.data_ptr(), recv_x.data_ptr(),
                                      recv_idx.data_ptr(), recv_w.data_ptr(), n,
                                      min(n, tr.num_programs)]
