@@ -52,9 +52,9 @@ class GdaTransport(Transport):
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
     ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``,
-    ``gather_early``). Where they need more than a line: ``check_backward`` makes :meth:`after_backward` raise deferred deadline
-    errors before the gradients are used (one host sync at the end of each backward pass,
-    however many layers it crosses); ``launch_gate`` (default on) launches a waiting kernel
+    ``gather_early``). Where they need more than a line: ``check_backward`` makes
+    :meth:`after_backward` raise deferred deadline errors before the gradients are used (one host
+    sync at the end of each backward pass, however many layers it crosses); ``launch_gate`` (default on) launches a waiting kernel
     only once every source has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2
     launches each op phase's kernels in one native call (:mod:`efa_ep.kernels.native_launch`;
     ``launch_path`` says which path runs, ``native_launch_off`` why not), 1 each kernel through

@@ -149,10 +149,11 @@ static Outputs carve_outputs(const at::Tensor &buf, int64_t at, int64_t rows, in
 }
 
 // Outputs are allocated ahead at the plan's capacity (shape[5] rows) before the native call, which
-// then gathers too (with shape[10], the early gather: launched before the count read, it reads
-// the clean row count on the device; its row-count variable is the capacity); a plan of capacity 0 (outputs larger than the caller allocates ahead) gets
-// them allocated here after the call read clean counts (at most world x t_max rows: the peers'
-// counts are bounded there), then its gather launched (p[P_RUN], efa_launch_run).
+// then gathers too (with shape[10], the early gather: launched before the count read, it reads the
+// clean row count on the device; its row-count variable is the capacity); a plan of capacity 0
+// (outputs larger than the caller allocates ahead) gets them allocated here after the call read
+// clean counts (at most world x t_max rows: the peers' counts are bounded there), then its gather
+// launched (p[P_RUN], efa_launch_run).
 // Returns (status, sync_ns, gate_ns, scratch, then when status is 0: recv_x, recv_topk_idx,
 // recv_topk_weights [rows, ...] (views of the outputs), slot [T, W],
 // offsets [W + 1], send_token_idx [S] (views of scratch), tokens_per_expert [L] int64 CPU,
