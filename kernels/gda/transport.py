@@ -54,10 +54,11 @@ class GdaTransport(Transport):
     ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``,
     ``gather_early``). Where they need more than a line: ``check_backward`` makes
     :meth:`after_backward` raise deferred deadline errors before the gradients are used (one host
-    sync at the end of each backward pass, however many layers it crosses); ``launch_gate`` (default on) launches a waiting kernel
-    only once every source has issued its stores (:class:`LaunchGate`); ``fast_launch`` 2
-    launches each op phase's kernels in one native call (:mod:`efa_ep.kernels.native_launch`;
-    ``launch_path`` says which path runs, ``native_launch_off`` why not), 1 each kernel through
+    sync at the end of each backward pass, however many layers it crosses); ``launch_gate`` (default
+    on) launches a waiting kernel only once every source has issued its stores
+    (:class:`LaunchGate`); ``fast_launch`` 2 launches each op phase's kernels in one native call
+    (:mod:`efa_ep.kernels.native_launch`; ``launch_path`` says which path runs,
+    ``native_launch_off`` why not), 1 each kernel through
     its compiled launcher, 0 Triton's own path, 3 launches an op's two phases and the launch
     gate between them in one native call, 4 (the default) also makes a repeated regular
     dispatch one C++ call (:mod:`efa_ep.kernels.gda.cpp_op`; ``cpp_dispatch_off`` says why not,
