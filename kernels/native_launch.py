@@ -312,6 +312,11 @@ class Program:
             rec.head[_F_BLOCK] = 32 * int(md.num_warps)
             rec.head[_F_SHARED] = int(md.shared)
             rec.head[_F_NPARAMS] = count
+        unused = set(int_index) - {n for s in steps if not isinstance(s, MemsetStep)
+                                   for n in s.fk.runtime_names()}
+        if unused:  # (a misspelt name would leave the kernel's value fixed at the bound call's)
+            raise NativeLaunchError(f"no kernel of this program has a parameter named "
+                                    f"{sorted(unused)}")
         for j, i in enumerate(grid_steps):
             uses.append((i * _RECORD_WORDS + _F_GRID_X, len(bases) + len(ints) + j, 0))
         self.num_vars = len(bases) + len(ints) + len(grid_steps)

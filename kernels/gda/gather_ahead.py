@@ -71,7 +71,7 @@ def program(ph, ahead: GatherAhead):
                                  **ph._op(0), wait=False, num_programs=tr.num_programs,
                                  plan=plan, **tr._wait_kw, early=True)
 
-            ahead.prog = ph._program(ahead.key, launch, (offsets,) + outs, ("num_rows",), (0,))
+            ahead.prog = ph._program(ahead.key, launch, (offsets,) + outs, ("cap",), (0,))
     return ahead.prog
 
 
