@@ -548,6 +548,8 @@ def default_record_files(root: str) -> List[str]:
              "results/gda_perop/gda_gpu_check_carve_2026-12-03.json",
              "results/gda_perop/gda_gpu_check_layout_lis1_1_2026-12-03.json",
              "results/gda_perop/gda_gpu_check_layout_lis1_2_2026-12-03.json",
+             "results/gda_perop/gda_gpu_check_gather_early_2026-12-04.json",
+             "results/gda_perop/gda_gpu_check_gather_early2_2026-12-04.json",
              "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json",
              "results/h200/bench_hier_ep4_one_call/bench_summary.json",
