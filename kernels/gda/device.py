@@ -1,4 +1,5 @@
-"""Triton kernels of the ``gda`` transport: layout, peer stores, waits, receive gather, reduce.
+"""Triton kernels of the ``gda`` transport: peer stores, waits, the receive header, reduce (the
+routing layout: :mod:`.layout_kernels`; the receive gather: :mod:`.gather_kernels`).
 
 Symbols (shape suffixes):
     W: EP ranks.   T: tokens on this rank.   K: top-k slots.   E: experts.   L = E // W.
@@ -525,7 +526,7 @@ def _combine_reduce_wait_kernel(
     USE_GLOBALTIMER: tl.constexpr,
 ):
     """:func:`_combine_reduce_kernel` with the op's wait in it, as
-    :func:`_gather_rows_wait_kernel`."""
+    :func:`.gather_kernels._gather_rows_wait_kernel`."""
     _wait_here(my_sig_ptr, err_ptr, op_base_ptr, epoch_delta, kind, timeout_ns, max_spins, W,
                W_PAD, USE_GLOBALTIMER)
     _combine_reduce_kernel(win_ptr, slot_ptr, out_ptr, err_ptr, data_off, num_tokens, D, T_MAX,
