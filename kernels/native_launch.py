@@ -312,11 +312,7 @@ class Program:
             rec.head[_F_BLOCK] = 32 * int(md.num_warps)
             rec.head[_F_SHARED] = int(md.shared)
             rec.head[_F_NPARAMS] = count
-        unused = set(int_index) - {n for s in steps if not isinstance(s, MemsetStep)
-                                   for n in s.fk.runtime_names()}
-        if unused:  # (a misspelt name would leave the kernel's value fixed at the bound call's)
-            raise NativeLaunchError(f"no kernel of this program has a parameter named "
-                                    f"{sorted(unused)}")
+        check_variable_names(steps, ints)
         for j, i in enumerate(grid_steps):
             uses.append((i * _RECORD_WORDS + _F_GRID_X, len(bases) + len(ints) + j, 0))
         self.num_vars = len(bases) + len(ints) + len(grid_steps)
@@ -423,6 +419,17 @@ def rows_received(info: int, shape: int) -> int:
     """The C check of a gda dispatch's counts alone (see :meth:`Program.run_dispatch`): the
     rows received, or -1 when the counts at address ``info`` are not clean for ``shape``."""
     return load().efa_gda_rows_received(info, shape)
+
+
+def check_variable_names(steps, ints: Sequence[str]) -> None:
+    """Raises :class:`NativeLaunchError` unless every name in ``ints`` is a parameter of a
+    kernel among ``steps`` (a misspelt name would leave the kernel's value fixed at the bound
+    call's)."""
+    unknown = set(ints) - {n for s in steps if not isinstance(s, MemsetStep)
+                           for n in s.fk.runtime_names()}
+    if unknown:
+        raise NativeLaunchError(f"no kernel of this program has a parameter named "
+                                f"{sorted(unknown)}")
 
 
 def bind(launch, tensors: Sequence[torch.Tensor], ints: Sequence[str] = (),

@@ -205,10 +205,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
             # (as the real class requires)
             steps = []
             launch(steps)
-            params = {n for st in steps if hasattr(st, "fk") for n in st.fk.runtime_names()}
-            if not set(ints) <= params:
-                raise nl.NativeLaunchError(f"{key}: no kernel has a parameter named "
-                                           f"{sorted(set(ints) - params)}")
+            nl.check_variable_names(steps, ints)
             n_vars = len(tensors) + len(ints) + len(grid_steps)
             prog = object.__new__(nl.Program)
             prog._lib, prog.num_steps, prog.num_vars = lib, 2, n_vars
