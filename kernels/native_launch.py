@@ -25,7 +25,8 @@ call's grid size. Everything else is constant: it must stay valid for the progra
 a kernel's specialization (shapes, dtypes, strides, which tensors are 16-byte aligned).
 
 Synchronization: kernels go on the stream passed to :meth:`Program.run` (the current stream),
-in order, as the Python launches would; :meth:`Program.run_wait` also waits for the host
+in order, as the Python launches would (by default as one CUDA graph per program, where the
+driver allows: one host submission instead of one per kernel, see ``graph`` below); :meth:`Program.run_wait` also waits for the host
 completion word its last kernel writes.
 :meth:`Program.run_gated` runs two programs in one call with the launch gate of ranks sharing a
 GPU between them (publish, brief wait for the peers; the caller's own wait takes over when a
@@ -48,7 +49,7 @@ __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availabi
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
-ABI_VERSION = 7
+ABI_VERSION = 8
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)
@@ -77,7 +78,8 @@ class _ProgramDesc(ctypes.Structure):
     """``efa_program_t``: a program's records and where the call's variables go."""
     _fields_ = [("recs", ctypes.c_void_p), ("num_recs", ctypes.c_int64),
                 ("uses", ctypes.c_void_p), ("num_uses", ctypes.c_int64),
-                ("vars", ctypes.c_void_p)]
+                ("vars", ctypes.c_void_p), ("graph_mode", ctypes.c_int64),
+                ("graph", ctypes.c_void_p)]
 
 
 _RECORD_WORDS = ctypes.sizeof(_Record) // 8
@@ -115,6 +117,8 @@ _SIGS = {
     "efa_launch_abi_version": ([], _i32),
     "efa_launch_record_bytes": ([], _i32),
     "efa_launch_max_params": ([], _i32),
+    "efa_launch_program_bytes": ([], _i32),
+    "efa_launch_graph_free": ([_vp], None),
     "efa_launch_init": ([_cp, _sz], _i32),
     "efa_launch_param_sizes": ([_i64, _vp, _i32, _cp, _sz], _i32),
     "efa_launch_bind": ([_vp], _i32),
@@ -148,6 +152,7 @@ def load():
                 fn.argtypes, fn.restype = args, res
             if lib.efa_launch_abi_version() != ABI_VERSION or \
                     lib.efa_launch_record_bytes() != ctypes.sizeof(_Record) or \
+                    lib.efa_launch_program_bytes() != ctypes.sizeof(_ProgramDesc) or \
                     lib.efa_launch_max_params() != MAX_PARAMS:
                 raise NativeLaunchError("libefa_launch: ABI or record layout differs from "
                                         "kernels/native_launch.py (stale build?)")
@@ -217,10 +222,14 @@ class Program:
         tensors: the variable tensors of that call, in the order :meth:`run` takes addresses.
         ints: names of integer parameters whose value :meth:`run` supplies (after the tensors).
         grid_steps: indices of steps whose grid size :meth:`run` supplies (after the ints).
+        graph: run the kernels as one CUDA graph (made by the first run; each run sets every
+            node's parameters from the call's values, then one ``cuGraphLaunch``: same kernels,
+            arguments and stream order, less host time) where the driver allows; a program
+            with a memset step, and a run on a stream being captured, launch kernel by kernel.
     """
 
     def __init__(self, steps: Sequence, tensors: Sequence[torch.Tensor] = (),
-                 ints: Sequence[str] = (), grid_steps: Sequence[int] = ()):
+                 ints: Sequence[str] = (), grid_steps: Sequence[int] = (), graph: bool = True):
         lib = load()
         err = ctypes.create_string_buffer(_ERRLEN)
         if lib.efa_launch_init(err, _ERRLEN):
@@ -322,7 +331,7 @@ class Program:
         # one pack per run: raises struct.error unless the call gives exactly num_vars values
         self._pack = struct.Struct(f"{self.num_vars}q").pack_into
         self._desc = _ProgramDesc(ctypes.addressof(self._recs), n, ctypes.addressof(self._uses),
-                                  len(uses), ctypes.addressof(self._vars))
+                                  len(uses), ctypes.addressof(self._vars), int(bool(graph)), None)
         self._err = err
         # plain integers for the hot path: ctypes converts them without a from_param call
         self._addr = ctypes.addressof(self._desc)
@@ -331,6 +340,19 @@ class Program:
         self._sync_ns_addr = ctypes.addressof(self._sync_ns)
         self._gate_ns = ctypes.c_int64(0)
         self._gate_ns_addr = ctypes.addressof(self._gate_ns)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the last run went to the GPU as one CUDA graph (see ``graph``)."""
+        return bool(self._desc.graph) and self._desc.graph_mode > 0
+
+    def __del__(self):
+        desc = getattr(self, "_desc", None)
+        if desc is not None and desc.graph:
+            try:
+                self._lib.efa_launch_graph_free(self._addr)
+            except Exception:  # noqa: BLE001 (interpreter shutdown: the driver may be gone)
+                pass
 
     def set_vars(self, values: Sequence[int]) -> None:
         """Sets the variables of the next launch (as :meth:`run` takes them) without launching:
@@ -433,7 +455,7 @@ def check_variable_names(steps, ints: Sequence[str]) -> None:
 
 
 def bind(launch, tensors: Sequence[torch.Tensor], ints: Sequence[str] = (),
-         grid_steps: Sequence[int] = ()) -> Optional[Program]:
+         grid_steps: Sequence[int] = (), graph: bool = True) -> Optional[Program]:
     """The :class:`Program` of the launches ``launch(plan)`` appends to ``plan`` (a list),
     bound from this call's variable ``tensors``; None when a variable tensor is empty (its
     address says nothing, often 0 and shared with other empty tensors: a program bound from it
@@ -443,7 +465,7 @@ def bind(launch, tensors: Sequence[torch.Tensor], ints: Sequence[str] = (),
         return None
     steps = []
     launch(steps)
-    return Program(steps, tensors, ints, grid_steps)
+    return Program(steps, tensors, ints, grid_steps, graph)
 
 
 def gate_publish_wait(gate: int, world: int, rank: int, record: int, spin_ns: int):

@@ -145,6 +145,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "right after its header kernel, before the host reads the counts (the kernel "
                "copies only counts that are clean and fit the outputs allocated ahead); 0 = "
                "after the count read", choices=(0, 1)),
+        Option("graph_launch", int, 1, "1 = each bound kernel program (an op phase's kernels) "
+               "goes to the GPU as one CUDA graph launch, its nodes' arguments set per call (one "
+               "host submission instead of one per kernel); 0 = kernel by kernel",
+               choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

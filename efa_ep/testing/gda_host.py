@@ -29,7 +29,10 @@ _STAND_IN = r"""
 #include <stdint.h>
 #include <string.h>
 #include <stddef.h>
-typedef struct { int64_t *recs; int64_t n; const int64_t *uses; int64_t nu; const int64_t *vars; } prog_t;
+typedef struct {
+  int64_t *recs; int64_t n; const int64_t *uses; int64_t nu; const int64_t *vars;
+  int64_t graph_mode; void *graph;  /* (a graph is never made here) */
+} prog_t;
 static void bind(const prog_t *p) {
   for (int64_t i = 0; i < p->nu; i++) {
     const int64_t *u = &p->uses[3 * i];

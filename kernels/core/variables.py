@@ -217,6 +217,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "benchmarks only: 0 launches the kernel that reads a one-call proxy op's received "
              "rows after the round completed, instead of as the rows' chunks arrive (the other "
              "arm of a comparison)", allowed="0 or 1", read_by="kernels/proxy/planned.py"),
+    Variable("EFA_EP_PROXY_GRAPH_LAUNCH", "proxy_graph_launch", str, "1",
+             "benchmarks only: 0 launches the proxy's bound kernel programs kernel by kernel "
+             "instead of as one CUDA graph launch each (the other arm of a comparison)",
+             allowed="0 or 1", read_by="kernels/proxy/device_path.py"),
     Variable("EFA_EP_REQUIRE_TRANSPORTS", "require_transports", str, "torch",
              "tests only: transports whose tests must run (fail instead of skip)",
              allowed="names, comma-separated", read_by="tests/test_required_transports.py"),

@@ -101,8 +101,7 @@ class GdaPhases:
                 cpp_op.warn_off(self.cpp_off)
         # the C++ input check's device: the CUDA index (-2: CPU tensors, the tests' stand-in)
         self._cpp_device = transport.device.index if transport.device.type == "cuda" else -2
-        # a small batch's routing layout computed inside the dispatch's store kernel
-        self.layout_in_store = bool(transport.layout_in_store)
+        self.layout_in_store = bool(transport.layout_in_store)  # (see the options)
         # wait_in_reduce: a combine's or cached dispatch's wait inside its reduce/gather, grid
         # capped: all ranks' waiting programs on this GPU hold <= 1 slot per SM (room for the
         # peers' stores); _read_step: the step whose grid a call sets
@@ -110,6 +109,7 @@ class GdaPhases:
         self.read_programs = (min(transport.num_programs, transport.wait_programs)
                               if self.wait_in_kernel else transport.num_programs)
         self._read_step = 0 if self.wait_in_kernel else 1
+        self.graph_launch = bool(transport.graph_launch)  # programs as one CUDA graph launch
 
     @property
     def native(self) -> bool:
@@ -126,7 +126,7 @@ class GdaPhases:
             if self.tr._capturing:
                 return None  # programs are bound from eager calls only
             try:
-                prog = bind(launch, tensors, ints, grid_steps)
+                prog = bind(launch, tensors, ints, grid_steps, graph=self.graph_launch)
             except NativeLaunchError as e:
                 self.native_off = f"a kernel could not be bound for native launch: {e}"
                 return None

@@ -52,7 +52,7 @@ class GdaTransport(Transport):
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
     ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``,
-    ``gather_early``). Where they need more than a line: ``check_backward`` makes
+    ``gather_early``, ``graph_launch``). Where they need more than a line: ``check_backward`` makes
     :meth:`after_backward` raise deferred deadline errors before the gradients are used (one host
     sync at the end of each backward pass, however many layers it crosses); ``launch_gate`` (default
     on) launches a waiting kernel only once every source has issued its stores
@@ -106,6 +106,7 @@ class GdaTransport(Transport):
         self.layout_in_store = int(opts.get("layout_in_store", 1))
         self.wait_in_reduce = int(opts.get("wait_in_reduce", 0))
         self.gather_early = int(opts.get("gather_early", 1))
+        self.graph_launch = int(opts.get("graph_launch", 1))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):

@@ -26,6 +26,8 @@ struct Program {
     const int64_t *uses;
     int64_t num_uses;
     int64_t *vars;
+    int64_t graph_mode;
+    void *graph;
 };
 
 typedef int (*GatedFn)(const void *, const void *, int64_t, int64_t *, int, int, int64_t, int64_t,

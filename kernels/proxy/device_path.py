@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..base import DispatchInputError, TransportError, describe_value_errors
+from ..core.variables import raw
 from ..native_launch import NativeLaunchError, bind
 from .options import PY_TAMPER
 from .window import OP_DISPATCH, dense
@@ -25,6 +26,12 @@ _CHUNK_BYTES = 4 << 20
 #: bound programs kept per transport (a new token count binds new ones); past this many, all
 #: are dropped and bound again as calls need them
 MAX_PROGRAMS = 512
+
+
+def graph_launch() -> bool:
+    """Whether bound programs go to the GPU as one CUDA graph launch each
+    (``EFA_EP_PROXY_GRAPH_LAUNCH``, default on; see ``native_launch.Program``)."""
+    return raw("EFA_EP_PROXY_GRAPH_LAUNCH") not in ("0", "off", "false")
 
 
 def _current_stream(dev: torch.device):
@@ -202,7 +209,7 @@ class DevicePath:
             if len(self._programs) >= MAX_PROGRAMS:  # row counts that keep changing: bound
                 self._programs.clear()  # again on use (front plans keep their own)
             try:
-                prog = bind(launch, tensors, ints, grid_steps)
+                prog = bind(launch, tensors, ints, grid_steps, graph=graph_launch())
             except NativeLaunchError as e:
                 self._native_off = f"a kernel could not be bound for native launch: {e}"
                 return None

@@ -248,6 +248,7 @@ def _bench_mode(rank, world, routes, mode, options):
                 if i >= WARMUP:
                     fl.append(e0.elapsed_time(e1) * 1e3)
             dist.barrier()
+            progs = [p for p in tr._phases._progs.values() if p is not None]
             out[f"{route}/{prof}"] = dict(
                 ok=ok, ok_repeat=ok_repeat, tokens=t, sent_rows=sent_rows, recv_rows=recv_rows,
                 dispatch_us=statistics.median(disp), combine_us=statistics.median(comb),
@@ -259,7 +260,9 @@ def _bench_mode(rank, world, routes, mode, options):
                 host_wcombine_us=statistics.median(host_wc) if host_wc else 0.0,
                 host_us=statistics.median([a + b for a, b in zip(host_d, host_c)]),
                 launch=getattr(tr, "launch_path", None),
-                native_off=getattr(tr, "native_launch_off", None))
+                native_off=getattr(tr, "native_launch_off", None),
+                # bound programs that went to the GPU as one CUDA graph each / all bound
+                graphed=[sum(p.graphed for p in progs), len(progs)])
     tr.check_errors()
     dist.barrier()
     return out

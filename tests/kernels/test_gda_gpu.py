@@ -92,6 +92,9 @@ def _equal_to_torch(rank, world, cases, options=None):
         tr.check_errors()
         if (options or {}).get("fast_launch") == 4:  # the C++ dispatch ran, not the fallback
             assert tr.cpp_dispatch_off is None, tr.cpp_dispatch_off
+        # bound programs went to the GPU as CUDA graphs, unless told not to
+        graphed = [p.graphed for p in tr._phases._progs.values() if p is not None]
+        assert graphed and any(graphed) == bool((options or {}).get("graph_launch", 1)), graphed
     dist.barrier()
     return len(done)
 
@@ -111,9 +114,11 @@ REPEATED = [("random", 128, 7168, 8), ("hot_experts", 128, 7168, 8), ("random", 
             ("dropped", 300, 2048, 4)] * 4
 
 
-@pytest.mark.parametrize("fast_launch", [3, 4])
-def test_gda_repeated_shapes_bit_identical_to_torch(fast_launch):
-    counts = run_ranks(_equal_to_torch, 2, (REPEATED, {"fast_launch": fast_launch}),
+@pytest.mark.parametrize("options", [{"fast_launch": 3}, {"fast_launch": 4},
+                                     {"fast_launch": 4, "graph_launch": 0}],
+                         ids=["fast3", "fast4", "fast4-no-graphs"])
+def test_gda_repeated_shapes_bit_identical_to_torch(options):
+    counts = run_ranks(_equal_to_torch, 2, (REPEATED, options),
                        timeout_s=240, pg_timeout_s=200, env=ENV)
     assert counts == [len(REPEATED)] * 2
 

@@ -452,7 +452,7 @@ def test_wait_in_reduce_binds_one_step_reading_programs_with_a_capped_grid(tr_an
     from efa_ep.kernels.gda import cpp_op, phases
 
     fake = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0, "layout_in_store": 1,
-                           "num_programs": 264, "wait_programs": 66})
+                           "num_programs": 264, "wait_programs": 66, "graph_launch": 1})
     made = {v: phases.GdaPhases(type("T", (fake,), {"wait_in_reduce": v})(), 3) for v in (0, 1)}
     assert (made[1].read_programs, made[1]._read_step, made[1].wait_in_kernel) == (66, 0, True)
     assert (made[0].read_programs, made[0]._read_step, made[0].wait_in_kernel) == (264, 1, False)
@@ -493,7 +493,7 @@ def test_no_program_is_bound_from_a_call_with_an_empty_tensor():
 
     ph = object.__new__(phases.GdaPhases)
     ph.tr = type("Tr", (), {"_capturing": False})()
-    ph.native_off, ph._progs, ph.fast = None, {}, True
+    ph.native_off, ph._progs, ph.fast, ph.graph_launch = None, {}, True, True
     launched = []
     empty = torch.empty(0, K, dtype=torch.float32)
     assert ph._program(("k",), launched.append, (empty, torch.zeros(3))) is None
@@ -561,7 +561,8 @@ def test_cpp_dispatch_says_why_it_is_off(monkeypatch):
     assert why is not None and "ninja" in why and "pip install ninja" in why
     # a transport asking for it (fast_launch=4) keeps the Python path and says why
     tr = type("Tr", (), {"device": torch.device("cpu"), "timeout_s": 1.0, "layout_in_store": 1,
-                         "wait_in_reduce": 0, "num_programs": 8, "wait_programs": 4})()
+                         "wait_in_reduce": 0, "num_programs": 8, "wait_programs": 4,
+                         "graph_launch": 1})()
     monkeypatch.setattr(cpp_op, "_warned", False)
     monkeypatch.setattr(phases, "availability", lambda: None)  # native launching works here
     with pytest.warns(UserWarning, match="ninja"):
