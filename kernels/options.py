@@ -117,8 +117,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
     "gda": _schema(
         Option("max_topk", int, 16, "most top-k slots a dispatch may carry", min=1, max=1024),
         Option("timeout_s", float, 60.0, "deadline of every device-side wait, seconds", min=1e-3),
-        Option("num_programs", int, None, "grid of the store/gather kernels (default 2 x SMs / "
-               "ranks sharing the GPU)", min=1),
+        Option("num_programs", int, None, "grid of the store/gather kernels (default 4 x SMs)",
+               min=1),
         Option("check_every_call", int, 0, "1 = sync after combine to raise deadline errors at once",
                choices=(0, 1)),
         Option("check_backward", int, 1, "1 = one sync at the end of each backward pass raises "

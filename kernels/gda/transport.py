@@ -132,7 +132,9 @@ class GdaTransport(Transport):
             # unless told otherwise (this also disables multicast, which gda does not use).
             os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         sms = props.multi_processor_count
-        default_programs = max(4, 2 * sms // self.ranks_per_device)
+        # (more programs than SMs keep more rows in flight per SM: measured on one H200, 4 x SMs
+        # beat 2 x SMs / ranks by 1.3-1.6x in prefill, whatever the ranks sharing the GPU)
+        default_programs = 4 * sms
         self.num_programs = int(opts.get("num_programs", default_programs))
         # at most one waiting program per SM over the ranks sharing this GPU (wait_in_reduce)
         self.wait_programs = max(1, sms // self.ranks_per_device)
