@@ -255,8 +255,7 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     proxy's from its own D+C of CUDA inputs on the same host."""
     import statistics
 
-    names = ("gda_gpu_check_gather_early_2026-12-04.json",
-             "gda_gpu_check_gather_early2_2026-12-04.json")
+    names = ("gda_gpu_check_np_default_2026-12-04.json", "gda_gpu_check_np528_2026-12-04.json")
     paths = [os.path.join(ROOT, "results", "gda_perop", n) for n in names]
     obs = cal_mod.load(paths)
     assert {(o["ep_size"], o["tokens_per_rank"]) for o in obs} == {(2, 128), (2, 4096), (4, 128), (4, 4096)}
