@@ -26,8 +26,9 @@ a kernel's specialization (shapes, dtypes, strides, which tensors are 16-byte al
 
 Synchronization: kernels go on the stream passed to :meth:`Program.run` (the current stream),
 in order, as the Python launches would (by default as one CUDA graph per program, where the
-driver allows: one host submission instead of one per kernel, see ``graph`` below); :meth:`Program.run_wait` also waits for the host
-completion word its last kernel writes.
+driver allows: one host submission instead of one per kernel, see :class:`Program`'s
+``graph``); :meth:`Program.run_wait` also waits for the host completion word its last kernel
+writes.
 :meth:`Program.run_gated` runs two programs in one call with the launch gate of ranks sharing a
 GPU between them (publish, brief wait for the peers; the caller's own wait takes over when a
 peer is late).
