@@ -28,7 +28,9 @@ static char log_[65536]; static size_t len_;
 static int capturing, refuse_instantiate, nodes_made;
 static void add(const char *s) { size_t n = strlen(s); memcpy(log_ + len_, s, n); len_ += n; }
 const char *fake_log(void) { log_[len_] = 0; return log_; }
-void fake_reset(int capture, int refuse) { len_ = 0; capturing = capture; refuse_instantiate = refuse; }
+void fake_reset(int capture, int refuse) {
+  len_ = 0; capturing = capture; refuse_instantiate = refuse;
+}
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned smem, void *s, void **p, void **e) {
   char b[128]; snprintf(b, sizeof b, "launch %u %lld;", gx, (long long)*(int64_t *)p[0]); add(b);
