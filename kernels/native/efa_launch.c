@@ -298,6 +298,7 @@ static int run_graph(efa_program_t *p, void *stream, char *err, size_t errlen) {
         const efa_launch_t *r = &p->recs[i];
         const unsigned char on = r->grid_x > 0;
         int rc = 0;
+        const char *what = "cuGraphNodeSetEnabled";
         if (on != g->enabled[i]) {
             rc = cu.graph_enable(g->exec, g->nodes[i], on);
             g->enabled[i] = on;
@@ -305,11 +306,12 @@ static int run_graph(efa_program_t *p, void *stream, char *err, size_t errlen) {
         if (!rc && on) {
             node_params_t np;
             node_params(r, &np);
+            what = "cuGraphExecKernelNodeSetParams";
             rc = cu.graph_set_params(g->exec, g->nodes[i], &np);
         }
         if (rc) {
-            set_err(err, errlen, "cuGraphExecKernelNodeSetParams (step %lld of %lld) failed: %s",
-                    (long long)i, (long long)g->n, cu_name(rc));
+            set_err(err, errlen, "%s (step %lld of %lld) failed: %s", what, (long long)i,
+                    (long long)g->n, cu_name(rc));
             return -EIO;
         }
     }
