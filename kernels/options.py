@@ -149,6 +149,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "goes to the GPU as one CUDA graph launch, its nodes' arguments set per call (one "
                "host submission instead of one per kernel); 0 = kernel by kernel",
                choices=(0, 1)),
+        Option("rows_in_window", int, 0, "1 = a regular dispatch exchanges its row counts "
+               "first (a second op) and stores the rows compact, so the received rows are "
+               "views of the window (no copy), valid until the transport's next call; 0 = "
+               "copied out of the window into tensors of their own", choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

@@ -181,12 +181,13 @@ def _dispatch_store_kernel(
     sig_ptrs: tl.pointer_type(tl.int64),            # [W] signal pad address of every rank
     done_ptr: tl.pointer_type(tl.int32),            # [1] local grid-completion counter (0)
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
-    data_off, idx_off, w_off, hdr_off,              # byte offsets of the regions (this parity)
+    dst_off_ptr: tl.pointer_type(tl.int64),         # [W] COMPACT: first row at each rank
+    data_off, idx_off, w_off, hdr_off, board_off,   # byte offsets of the regions (this parity)
     me, num_tokens, stride_x, D, num_topk, T_MAX, num_local, num_experts, epoch_delta,
     W: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr, WITH_META: tl.constexpr, ALIGNED: tl.constexpr,
     LAYOUT: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr, BAD_ID: tl.constexpr,
-    BAD_WEIGHT: tl.constexpr,
+    BAD_WEIGHT: tl.constexpr, COMPACT: tl.constexpr,
 ):
     """Token t of rank ``me`` goes to every rank r with slot[t, r] >= 0, at window row
     me * T_MAX + slot[t, r]: the row is loaded once per chunk and stored W times at most.
@@ -197,7 +198,12 @@ def _dispatch_store_kernel(
     as :func:`~efa_ep.kernels.gda.layout_kernels._layout_small_kernel` computes it (the same
     prefix sums), by every program for all T tokens (a few thousand elements), so that no
     separate layout launch precedes the stores: each program writes the slot rows of the tokens
-    it stores, program 0 the rest of the layout (send order, counts, status)."""
+    it stores, program 0 the rest of the layout (send order, counts, status).
+
+    ``COMPACT`` (``rows_in_window``): rank r's rows go to r's window rows dst_off[r] + slot
+    (dst_off from :func:`~efa_ep.kernels.gda.compact_kernels._count_wait_kernel`: the rows the
+    ranks before ``me`` send to r), so r receives its rows compact in (source, token) order;
+    program 0 also writes dst_off[r] into r's board, where r checks it."""
     elt = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -241,7 +247,10 @@ def _dispatch_store_kernel(
                 slot = tl.load(slot_ptr + t64 * W + r)
                 if slot >= 0:
                     base = (tl.load(buf_ptrs + r) + data_off).to(tl.pointer_type(elt))
-                    dst = base + (me64 * T_MAX + slot) * D
+                    if COMPACT:
+                        dst = base + (tl.load(dst_off_ptr + r) + slot) * D
+                    else:
+                        dst = base + (me64 * T_MAX + slot) * D
                     if ALIGNED:  # peer address from a table: tell the compiler (16-byte stores)
                         dst = tl.multiple_of(dst, 16)
                     tl.store(dst + cols, v, mask=cm)
@@ -254,7 +263,10 @@ def _dispatch_store_kernel(
                 slot = tl.load(slot_ptr + t64 * W + r)
                 if slot >= 0:
                     own = (ids >= r * num_local) & (ids < (r + 1) * num_local)
-                    row = me64 * T_MAX + slot
+                    if COMPACT:
+                        row = tl.load(dst_off_ptr + r) + slot
+                    else:
+                        row = me64 * T_MAX + slot
                     pi = (tl.load(buf_ptrs + r) + idx_off).to(tl.pointer_type(tl.int64))
                     pw = (tl.load(buf_ptrs + r) + w_off).to(tl.pointer_type(tl.float32))
                     tl.store(pi + row * num_topk + k, tl.where(own, ids - r * num_local, -1), mask=km)
@@ -274,6 +286,9 @@ def _dispatch_store_kernel(
                 cnt = tl.load(num_per_expert_ptr + r * num_local + hl, mask=hl < num_local,
                               cache_modifier=".cg")
                 tl.store(hdr + 2 + hl, cnt, mask=hl < num_local)
+                if COMPACT:
+                    board = (tl.load(buf_ptrs + r) + board_off).to(tl.pointer_type(tl.int64))
+                    tl.store(board + W * W + me64, tl.load(dst_off_ptr + r))
     epoch, _ = _op_epoch(op_base_ptr, epoch_delta, 0)
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
@@ -289,9 +304,10 @@ def _recv_header_kernel(
                                                     # then the clean row count (see below)
     hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
     op_base_ptr: tl.pointer_type(tl.int32),         # [1] device op-number base
+    board_ptr: tl.pointer_type(tl.int64),           # [W * W + W] this rank's board (COMPACT)
     num_local, T_MAX, epoch_delta, kind, timeout_ns, max_spins,
     W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-    HOST_FLAG: tl.constexpr,
+    HOST_FLAG: tl.constexpr, COMPACT: tl.constexpr, MISPLACED: tl.constexpr,
 ):
     """One program: wait for every source, then copy the headers (and the error word, this
     rank's send counts and the rows received per local expert, summed over sources) into
@@ -306,7 +322,12 @@ def _recv_header_kernel(
     ``info`` is device memory the host copies, or (``HOST_FLAG``) page-locked host memory the
     kernel writes over the bus: then the word after ``info`` receives the op's record last
     (release, system scope), and a host that sees it there may read ``info`` (no copy, no
-    stream sync)."""
+    stream sync).
+
+    ``COMPACT`` (the sources stored their rows compact, see the store kernel): a source whose
+    rows are not at the offset its predecessors' counts give (the first row it wrote into the
+    board) gets ``MISPLACED`` in its status in ``info`` and the counts are not clean; the id
+    region's high-water marks cover rows [0, N)."""
     epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
@@ -315,22 +336,33 @@ def _recv_header_kernel(
     c = tl.arange(0, HDR_PAD)
     hm = (s[:, None] < W) & (c[None, :] < hdr_len)
     h = tl.load(hdr_ptr + s[:, None] * hdr_len + c[None, :], mask=hm, other=0)
+    status = tl.sum(tl.where(c[None, :] == 0, h, 0), axis=1)  # [W_PAD] (0 past W)
+    n = tl.sum(tl.where(c[None, :] == 1, h, 0), axis=1)
+    ends = tl.cumsum(n, axis=0)
+    misplaced = (s < 0)
+    if COMPACT:
+        placed = tl.load(board_ptr + W * W + s, mask=s < W, other=0)
+        misplaced = (s < W) & (n > 0) & (placed != ends - n)
+        h = tl.where((c[None, :] == 0) & misplaced[:, None], h | MISPLACED, h)
     tl.store(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], h, mask=hm)
     per_expert = tl.sum(h, axis=0)  # [HDR_PAD]: column 2 + l is local expert l's rows
     pe_cols = (c >= 2) & (c < hdr_len)
     tl.store(info_ptr + 1 + W * hdr_len + W + c - 2, per_expert, mask=pe_cols)
-    status = tl.sum(tl.where(c[None, :] == 0, h, 0), axis=1)  # [W_PAD] (0 past W)
-    n = tl.sum(tl.where(c[None, :] == 1, h, 0), axis=1)
-    tl.store(offsets_ptr + 1 + s, tl.cumsum(n, axis=0), mask=s < W)
+    tl.store(offsets_ptr + 1 + s, ends, mask=s < W)
     tl.store(offsets_ptr, 0)
     hw = tl.load(hw_ptr + s, mask=s < W, other=0)
-    tl.store(hw_ptr + s, tl.maximum(hw, tl.minimum(tl.maximum(n, 0), T_MAX)), mask=s < W)
+    if COMPACT:  # rows [0, N) of the id region, in the slots of sources 0, 1, ...
+        total = tl.sum(tl.minimum(tl.maximum(n, 0), T_MAX), axis=0)
+        written = tl.minimum(tl.maximum(total - s.to(tl.int64) * T_MAX, 0), T_MAX)
+    else:
+        written = tl.minimum(tl.maximum(n, 0), T_MAX)
+    tl.store(hw_ptr + s, tl.maximum(hw, written), mask=s < W)
     sent = tl.load(num_per_rank_ptr + s, mask=s < W)
     tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
     tl.debug_barrier()
     err = tl.atomic_add(err_ptr, 0, sem="relaxed")
     tl.store(info_ptr, err)
-    bad = tl.sum(((status != 0) | (n < 0) | (n > T_MAX)).to(tl.int32), axis=0) + \
+    bad = tl.sum(((status != 0) | (n < 0) | (n > T_MAX) | misplaced).to(tl.int32), axis=0) + \
         tl.sum((pe_cols & (per_expert < 0)).to(tl.int32), axis=0)
     tl.store(offsets_ptr + W + 1, tl.where((err == 0) & (bad == 0), tl.sum(n, axis=0), -1))
     if HOST_FLAG:

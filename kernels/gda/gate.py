@@ -14,8 +14,12 @@ import torch.distributed as dist
 from ..base import PeerFailure, ProtocolError, TransportError
 
 #: the kind of each op, as recorded on the launch gate and in the device error word
-OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine"}
+OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine",
+            5: "dispatch counts"}
 KIND_OF = {v: k for k, v in OP_KINDS.items()}
+#: status bit the header read of a compact dispatch (``rows_in_window``) gives a source whose
+#: rows are not at the row its board entry names (above the ``STATUS_*`` bits of every transport)
+ROWS_MISPLACED = 1 << 8
 
 
 def wait_record(epoch: int, kind: str) -> int:

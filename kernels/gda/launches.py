@@ -16,10 +16,11 @@ from .device import (
     _dispatch_store_kernel, _recv_header_fixed_kernel, _recv_header_kernel, _wait_kernel,
     next_pow2,
 )
+from .compact_kernels import _count_wait_kernel, _publish_counts_kernel
 from .gather_kernels import (
     _gather_rows_early_kernel, _gather_rows_kernel, _gather_rows_wait_kernel,
 )
-from .gate import KIND_OF, OP_KINDS, wait_record  # noqa: F401  (kinds: one definition)
+from .gate import KIND_OF, OP_KINDS, ROWS_MISPLACED, wait_record  # noqa: F401  (one definition)
 from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_small_kernel
 
 __all__ = [
@@ -82,6 +83,8 @@ _K_REDUCE = FastKernel(_combine_reduce_kernel)
 _K_GATHER_WAIT = FastKernel(_gather_rows_wait_kernel)
 _K_GATHER_EARLY = FastKernel(_gather_rows_early_kernel)
 _K_REDUCE_WAIT = FastKernel(_combine_reduce_wait_kernel)
+_K_PUBLISH = FastKernel(_publish_counts_kernel)
+_K_COUNT_WAIT = FastKernel(_count_wait_kernel)
 _ONE = (1,)
 
 
@@ -227,7 +230,7 @@ def layout_in_store(t: int, k: int, world: int) -> bool:
 def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert, status,
                    buf_ptrs, sig_ptrs, done, *, data_off, idx_off, w_off, hdr_off, me, t_max,
                    num_local, epoch, with_meta, num_programs, op_base=None, fast=True,
-                   plan=None, send_token_idx=None, num_experts=0):
+                   plan=None, send_token_idx=None, num_experts=0, board_off=0, dst_off=None):
     """Stores rows (and, ``with_meta``, ids, weights and headers) into every destination's
     window, then raises ``signal[me] = op_base[0] + epoch`` at every rank. ``x``: ``[T, D]``
     (row stride ``x.stride(0)``, unit column stride); ``slot``: ``[T, W]`` int64; tables:
@@ -238,7 +241,11 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
     With ``send_token_idx`` (``[T * W]`` int64; ``with_meta``, :func:`layout_in_store` true,
     ``num_experts`` E) the kernel computes the routing layout first, as :func:`layout` does:
     ``slot``, ``send_token_idx``, ``num_per_rank``, ``num_per_expert`` and ``status`` are then
-    its outputs (one launch instead of two)."""
+    its outputs (one launch instead of two).
+
+    With ``dst_off`` (``[W]`` int64 from :func:`count_wait`; ``with_meta``, no layout inside)
+    the rows for rank r go to r's window rows ``dst_off[r] + slot`` (compact) and ``dst_off[r]``
+    to r's board at ``board_off`` (see :mod:`.compact_kernels`)."""
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [T, D] with unit column stride, got {tuple(x.shape)}")
     if slot.dtype != torch.int64 or slot.dim() != 2:
@@ -255,6 +262,9 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
         topk_idx = num_per_expert = num_per_rank = status = slot
         topk_weights = _unused_f32(x.device)
     in_store = send_token_idx is not None
+    compact = dst_off is not None
+    if compact and (in_store or not with_meta):
+        raise ValueError("a compact store takes ids and weights and a layout made before it")
     if in_store and not (with_meta and layout_in_store(t, k, world) and num_experts > 0):
         raise ValueError(f"a layout inside the store needs ids, weights and a small batch "
                          f"(T={t}, K={k}, W={world}, E={num_experts})")
@@ -264,12 +274,12 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
     _go(_K_STORE, (max(1, min(t, num_programs)),), (
         x, topk_idx, topk_weights, slot, send_token_idx if in_store else slot, num_per_rank,
         num_per_expert, status, buf_ptrs, sig_ptrs,
-        done, _base(op_base, x.device), data_off, idx_off, w_off, hdr_off, me, t, stride, d, k,
-        t_max, num_local, num_experts, epoch,
+        done, _base(op_base, x.device), dst_off if compact else slot, data_off, idx_off, w_off,
+        hdr_off, board_off, me, t, stride, d, k, t_max, num_local, num_experts, epoch,
         world, _pad(world), _pad(k), _pad(num_local), bd, bool(with_meta),
         _aligned16(d, elem, stride, data_off), in_store, _pad(t) if in_store else 2,
-        _pad(num_experts) if in_store else 2, STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT),
-        _warps(bd, elem), fast, plan)
+        _pad(num_experts) if in_store else 2, STATUS_BAD_EXPERT_ID, STATUS_NON_FINITE_WEIGHT,
+        compact), _warps(bd, elem), fast, plan)
 
 
 # Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).
@@ -284,7 +294,7 @@ def check_err(err: torch.Tensor) -> None:
 
 def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, timeout_ns,
                 max_spins, use_globaltimer, kind="dispatch", op_base=None, fast=True, out=None,
-                host=None, plan=None):
+                host=None, plan=None, board=None):
     """Waits for every source and returns (info [1 + W*(2+L) + W + L] int64, offsets [W+1]
     int64 on the device). info = [error bits, headers (status, rows, rows per local expert) per
     source, rows this rank sent per destination, rows received per local expert]. The int64
@@ -297,7 +307,9 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
     ``len(info) + 1`` elements: info is written there instead (a host view is returned), then
     ``host[len(info)]`` = this op's record (``epoch * 8 + kind``), last: the host waits for
     that word instead of copying and synchronizing. ``out`` holds ``_even(len(info)) + W + 2``
-    elements."""
+    elements. ``board``: this rank's count board (``[W * W + W]`` int64 view of this parity)
+    when the sources stored compact: a source whose rows are not where the board says gets
+    :data:`ROWS_MISPLACED` in its status."""
     world = my_sig.numel()
     n_info = 1 + world * (2 + num_local) + world + num_local
     o_off = _even(n_info)
@@ -309,9 +321,9 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
     offsets = out[o_off:o_off + world + 1]
     _go(_K_RECV_HEADER, _ONE, (
         my_sig, hdr, err, num_per_rank, info, offsets, hw, _base(op_base, hdr.device),
-        num_local, t_max, epoch, KIND_OF[kind], timeout_ns, max_spins,
-        world, _pad(world), _pad(2 + num_local), bool(use_globaltimer), host is not None), 4,
-        fast, plan)
+        hdr if board is None else board, num_local, t_max, epoch, KIND_OF[kind], timeout_ns,
+        max_spins, world, _pad(world), _pad(2 + num_local), bool(use_globaltimer),
+        host is not None, board is not None, ROWS_MISPLACED), 4, fast, plan)
     return info, offsets
 
 
@@ -339,6 +351,29 @@ def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_glo
     _go(_K_WAIT, _ONE, (
         my_sig, err, _base(op_base, err.device), epoch, KIND_OF[kind], timeout_ns, max_spins,
         world, _pad(world), bool(use_globaltimer)), 1, fast, plan)
+
+
+def publish_counts(num_per_rank, buf_ptrs, sig_ptrs, *, board_off, me, epoch, op_base=None,
+                   fast=True, plan=None):
+    """One-program kernel: this rank's rows per destination (``num_per_rank`` ``[W]`` int64)
+    into row ``me`` of every rank's board at ``board_off``, then ``signal[me] = epoch`` at every
+    rank (op ``dispatch counts`` of a compact dispatch, see :mod:`.compact_kernels`)."""
+    world = buf_ptrs.numel()
+    _go(_K_PUBLISH, _ONE, (num_per_rank, buf_ptrs, sig_ptrs, _base(op_base, buf_ptrs.device),
+                           board_off, me, epoch, world, _pad(world)), 1, fast, plan)
+
+
+def count_wait(my_sig, err, board, dst_off, *, me, t_max, epoch, timeout_ns, max_spins,
+               use_globaltimer, op_base=None, fast=True, plan=None):
+    """One-program kernel: waits for every source's counts (op ``epoch``, kind ``dispatch
+    counts``; bound as the variable ``counts_epoch_delta``), then ``dst_off`` ``[W]`` int64 =
+    the rows ranks before ``me`` send to each rank (from this rank's ``board`` ``[W * W]``
+    int64, each count clamped to [0, ``t_max``])."""
+    world = my_sig.numel()
+    _go(_K_COUNT_WAIT, _ONE, (
+        my_sig, err, _base(op_base, err.device), board, dst_off, me, t_max, epoch,
+        KIND_OF["dispatch counts"], timeout_ns, max_spins, world, _pad(world),
+        bool(use_globaltimer)), 1, fast, plan)
 
 
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,

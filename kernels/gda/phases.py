@@ -243,14 +243,15 @@ class GdaPhases:
         prog.run(values, _stream(self._dev))
         return out + (None,) if defer else out
 
-    def header(self, scratch, epoch: int, first=None) -> Tuple[list, torch.Tensor, torch.Tensor,
-                                                                float]:
+    def header(self, scratch, epoch: int, first=None,
+               board=None) -> Tuple[list, torch.Tensor, torch.Tensor, float]:
         """Passes the launch gate, waits for every source's header and reads the counts (the one
         host sync of a dispatch). ``scratch`` and ``first`` (the deferred front): from
-        :meth:`front` with ``defer``. Returns (info as a list of ints: error bits,
-        headers ``[W, 2 + L]``, rows sent per destination ``[W]``, rows per local expert
-        ``[L]``; tokens_per_expert ``[L]`` int64 CPU tensor; offsets ``[W + 1]`` int64 device
-        view of ``scratch``; seconds blocked)."""
+        :meth:`front` with ``defer``; ``board``: this parity's count board when the sources
+        stored compact (:mod:`.compact`). Returns (info as a list of ints: error bits, headers
+        ``[W, 2 + L]``, rows sent per destination ``[W]``, rows per local expert ``[L]``;
+        tokens_per_expert ``[L]`` int64 CPU; offsets ``[W + 1]`` int64 device view of
+        ``scratch``; seconds blocked)."""
         tr = self.tr
         w, num_local = tr.world_size, tr.cfg.num_local_experts
         n_info = 1 + w * (2 + num_local) + w + num_local
@@ -266,12 +267,13 @@ class GdaPhases:
                                     scratch[o_rank:o_rank + w], tr._hw[parity],
                                     num_local=num_local, t_max=tr.cfg.max_tokens_per_rank, **op,
                                     kind="dispatch", **tr._wait_kw, out=scratch[o_out:],
-                                    host=host, plan=plan)
+                                    host=host, plan=plan, board=board)
 
-        prog = self._progs.get(("header", parity))
+        key = ("header" if board is None else "header_compact", parity)
+        prog = self._progs.get(key)
         if prog is None and self.native:
             self._host_info(n_info)
-            prog = self._program(("header", parity), lambda steps: launch(steps, self._pinned),
+            prog = self._program(key, lambda steps: launch(steps, self._pinned),
                                  (scratch[o_rank:o_rank + w], scratch[o_out:]))
         if prog is None:
             self._then(first, epoch, "dispatch")
@@ -349,11 +351,9 @@ class GdaPhases:
         gathers = ahead.cap and bound
         buf_ptr = self._host[0]
         got = None
-        # the whole call in C++ (fast_launch=4), its outputs allocated ahead or, when too large
-        # for that, after the count read
+        # the whole call in C++ (fast_launch=4), outputs allocated ahead (too large: after)
         if bound and self.cpp is not None:
-            return cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch,
-                                   _stream(self._dev))
+            return cpp_op.dispatch(self, x, topk_idx, topk_weights, plan, epoch, _stream(self._dev))
         else:
             scratch = torch.empty(words, dtype=torch.int64, device=tr.device)
             sp = scratch.data_ptr()

@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 from . import refusal
+from .gate import ROWS_MISPLACED
 from ..base import STATUS_OK, ProtocolError
 
 
 def receive(tr, vals, recv_offsets, epoch: int, k: int, error, topk_idx, topk_weights):
     """A regular dispatch of transport ``tr`` after its count read, when its native call did not
     gather: the counts ``vals`` (the header's info) checked (a source's bad input, error bits,
-    counts outside their bounds raise), the outputs allocated and the received rows gathered.
+    counts outside their bounds raise), the outputs allocated and the received rows gathered
+    (with ``rows_in_window``: views of the window, see :mod:`.compact`).
     Returns (recv_x, recv_topk_idx, recv_topk_weights, rows sent per destination, rows
     received per source)."""
     cfg, world = tr.cfg, tr.world_size
@@ -22,6 +24,13 @@ def receive(tr, vals, recv_offsets, epoch: int, k: int, error, topk_idx, topk_we
     end = 1 + world * hdr_len
     num_send = vals[end:end + world]
     statuses = vals[1:end:hdr_len]
+    misplaced = [s for s, v in enumerate(statuses) if v & ROWS_MISPLACED]
+    if tr.rows_in_window and misplaced:
+        msg = (f"rank {tr.rank}: gda dispatch (op {epoch}): source rank(s) {misplaced} stored "
+               f"their rows elsewhere than the row counts of the ranks before them give (the "
+               f"ranks' count boards disagree)")
+        tr._break(msg, epoch, "dispatch")
+        raise ProtocolError(msg)
     if error is not None or any(statuses):
         bad = {s: v for s, v in enumerate(statuses) if v != STATUS_OK}
         raise refusal.dispatch_input_error(tr, epoch, bad, error, topk_idx, topk_weights)
@@ -41,6 +50,12 @@ def receive(tr, vals, recv_offsets, epoch: int, k: int, error, topk_idx, topk_we
                f"expert {per_expert} are not counts of the {n} rows received with top-{k}")
         tr._break(msg, epoch, "dispatch")
         raise ProtocolError(msg)
+    if tr.rows_in_window:  # stored compact: the rows are in the window (module compact)
+        offs = tr._offs[epoch % 2]
+        recv_x = tr._region(offs["data_off"], n * cfg.hidden * tr._elem, cfg.dtype)
+        recv_idx = tr._region(offs["idx_off"], n * k * 8, torch.int64).view(n, k).clone()
+        recv_w = tr._region(offs["w_off"], n * k * 4, torch.float32).view(n, k)
+        return recv_x.view(n, cfg.hidden), recv_idx, recv_w, num_send, num_recv
     dev = tr.device
     recv_x = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=dev)
     recv_idx = torch.empty(n, k, dtype=torch.int64, device=dev)

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..base import DispatchInputError, describe_status, describe_value_errors, group_input_error
+from .gate import OP_KINDS, PeerTimeoutError
 
 
 def dispatch_input_error(tr, epoch: int, bad: dict, error: Optional[str], topk_idx,
@@ -91,3 +92,19 @@ def raise_if_refused(tr, epoch: int, kind: str) -> None:
         if text is not None:
             words[s] = text
     raise group_input_error(f"gda {kind} (op {epoch})", words)
+
+
+def raise_missing(tr, bits: int, record: int) -> None:
+    """Raises :class:`~.gate.PeerTimeoutError` for the error word ``(bits, record)`` of
+    transport ``tr`` (no-op if ``bits`` is 0), breaking it: the op whose wait expired, its
+    kind and the source ranks that never signalled."""
+    if not bits:
+        return
+    epoch, kind = divmod(int(record), 8)
+    what = OP_KINDS.get(kind, "op")
+    missing = [s for s in range(tr.world_size) if (bits >> s) & 1]
+    msg = (f"rank {tr.rank}: gda {what} (op {epoch}) gave up after {tr.timeout_s:g}s "
+           f"waiting for source rank(s) {missing}: they never signalled (crashed, hung, or "
+           f"skipped this collective call); outputs of that op and later ones are NaN")
+    tr._break(msg, epoch, what)
+    raise PeerTimeoutError(msg)

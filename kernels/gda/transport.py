@@ -18,9 +18,9 @@ from ..base import (
     rows_input_error, validate_dispatch_inputs,
 )
 
-from . import cpp_op, refusal
+from . import compact, cpp_op, refusal
 from .receive import receive
-from .gate import LaunchGate, PeerTimeoutError
+from .gate import LaunchGate
 from .graph import GdaGraph, capture
 from .window import GdaDispatchState, WindowLayout
 
@@ -107,6 +107,8 @@ class GdaTransport(Transport):
         self.wait_in_reduce = int(opts.get("wait_in_reduce", 0))
         self.gather_early = int(opts.get("gather_early", 1))
         self.graph_launch = int(opts.get("graph_launch", 1))
+        # a regular dispatch stores its rows compact and returns them as views (module compact)
+        self.rows_in_window = bool(int(opts.get("rows_in_window", 0)))
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):
@@ -179,6 +181,9 @@ class GdaTransport(Transport):
         n_hdr = self.world_size * self.layout.hdr_len
         self._hdr = tuple(self._buf[o["hdr_off"]:o["hdr_off"] + 8 * n_hdr].view(torch.int64)
                           .view(self.world_size, -1) for o in self._offs)
+        n_board = (self.world_size + 1) * self.world_size
+        self._board = tuple(self._buf[o["board_off"]:o["board_off"] + 8 * n_board]
+                            .view(torch.int64) for o in self._offs)
         self._phases = GdaPhases(self, self.fast_launch)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
@@ -267,19 +272,6 @@ class GdaTransport(Transport):
         self._break(msg, epoch, kind)
         raise TransportBroken(msg)
 
-    def _raise_missing(self, bits: int, record: int) -> None:
-        """Raises :class:`PeerTimeoutError` for the error word ``(bits, record)`` (no-op if 0)."""
-        if not bits:
-            return
-        epoch, kind = divmod(int(record), 8)
-        what = self._kern.OP_KINDS.get(kind, "op")
-        missing = [s for s in range(self.world_size) if (bits >> s) & 1]
-        msg = (f"rank {self.rank}: gda {what} (op {epoch}) gave up after {self.timeout_s:g}s "
-               f"waiting for source rank(s) {missing}: they never signalled (crashed, hung, or "
-               f"skipped this collective call); outputs of that op and later ones are NaN")
-        self._break(msg, epoch, what)
-        raise PeerTimeoutError(msg)
-
     def check_errors(self, op: str = "call") -> None:
         """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired, naming
         the first op whose wait expired (its number and kind) and the missing source ranks; or
@@ -287,7 +279,7 @@ class GdaTransport(Transport):
         t0 = time.perf_counter()
         bits, record, bad = self._err.tolist()  # waits for the stream: blocked, not host work
         self.blocked_s += time.perf_counter() - t0
-        self._raise_missing(bits & ~_BAD_INPUT_BIT, record)
+        refusal.raise_missing(self, bits & ~_BAD_INPUT_BIT, record)
         if bits & _BAD_INPUT_BIT:
             ranks = [s for s in range(self.world_size) if (bad >> s) & 1]
             msg = (f"rank {self.rank}: EP rank(s) {ranks} passed invalid inputs to a "
@@ -334,7 +326,6 @@ class GdaTransport(Transport):
     def _region(self, off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         return self._buf[off:off + nbytes].view(dtype)
 
-
     def _host_check(self, x, topk_idx, topk_weights) -> Optional[str]:
         """The contract's host-side checks (no sync; value checks run on the device in the
         layout kernel) plus this window's limits: top-k capacity and this rank's GPU."""
@@ -373,7 +364,9 @@ class GdaTransport(Transport):
         # a shape seen before, its inputs as then: one C++ call that checks them, runs it all and
         # returns the outputs (None: not that case, nothing ran)
         if phases.cpp is not None:
-            out = cpp_op.dispatch_planned(phases, x, topk_idx, topk_weights)
+            out = (compact.dispatch_planned(self, x, topk_idx, topk_weights)
+                   if self.rows_in_window else
+                   cpp_op.dispatch_planned(phases, x, topk_idx, topk_weights))
             if out is not None:
                 return out
         cfg = self.cfg
@@ -382,15 +375,17 @@ class GdaTransport(Transport):
                 f"rank {self.rank}: gda dispatch reads the receive counts on the host and "
                 f"cannot be captured in a CUDA graph; use dispatch_fixed inside capture()")
         error = self._host_check(x, topk_idx, topk_weights)
-        epoch = self._begin_op("dispatch")
         if error is not None:  # take part with no rows and a bad status: nobody waits
-            if self._gate is not None:
-                self._gate.post_text(epoch, error)  # before publishing: peers read it later
             x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
             topk_idx = torch.empty(0, 1, dtype=torch.int64, device=self.device)
             topk_weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
         x = x.contiguous() if x.stride(-1) != 1 else x
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        if self.rows_in_window:
+            return compact.dispatch(self, x, topk_idx, topk_weights, error)
+        epoch = self._begin_op("dispatch")
+        if error is not None and self._gate is not None:
+            self._gate.post_text(epoch, error)  # before publishing: peers read it later
         # layout, stores, the launch gate, then the one host sync per dispatch
         head = phases.dispatch_head(x, topk_idx, topk_weights, epoch,
                                     None if error is None else STATUS_BAD_INPUT)

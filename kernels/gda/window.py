@@ -53,8 +53,15 @@ class WindowLayout:
         return align_up(self.world * self.hdr_len * 8, _ALIGN)
 
     @property
+    def board_bytes(self) -> int:
+        """The count board of a dispatch that stores its rows compact (``rows_in_window``):
+        ``[W, W]`` int64 (row s: the rows source s sends to each rank), then ``[W]`` int64 (the
+        first row at which each source stored its rows here)."""
+        return align_up((self.world + 1) * self.world * 8, _ALIGN)
+
+    @property
     def parity_bytes(self) -> int:
-        return self.data_bytes + self.idx_bytes + self.w_bytes + self.hdr_bytes
+        return self.data_bytes + self.idx_bytes + self.w_bytes + self.hdr_bytes + self.board_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -63,9 +70,10 @@ class WindowLayout:
     def offsets(self, parity: int) -> dict:
         """Byte offsets of the regions of parity 0 or 1."""
         base = parity * self.parity_bytes
+        hdr_off = base + self.data_bytes + self.idx_bytes + self.w_bytes
         return dict(data_off=base, idx_off=base + self.data_bytes,
-                    w_off=base + self.data_bytes + self.idx_bytes,
-                    hdr_off=base + self.data_bytes + self.idx_bytes + self.w_bytes)
+                    w_off=base + self.data_bytes + self.idx_bytes, hdr_off=hdr_off,
+                    board_off=hdr_off + self.hdr_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

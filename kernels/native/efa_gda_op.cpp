@@ -46,6 +46,16 @@ enum {
     P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_RUN, P_NUM_FIELDS
 };
 
+// A compact dispatch plan's constants (kernels/gda/compact.py, COMPACT_FIELDS).
+enum {
+    K_FN, K_COUNTS, K_ROWS, K_HEADER, K_GATE, K_GATE_FN, K_RUN, K_WORLD, K_RANK, K_SPIN_NS,
+    K_FLAG, K_WAIT_NS, K_SHAPE, K_ROWS_OUT, K_WORDS, K_O_SLOT, K_O_SEND, K_O_RANK, K_O_OUT,
+    K_O_OFFSETS, K_N_INFO, K_LOCAL, K_HIDDEN, K_TOPK, K_TOKENS, K_DATA_OFF, K_IDX_OFF, K_W_OFF,
+    K_NUM_FIELDS
+};
+
+typedef int (*GateFn)(int64_t *, int, int, int64_t, int64_t, int64_t *);
+
 // A combine plan's constants (kernels/gda/cpp_op.py, COMBINE_FIELDS).
 enum {
     C_FN, C_STORE, C_REDUCE, C_GATE, C_WORLD, C_RANK, C_SPIN_NS, C_MAX_GRID, C_FIXED_ROWS,
@@ -249,6 +259,96 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
                           tokens_per_expert, num_send, num_recv);
 }
 
+// Status of a compact dispatch whose counts op ran but whose peers had not all published it
+// at the launch gate within the plan's spin: the caller waits (deadline) and goes on.
+constexpr int COUNTS_GATE_LATE = 101;
+
+// A planned compact dispatch (option rows_in_window, kernels/gda/compact.py) in one call: the
+// scratch allocated, the counts op's program run (layout, counts published), its launch gate,
+// then the rows op's program (count wait, compact stores), gate and header with the count read
+// (efa_launch_dispatch with capacity 0: the check of the counts, no gather). Clean counts:
+// (0, sync_ns, gate_ns, scratch, recv_x [N, H] and recv_topk_weights [N, K] as views of
+// `window` (this rank's window, uint8) at the plan's row offsets, recv_topk_idx [N, K] a copy,
+// slot, offsets, send_token_idx, tokens_per_expert, rows sent, rows received) as dispatch
+// returns. (COUNTS_GATE_LATE, gate_ns, scratch): a peer late at the counts gate. Otherwise
+// (status, sync_ns, gate_ns, scratch[, error text]) as dispatch: the caller takes over.
+py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
+                           const at::Tensor &topk_weights, const at::Tensor &window,
+                           int64_t plan_address, int64_t delta_counts, int64_t delta,
+                           int64_t record_counts, int64_t record, int64_t stream, int64_t device) {
+    stamp(0);
+    const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
+    const int64_t w = p[K_WORLD], k = p[K_TOPK], t = p[K_TOKENS];
+    if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
+        return py::make_tuple(NOT_PLANNED);
+    auto scratch = at::empty({p[K_WORDS]}, x.options().dtype(at::kLong));
+    const int64_t sp = reinterpret_cast<int64_t>(scratch.data_ptr());
+    const int64_t xp = reinterpret_cast<int64_t>(x.data_ptr());
+    const int64_t ip = reinterpret_cast<int64_t>(topk_idx.data_ptr());
+    const int64_t wp = reinterpret_cast<int64_t>(topk_weights.data_ptr());
+    auto *counts = reinterpret_cast<Program *>(p[K_COUNTS]);
+    auto *rows = reinterpret_cast<Program *>(p[K_ROWS]);
+    auto *header = reinterpret_cast<Program *>(p[K_HEADER]);
+    const int64_t cv[4] = {ip, wp, sp, delta_counts};
+    std::memcpy(counts->vars, cv, sizeof cv);
+    const int64_t rv[6] = {xp, ip, wp, sp, delta_counts, delta};
+    std::memcpy(rows->vars, rv, sizeof rv);
+    const int64_t hv[3] = {sp + 8 * p[K_O_RANK], sp + 8 * p[K_O_OUT], delta};
+    std::memcpy(header->vars, hv, sizeof hv);
+    char err[512] = {0};
+    int64_t sync_ns = 0, gate_ns = 0;
+    int rc;
+    stamp(1);
+    {
+        py::gil_scoped_release unlocked;  // the gates wait for peers, the count read the device
+        rc = reinterpret_cast<RunFn>(p[K_RUN])(counts, stream, err, sizeof err);
+        if (rc == 0 && p[K_GATE] &&
+            !reinterpret_cast<GateFn>(p[K_GATE_FN])(reinterpret_cast<int64_t *>(p[K_GATE]),
+                                                   static_cast<int>(w),
+                                                   static_cast<int>(p[K_RANK]), record_counts,
+                                                   p[K_SPIN_NS], &gate_ns))
+            rc = COUNTS_GATE_LATE;
+        if (rc == 0) {
+            int64_t rows_gate_ns = 0;
+            rc = reinterpret_cast<DispatchFn>(p[K_FN])(
+                rows, header, header, stream, reinterpret_cast<int64_t *>(p[K_GATE]),
+                static_cast<int>(w), static_cast<int>(p[K_RANK]), record, p[K_SPIN_NS],
+                reinterpret_cast<const int64_t *>(p[K_FLAG]), record, p[K_WAIT_NS],
+                reinterpret_cast<const int64_t *>(p[K_SHAPE]),
+                reinterpret_cast<int64_t *>(p[K_ROWS_OUT]), &sync_ns, &rows_gate_ns, err,
+                sizeof err);
+            gate_ns += rows_gate_ns;
+        }
+    }
+    stamp(2);
+    waits(sync_ns, gate_ns);
+    if (rc == COUNTS_GATE_LATE) return py::make_tuple(rc, gate_ns, scratch);
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+    const int64_t n = *reinterpret_cast<int64_t *>(p[K_ROWS_OUT]);
+    if (rc != 3 || n < 0) return py::make_tuple(rc == 3 ? 3 : rc, sync_ns, gate_ns, scratch);
+    const int64_t num_local = p[K_LOCAL], n_info = p[K_N_INFO], hidden = p[K_HIDDEN];
+    const int64_t *info = reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info;
+    auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
+    std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
+    const int64_t end = 1 + w * (2 + num_local);
+    py::tuple num_send(w), num_recv(w);
+    int64_t sent = 0;
+    for (int64_t s = 0; s < w; s++) {
+        num_recv[s] = py::int_(info[2 + s * (2 + num_local)]);
+        num_send[s] = py::int_(info[end + s]);
+        sent += info[end + s];
+    }
+    auto rx = carve(window, x.scalar_type(), {n, hidden}, {hidden, 1}, p[K_DATA_OFF]);
+    auto ri = carve(window, at::kLong, {n, k}, {k, 1}, p[K_IDX_OFF]).clone();
+    auto rw = carve(window, at::kFloat, {n, k}, {k, 1}, p[K_W_OFF]);
+    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * p[K_O_SLOT]);
+    auto offsets = carve(scratch, at::kLong, {w + 1}, {1}, 8 * p[K_O_OFFSETS]);
+    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * p[K_O_SEND]);
+    stamp(3);
+    return py::make_tuple(0, sync_ns, gate_ns, scratch, rx, ri, rw, slot, offsets, send_idx,
+                          tokens_per_expert, num_send, num_recv);
+}
+
 // The first program, the launch gate and the second in one native call of a combine plan `p`
 // (the GIL released: the gate may wait for peers). Returns (status, sync_ns, gate_ns, out), and
 // when negative the library's error text.
@@ -339,9 +439,13 @@ py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached", &cached, "a planned gda cached dispatch in one call (see the file)");
     m.def("dispatch", &dispatch, "a planned gda regular dispatch in one call (see the file)");
+    m.def("dispatch_compact", &dispatch_compact,
+          "a planned gda dispatch with compact rows in one call (see the file)");
     m.def("combine", &combine, "a planned gda combine in one call (see the file)");
     m.def("trace", &trace, "the host-time trace of the last call, on or off (see the file)");
     m.attr("PLAN_FIELDS") = static_cast<int64_t>(P_NUM_FIELDS);
     m.attr("COMBINE_FIELDS") = static_cast<int64_t>(C_NUM_FIELDS);
+    m.attr("COMPACT_FIELDS") = static_cast<int64_t>(K_NUM_FIELDS);
+    m.attr("COUNTS_GATE_LATE") = static_cast<int64_t>(COUNTS_GATE_LATE);
     m.attr("NOT_PLANNED") = static_cast<int64_t>(NOT_PLANNED);
 }

@@ -28,7 +28,7 @@ def unavailable(name: str) -> Optional[str]:
     from efa_ep.kernels import transport_status
 
     status = transport_status()
-    why = status.get(name)
+    why = status.get(cw.base_name(name))
     if why is None and name == "hier":
         why = status.get("proxy")
     return why
@@ -75,7 +75,7 @@ def transport_params(differences: Optional[Dict[str, str]] = None, skip: Optiona
     params = []
     for name in cw.TRANSPORTS:
         marks = []
-        if name == "gda":
+        if cw.base_name(name) == "gda":
             marks += [requires_gpu, pytest.mark.gpu]
         if differences and name in differences:
             marks.append(pytest.mark.xfail(reason=differences[name], strict=True))

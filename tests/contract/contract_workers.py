@@ -28,8 +28,15 @@ import torch
 #: the contract's error classes, most specific first (names travel back to the test process)
 ERROR_KINDS = ("TooManyTokensError", "DispatchInputError", "PeerFailure", "ProtocolError",
                "TransportBroken", "TransportError")
-#: every transport the suite knows (gda needs a CUDA GPU; the tests mark it)
-TRANSPORTS = ("torch", "proxy", "hier", "gda")
+#: every transport the suite knows (gda needs a CUDA GPU; the tests mark it); gda-window is gda
+#: with its option rows_in_window (the dispatch's rows stored compact, read in the window)
+TRANSPORTS = ("torch", "proxy", "hier", "gda", "gda-window")
+VARIANTS = {"gda-window": ("gda", {"rows_in_window": 1})}
+
+
+def base_name(name: str) -> str:
+    """The transport a suite name runs (``gda-window`` -> ``gda``)."""
+    return VARIANTS.get(name, (name,))[0]
 OPS = ("dispatch", "combine", "dispatch_cached", "combine_topk_weights")
 
 # Sizes of the healthy launch: E experts over W ranks (hier: 2 emulated nodes of W/2 ranks).
@@ -61,22 +68,22 @@ def transport_options(name: str, world: int, deadline_s: float = DEADLINE_S) -> 
         # gda where a GPU is visible, which refuses CPU rows
         return dict(node_size=max(1, world // 2), network="proxy", local="torch", provider="tcp",
                     num_channels=1, chunk_bytes=512, timeout_s=deadline_s)
-    if name == "gda":
-        return dict(timeout_s=deadline_s)
+    if base_name(name) == "gda":
+        return dict(timeout_s=deadline_s, **VARIANTS.get(name, ("", {}))[1])
     return {}
 
 
 def device_of(name: str) -> torch.device:
-    return torch.device("cuda", 0) if name == "gda" else torch.device("cpu")
+    return torch.device("cuda", 0) if base_name(name) == "gda" else torch.device("cpu")
 
 
 def make(name: str, world: int, group=None, dtype=torch.float32, deadline_s: float = DEADLINE_S):
     from efa_ep.kernels import create_transport
 
     torch.set_num_threads(1)
-    if name == "gda":
+    if base_name(name) == "gda":
         torch.cuda.set_device(0)
-    return create_transport(name, group, EXPERTS, HIDDEN, T_MAX, dtype,
+    return create_transport(base_name(name), group, EXPERTS, HIDDEN, T_MAX, dtype,
                             **transport_options(name, world, deadline_s))
 
 
@@ -444,7 +451,7 @@ def fault_worker(rank: int, world: int, name: str) -> Optional[dict]:
     dev = device_of(name)
     out = {"desync": _desync(name, rank, world, dev)}
     dist.barrier()
-    if name != "gda":  # gda has no tamper hook
+    if base_name(name) != "gda":  # gda has no tamper hook
         for kind in ("header", "write"):
             out[f"tamper_{kind}"] = _tamper(name, rank, world, dev, kind)
             dist.barrier()

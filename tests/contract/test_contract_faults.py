@@ -56,7 +56,7 @@ def test_broken_after_ranks_in_different_operations(transport):
         _assert_broken(res, r, res["first"]["message"])
 
 
-NO_HOOK = {"gda": "gda has no tamper hook"}
+NO_HOOK = {"gda": "gda has no tamper hook", "gda-window": "gda has no tamper hook"}
 
 
 @pytest.mark.parametrize("case,transport", case_params(["tamper_header", "tamper_write"]))

@@ -61,6 +61,11 @@ def _equal_to_torch(rank, world, cases, options=None):
         gdas[h] = create_transport("gda", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16,
                                    **{"timeout_s": 60, **(options or {})})
         refs[h] = create_transport("torch", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16)
+    planned = [0]  # compact dispatches of repeated shapes that went to the C++ call
+    counting = bool((options or {}).get("rows_in_window")) and options.get("fast_launch", 4) == 4
+    if counting:
+        for tr in gdas.values():
+            tr._phases.cpp = _Counting(tr._phases.cpp, planned)
     done = []
     for ci, (kind, t0, h, k) in enumerate(cases):
         case = (world, kind, t0, h, k, rank)
@@ -72,6 +77,10 @@ def _equal_to_torch(rank, world, cases, options=None):
         got = gdas[h].dispatch(x.to(dev), idx.to(dev), w.to(dev))
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], ref[:3]):
             _same(a, b, name, case)
+        if (options or {}).get("rows_in_window") and got[0].numel():  # read in place, no copy
+            win = gdas[h]._buf.untyped_storage().data_ptr()
+            assert got[0].untyped_storage().data_ptr() == win, case
+            assert got[2].untyped_storage().data_ptr() == win, case
         assert got[3].device.type == "cpu" and got[3].dtype == torch.int64, got[3]
         _same(got[3], ref[3], "tokens_per_expert", case)
         hg, hr = got[4], ref[4]
@@ -95,8 +104,25 @@ def _equal_to_torch(rank, world, cases, options=None):
         # bound programs went to the GPU as CUDA graphs, unless told not to
         graphed = [p.graphed for p in tr._phases._progs.values() if p is not None]
         assert graphed and any(graphed) == bool((options or {}).get("graph_launch", 1)), graphed
+    if counting:
+        assert planned[0] > 0, "no compact dispatch went to its C++ call"
     dist.barrier()
     return len(done)
+
+
+class _Counting:
+    """The C++ extension of a transport, counting its compact dispatch calls."""
+
+    def __init__(self, mod, calls):
+        self._mod, self._calls = mod, calls
+
+    def __getattr__(self, name):
+        return getattr(self._mod, name)
+
+    def dispatch_compact(self, *args):
+        res = self._mod.dispatch_compact(*args)
+        self._calls[0] += res[0] != 100  # (100: not the plan's case, nothing ran)
+        return res
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -121,6 +147,17 @@ def test_gda_repeated_shapes_bit_identical_to_torch(options):
     counts = run_ranks(_equal_to_torch, 2, (REPEATED, options),
                        timeout_s=240, pg_timeout_s=200, env=ENV)
     assert counts == [len(REPEATED)] * 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gda_rows_in_window_bit_identical_to_torch(world):
+    """Option rows_in_window: the count exchange, the compact stores and the rows read in the
+    window give torch's rows, counts and handle (first calls launched from Python, repeats
+    through bound programs)."""
+    cases = CASES + REPEATED[:12]
+    counts = run_ranks(_equal_to_torch, world, (cases, {"rows_in_window": 1}), timeout_s=240,
+                       pg_timeout_s=200, env=ENV)
+    assert counts == [len(cases)] * world
 
 
 def _peer_never_arrives(rank, world):

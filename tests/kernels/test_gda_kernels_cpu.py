@@ -20,7 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKS = ["layout", "layout_errors", "layout_in_store", "dispatch_combine",
           "dispatch_combine_float32", "wait_timeout", "header_clean_rows",
-          "fixed_capacity", "device_op_base"]
+          "fixed_capacity", "device_op_base", "compact_receive"]
 
 
 @pytest.mark.parametrize("check", [pytest.param(c, marks=pytest.mark.slow) if c == "layout" else c
@@ -586,6 +586,131 @@ def _check_layout_in_store():
     print(f"layout in the store kernel: {cases} cases")
 
 
+def _check_compact_receive():
+    """A compact dispatch (``rows_in_window``): the counts op publishes every rank's counts and
+    each rank's wait sums the ranks before it; the stores at those rows leave every rank's
+    received rows, ids and weights compact at the start of its window, equal to the reference
+    (and to what the regular gather copies out); the header read's offsets and clean row count
+    as for a regular dispatch, the id region's high-water marks covering rows [0, N); a
+    source whose board entry names another row is flagged, and counts a peer inflates stay
+    clamped inside the window."""
+    import torch
+    from efa_ep.kernels.gda import launches as kern
+    from efa_ep.testing.reference import reference_combine, reference_dispatch
+    from efa_ep.testing.routes import contract_route
+
+    cases = 0
+    for world, num_experts, topk, hidden, kind, progs in [
+        (1, 4, 2, 16, "random", 3),
+        (2, 8, 2, 24, "random", 1),
+        (3, 12, 3, 40, "random", 64),
+        (4, 16, 4, 24, "dropped", 2),
+        (4, 8, 8, 8, "hot_experts", 5),
+    ]:
+        t_max, dtype = 12, torch.bfloat16
+        num_local = num_experts // world
+        peers = _Peers(world, t_max, hidden, dtype, 8, num_local)
+        g = torch.Generator().manual_seed(world * 10 + topk)
+        ts = [(t_max - 3 * r) % (t_max + 1) for r in range(world)]
+        xs = [torch.randn(t, hidden, generator=g).to(dtype) for t in ts]
+        routes = [contract_route(kind, t, num_experts, topk, world, 3 + r)
+                  for r, t in enumerate(ts)]
+        idxs, ws = [i for i, _ in routes], [w for _, w in routes]
+
+        def board(r, offs):
+            o = offs["board_off"]
+            return peers.bufs[r][o:o + 8 * (world + 1) * world].view(torch.int64)
+
+        # ---- op 1 (dispatch counts, parity 1) ----
+        offs_c = peers.layout.offsets(1)
+        lays = [kern.layout(idxs[me], ws[me], num_experts, world) for me in range(world)]
+        for me in range(world):
+            kern.publish_counts(lays[me][2], peers.buf_ptrs, peers.sig_ptrs,
+                                board_off=offs_c["board_off"], me=me, epoch=1)
+        counts = torch.stack([lay[2] for lay in lays])  # [source, destination]
+        dst = []
+        for me in range(world):
+            assert peers.sigs[me].tolist() == [1] * world
+            assert torch.equal(board(me, offs_c)[:world * world].view(world, world), counts)
+            d = torch.full((world,), -5, dtype=torch.int64)
+            kern.count_wait(peers.sigs[me], peers.errs[me], board(me, offs_c), d, me=me,
+                            t_max=t_max, epoch=1, **WAIT)
+            assert torch.equal(d, counts[:me].sum(0)), (world, me)
+            assert peers.errs[me].tolist() == [0, 0, 0]
+            dst.append(d)
+        # ---- op 2 (dispatch, parity 0): the compact stores and the header read ----
+        offs = peers.layout.offsets(0)
+        for me in range(world):
+            slot, _, per_rank, per_expert, status = lays[me]
+            kern.dispatch_store(xs[me], idxs[me], ws[me], slot, per_rank, per_expert, status,
+                                peers.buf_ptrs, peers.sig_ptrs, peers.dones[me], **offs, me=me,
+                                t_max=t_max, num_local=num_local, epoch=2, with_meta=True,
+                                num_programs=progs, dst_off=dst[me])
+        ref = reference_dispatch(xs, idxs, ws, num_experts)
+        iv = torch.int16
+        recv = []
+        for me in range(world):
+            info, offsets = kern.recv_header(
+                peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me], lays[me][2],
+                peers.hws[me][0], num_local=num_local, t_max=t_max, epoch=2, **WAIT,
+                board=board(me, offs))
+            hl = 2 + num_local
+            hdr = info[1:1 + world * hl].view(world, hl)
+            assert int(info[0]) == 0 and hdr[:, 0].tolist() == [0] * world, (world, me)
+            n = int(hdr[:, 1].sum())
+            assert int(offsets.as_strided((world + 2,), (1,))[world + 1]) == n
+            ref_x, ref_i, ref_w, ref_tpe, _ = ref[me]
+            rx = peers.bufs[me][offs["data_off"]:].view(dtype)[:n * hidden].view(n, hidden)
+            ri = peers.bufs[me][offs["idx_off"]:].view(torch.int64)[:n * topk].view(n, topk)
+            rw = peers.bufs[me][offs["w_off"]:].view(torch.float32)[:n * topk].view(n, topk)
+            assert torch.equal(rx.view(iv), ref_x.view(iv)), (world, me)
+            assert torch.equal(ri, ref_i) and torch.equal(rw.view(torch.int32),
+                                                          ref_w.view(torch.int32))
+            assert torch.equal(hdr[:, 2:].sum(0), ref_tpe)
+            want_hw = [min(max(n - s * t_max, 0), t_max) for s in range(world)]
+            assert peers.hws[me][0].tolist() == want_hw, (world, me)
+            recv.append((n, offsets))
+            # a source whose board entry names another row: flagged, the counts not clean
+            src = next((s for s in range(world) if int(hdr[s, 1]) > 0), None)
+            if src is not None:
+                b = board(me, offs)
+                b[world * world + src] += 1
+                info2, off2 = kern.recv_header(
+                    peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me],
+                    lays[me][2], peers.hws[me][0].clone(), num_local=num_local, t_max=t_max,
+                    epoch=2, **WAIT, board=b)
+                st = info2[1:1 + world * hl].view(world, hl)[:, 0].tolist()
+                assert st == [kern.ROWS_MISPLACED if s == src else 0 for s in range(world)]
+                assert int(off2.as_strided((world + 2,), (1,))[world + 1]) == -1
+                b[world * world + src] -= 1
+        # ---- op 3 (combine, parity 1): the compact handle's offsets return the rows ----
+        offs3 = peers.layout.offsets(1)
+        ys = [torch.randn(n, hidden, generator=g).to(dtype) for n, _ in recv]
+        for d in range(world):
+            kern.combine_store(ys[d], recv[d][1], peers.buf_ptrs, peers.sig_ptrs, peers.dones[d],
+                               data_off=offs3["data_off"], me=d, t_max=t_max, epoch=3,
+                               num_programs=progs)
+        ref_out = reference_combine(ys, [r[4] for r in ref], ts)
+        for s in range(world):
+            out = torch.full((ts[s], hidden), float("nan"), dtype=dtype)
+            kern.combine_reduce(peers.win_ptrs[s], lays[s][0], out, peers.sigs[s], peers.errs[s],
+                                data_off=offs3["data_off"], t_max=t_max, epoch=3, wait=True,
+                                num_programs=progs, **WAIT)
+            assert torch.equal(out.view(iv), ref_out[s].view(iv)), (world, kind, s)
+        # ---- counts a peer inflates (a board op 5, parity 1): clamped to T_MAX each ----
+        if world > 1:
+            b = board(world - 1, offs_c)
+            b[:world * world] = 10 ** 12
+            for r in range(world):
+                peers.sigs[world - 1][r] = 5
+            d = torch.full((world,), -5, dtype=torch.int64)
+            kern.count_wait(peers.sigs[world - 1], peers.errs[world - 1], b, d, me=world - 1,
+                            t_max=t_max, epoch=5, **WAIT)
+            assert d.tolist() == [(world - 1) * t_max] * world
+        cases += 1
+    print(f"compact receive: {cases} cases")
+
+
 def _main(check):
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     sys.path.insert(0, REPO)
@@ -599,6 +724,7 @@ def _main(check):
         "header_clean_rows": _check_header_clean_rows,
         "fixed_capacity": _check_fixed_capacity,
         "device_op_base": _check_device_op_base,
+        "compact_receive": _check_compact_receive,
     }[check]()
     print(f"OK {check}")
 
