@@ -64,9 +64,11 @@ n-1-i). What that asks of this dispatcher, and why it holds:
   dispatch node's, and the mlp node's for any dispatcher but ``alltoall`` with one local expert),
   which must therefore share no storage with anything autograd saved. With the overlap on, step
   1 returns a copy of the tokens (not a view of the pre-MLP norm's output, which the router
-  saved), and drop-and-pad's step 3 a copy of its rows (the experts save their input): one
-  ``[T, H]`` copy per layer (drop-and-pad: plus one of ``[L * W * C, H]``), where ``alltoall``'s
-  permutation copies ``T * K`` rows.
+  saved), dropless step 2 a copy of the received rows (``gda``'s share their storage with the
+  handle's layout, or with option ``rows_in_window`` are its window) and drop-and-pad's step 3
+  a copy of its rows (the experts save their input): one ``[T, H]`` and one ``[N, H]`` copy per
+  layer (drop-and-pad: ``[T, H]`` and ``[L * W * C, H]``), where ``alltoall``'s permutation
+  copies ``T * K`` rows.
 
 The arithmetic is unchanged: losses and gradients are bitwise those without the overlap and
 those of ``alltoall`` with it (tests/dispatcher/test_overlap_1f1b*.py).
@@ -296,6 +298,13 @@ class EfaTokenDispatcher(MoETokenDispatcher):
         else:
             self.transport, (recv_x, recv_w, self.tokens_per_expert, self.handle) = \
                 self._dispatch_growing(hidden_states, probs)
+            if self.overlap_1f1b:
+                # The 1F1B schedule frees the storage of its mlp node's input (these rows)
+                # after the node's forward, and may run another micro-batch's combine before
+                # this one's permute: gda's rows share one allocation with the handle's layout,
+                # or (rows_in_window) are views of its window. The schedule gets rows of their
+                # own.
+                recv_x, recv_w = recv_x.clone(), recv_w.clone()
         if self.shared_experts is not None:
             # After the tokens moved, as Megatron's alltoall (fc1 overlaps the next transfer).
             self.shared_experts.linear_fc1_forward_and_act(recv_x)

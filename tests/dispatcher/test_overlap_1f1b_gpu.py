@@ -7,9 +7,10 @@ processes on one GPU over a gloo group (MPS on, started by ``scripts/gpu/gpu_1f1
 
 Asserted, on every rank: per-micro-batch losses and every parameter's gradient bitwise equal
 across all arms of a test: Megatron's ``alltoall`` without the overlap (the reference) and with
-it, efa over ``torch`` and over ``gda`` without and with it, and efa over ``gda`` with
-``delay_wgrad_compute`` (allowed without Transformer Engine; the local spec's linears compute
-their weight gradients in the backward, so it changes no arithmetic), in dropless and
+it, efa over ``torch`` and over ``gda`` without and with it (``gda`` also with its option
+``rows_in_window``), and efa over ``gda`` with ``delay_wgrad_compute`` (allowed without
+Transformer Engine; the local spec's linears compute their weight gradients in the backward,
+so it changes no arithmetic), in dropless and
 drop-and-pad mode. Bitwise because top-2 gives the same rows, the same order and the same float32
 combine in every arm, and no kernel here depends on the stream it runs on. Skipped without CUDA.
 """
@@ -29,6 +30,9 @@ PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
 ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "EFA_EP_MAX_TOKENS_PER_RANK": "1024",
        # one cuBLAS workspace per stream: results independent of which stream a GEMM runs on
        "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+WINDOW = {"EFA_EP_TRANSPORT_OPTIONS": "rows_in_window=1"}
 
 
 def _arm(name, dispatcher, overlap, transport=None, **kw):
@@ -72,7 +76,10 @@ def test_gpu_1f1b_overlap_dropless_bitwise():
             _arm("efa:gda", "efa", False, "gda"),
             _arm("efa:gda+1f1b", "efa", True, "gda"),
             _arm("efa:gda+1f1b+delay_wgrad", "efa", True, "gda",
-                 config=dict(delay_wgrad_compute=True))]
+                 config=dict(delay_wgrad_compute=True)),
+            # gda's received rows read in its window (copied at once under the overlap)
+            _arm("efa:gda window", "efa", False, "gda", env=WINDOW),
+            _arm("efa:gda window+1f1b", "efa", True, "gda", env=WINDOW)]
     results = _run_and_compare(arms, {a["name"] for a in arms if a["overlap"]})
     assert all(l > 0 for per_arm in results for a in per_arm for l in a["losses"])
 
