@@ -91,3 +91,30 @@ def test_overlap_is_accepted_and_fp32_refused_by_megatron():
                            "efa", 2, overlap_moe_expert_parallel_comm=True)
     with pytest.raises(AssertionError, match="expert model parallelism"):
         transformer_config(cfg, "efa", 1, overlap_moe_expert_parallel_comm=True)
+
+
+def test_the_schedule_gets_received_rows_of_their_own():
+    """The schedule frees its mlp node's input (the received rows) after the node's forward. A
+    transport's rows may share their storage with its handle's data (gda's one allocation) or
+    be its window (gda's rows_in_window): with the overlap, token_dispatch hands on copies, so
+    freeing them leaves the transport's memory alone; without it, the rows as received."""
+    import types
+
+    import torch
+
+    from efa_ep.dispatcher.token_dispatcher import EfaTokenDispatcher
+
+    storage = torch.arange(40, dtype=torch.float32)  # rows and the handle's layout, one storage
+    recv_x, layout = storage[:24].view(6, 4), storage[24:]
+    recv_w = storage[:12].view(6, 2)
+    for overlap in (True, False):
+        fake = types.SimpleNamespace(
+            shared_experts=None, drop_and_pad=False, overlap_1f1b=overlap,
+            _dispatch_growing=lambda x, p: ("transport", (recv_x, recv_w, None, "handle")))
+        x, w = EfaTokenDispatcher.token_dispatch(fake, torch.zeros(3, 4), torch.zeros(3, 2))
+        assert torch.equal(x, recv_x) and torch.equal(w, recv_w)
+        shared = x.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+        assert shared != overlap, overlap
+        if overlap:
+            x.untyped_storage().resize_(0)  # what the schedule does
+            assert torch.equal(layout, torch.arange(24, 40, dtype=torch.float32))
