@@ -19,6 +19,9 @@ Window of one rank (one parity of the double buffer; byte offsets are kernel arg
     wts  [W, T_MAX, K]  float32 routing weights (0 where idx is -1)
     hdr  [W, 2 + L]     int64 per source: [status word (base.STATUS_*), rows sent here,
                         rows per local expert...]
+    board [W, W], [W]   int64: a compact dispatch's counts (row s: source s's rows per rank)
+                        and the first row each source stored here (:mod:`.compact_kernels`;
+                        rows then at offset + slot, compact in (source, token) order)
 
 Flag protocol (the only cross-rank synchronisation; its constraints: ``gda.py``'s docstring):
 
