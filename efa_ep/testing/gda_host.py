@@ -68,6 +68,13 @@ int efa_launch_run_gated(const prog_t *a, const prog_t *b, int64_t s, int64_t *g
   if (flag) header(flag, value);
   return 0;
 }
+/* the launch gate's fast path: published; every peer is always ahead here */
+int efa_gate_publish_wait(int64_t *gate, int w, int r, int64_t rec, int64_t spin,
+                          int64_t *waited) {
+  if (gate) gate[r] = rec;
+  if (waited) *waited = 0;
+  return 1;
+}
 /* the real library's count check (efa_gda_rows_received), set from Python */
 static int64_t (*rows_received)(const int64_t *, const int64_t *);
 void stand_in_set_check(void *fn) { rows_received = fn; }
@@ -143,7 +150,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
 
     from efa_ep.kernels import native_launch as nl
     from efa_ep.kernels.base import TransportConfig, align_up
-    from efa_ep.kernels.gda import cpp_op, launches, phases, transport
+    from efa_ep.kernels.gda import compact, cpp_op, launches, phases, transport
     from efa_ep.kernels.gda.gate import LaunchGate
     from efa_ep.kernels.gda.window import WindowLayout
 
@@ -153,6 +160,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
     patch(phases, "_stream", lambda dev: 0)
     patch(cpp_op, "_stream", lambda dev: 0)
+    patch(compact, "_stream", lambda dev: 0)
     W, L = world, num_experts // world
     cfg = TransportConfig(name="gda", world_size=W, num_experts=num_experts, hidden=hidden,
                           max_tokens_per_rank=t_max, dtype=torch.bfloat16)

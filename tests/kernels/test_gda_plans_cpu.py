@@ -586,3 +586,57 @@ def test_token_counts_that_keep_changing_keep_the_program_tables_bounded(tr, mon
         most = max(most, len(ph._progs))
     # without the bound every token count would keep its front programs and plans (> 50 here)
     assert most <= 12 + 4 and len(ph._plans) <= 12
+
+
+def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, monkeypatch):
+    """Option rows_in_window: the first dispatch of a shape runs phase by phase (binding the
+    counts op's program, the rows op's and the compact header), a later one of the same parity
+    runs whole in the C++ call; both hand the library the same variables at the same offsets of
+    their scratch (the counts op's number, then the rows op's, one apart), and both return the
+    rows and weights as views of the window at the parity's regions, the ids as a copy, and the
+    same counts and handle."""
+    from efa_ep.kernels.gda import compact
+
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    tr.rows_in_window = True
+    tr._buf = torch.zeros(tr.layout.total_bytes, dtype=torch.uint8)
+    n_board = (W + 1) * W
+    tr._board = tuple(tr._buf[o["board_off"]:o["board_off"] + 8 * n_board].view(torch.int64)
+                      for o in tr._offs)
+    tr._hdr = tuple(tr._buf[o["hdr_off"]:o["hdr_off"] + 8 * W * tr.layout.hdr_len]
+                    .view(torch.int64).view(W, -1) for o in tr._offs)
+    ph = tr._phases
+    calls = []
+    real = ph.cpp
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def dispatch_compact(self, *args):
+            calls.append(args[6] - args[5])  # the rows op's number less the counts op's
+            return real.dispatch_compact(*args)
+
+    ph.cpp = Counting()
+    _, x, idx, w = _inputs(3)
+    n = T + 5
+    words, _, _, o_rank, _, o_out, _, _ = compact._scratch_layout(tr, T, K)
+    shape = (T, K, x.dtype, x.stride(0), H)
+    for call in range(2):  # ops 1, 2 then 3, 4: the rows op on parity 0 both times
+        recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
+        counts, rows, header = (_vars(ph._progs[key]) for key in (
+            ("compact_counts", 1) + shape, ("compact_rows", 0) + shape, ("header_compact", 0)))
+        sp = h.state.slot_TW.untyped_storage().data_ptr()  # the dispatch's scratch
+        assert h.state.slot_TW.untyped_storage().nbytes() >= 8 * words
+        op_c, op = 2 * call + 1, 2 * call + 2
+        assert counts == [idx.data_ptr(), w.data_ptr(), sp, op_c], call
+        assert rows == [x.data_ptr(), idx.data_ptr(), w.data_ptr(), sp, op_c, op], call
+        assert header == [sp + 8 * o_rank, sp + 8 * o_out, op], call
+        offs, win = tr._offs[0], tr._buf.untyped_storage().data_ptr()
+        assert recv_x.shape == (n, H) and recv_x.data_ptr() == win + offs["data_off"]
+        assert recv_w.shape == (n, K) and recv_w.data_ptr() == win + offs["w_off"]
+        assert recv_idx.shape == (n, K) and recv_idx.untyped_storage().data_ptr() != win
+        assert h.recv_topk_idx is recv_idx and tr._epoch == op
+        assert tpe.tolist() == [2] * L and h.num_recv_tokens == n
+        assert h.num_recv_per_rank == (T, 5) and h.num_send_per_rank == (T, 6)
+        assert calls == [1] * call, calls  # the second call went to C++, whole
