@@ -24,7 +24,7 @@ import torch
 
 from ..base import STATUS_BAD_INPUT
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
-from .cpp_op import CppPlan, _handle
+from .cpp_op import CppPlan, planned_result
 from .gate import GATE_SPIN_NS, wait_record
 from .phases import MAX_PROGRAMS, _aligned, _stream
 
@@ -208,14 +208,7 @@ def dispatch_planned(tr, x, topk_idx, topk_weights):
         raise NativeLaunchError(res[4])
     tr.blocked_s += (res[1] + res[2]) * 1e-9
     if status == RAN:
-        _, _, _, _, recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, sent, recv = res
-        parity, k = epoch & 1, key[3]
-        if tr._idx_k[parity] != k:  # (GdaTransport._note_idx_width of a regular dispatch)
-            tr._idx_k[parity] = k
-            tr._idx_full[parity] = True
-        tr._idx_epoch[parity] = epoch
-        return recv_x, recv_idx, recv_w, tpe, _handle(x, topk_idx, recv_x, recv_idx, send_idx,
-                                                      sent, recv, tr.uid, slot, offsets, epoch)
+        return planned_result(tr, res, epoch, x, topk_idx)
     scratch = res[3]
     t, k = key[2], key[3]
     _, o_slot, o_send, o_rank, _, o_out, o_offsets, n_info = _scratch_layout(tr, t, k)

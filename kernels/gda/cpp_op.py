@@ -326,11 +326,18 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
         return tr.dispatch_tail(x, topk_idx, topk_weights, epoch, head)
     tr._epoch = epoch
     tr.blocked_s += (res[1] + res[2]) * 1e-9
-    _, _, _, _, recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res
-    n = recv_x.shape[0]
+    n = res[4].shape[0]
     if n > ahead.cap or 4 * n < 3 * ahead.cap:  # (GatherAhead.fit's test: resize the outputs)
         ahead.fit(n)
-    parity, k = epoch & 1, key[3]
+    return planned_result(tr, res, epoch, x, topk_idx)
+
+
+def planned_result(tr, res, epoch: int, x, topk_idx):
+    """What ``GdaTransport.dispatch`` returns for a C++ dispatch result ``res`` of op
+    ``epoch`` whose counts were clean (status RAN): the outputs and the handle, after the
+    regular dispatch's bookkeeping of the id region's top-k width."""
+    _, _, _, _, recv_x, recv_idx, recv_w, slot, offsets, send_idx, tpe, num_send, num_recv = res
+    parity, k = epoch & 1, topk_idx.shape[1]
     if tr._idx_k[parity] != k:  # (GdaTransport._note_idx_width of a regular dispatch)
         tr._idx_k[parity] = k
         tr._idx_full[parity] = True

@@ -160,6 +160,33 @@ static Outputs carve_outputs(const at::Tensor &buf, int64_t at, int64_t rows, in
     return o;
 }
 
+// The result of a dispatch whose counts were read clean (see dispatch): the row counts from the
+// header's `info` (n_info int64 before the completion word: tokens_per_expert is its last
+// num_local, the rows received per source and sent per destination are read there), the
+// received rows rx / ri / rw, and the handle's layout carved from `scratch` (slot [t, w] at word
+// o_slot, offsets [w + 1] at o_offsets, send_token_idx [rows sent] at o_send).
+static py::tuple clean_result(int rc, int64_t sync_ns, int64_t gate_ns, const at::Tensor &scratch,
+                              const at::Tensor &rx, const at::Tensor &ri, const at::Tensor &rw,
+                              const int64_t *info, int64_t n_info, int64_t w, int64_t num_local,
+                              int64_t t, int64_t o_slot, int64_t o_offsets, int64_t o_send) {
+    auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
+    std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
+    const int64_t end = 1 + w * (2 + num_local);
+    py::tuple num_send(w), num_recv(w);
+    int64_t sent = 0;
+    for (int64_t s = 0; s < w; s++) {
+        num_recv[s] = py::int_(info[2 + s * (2 + num_local)]);
+        num_send[s] = py::int_(info[end + s]);
+        sent += info[end + s];
+    }
+    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * o_slot);
+    auto offsets = carve(scratch, at::kLong, {w + 1}, {1}, 8 * o_offsets);
+    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * o_send);
+    stamp(3);
+    return py::make_tuple(rc, sync_ns, gate_ns, scratch, rx, ri, rw, slot, offsets, send_idx,
+                          tokens_per_expert, num_send, num_recv);
+}
+
 // Outputs are allocated ahead at the plan's capacity (shape[5] rows) before the native call, which
 // then gathers too (with shape[10], the early gather: launched before the count read, it reads the
 // clean row count on the device; its row-count variable is the capacity); a plan of capacity 0
@@ -236,27 +263,13 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
         if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
     }
     if (rc != 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch);
-    const int64_t n = *rows_out, num_local = p[P_LOCAL], n_info = p[P_N_INFO];
-    const int64_t *info = reinterpret_cast<const int64_t *>(p[P_FLAG]) - n_info;
-    auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
-    std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
-    const int64_t end = 1 + w * (2 + num_local);
-    py::tuple num_send(w), num_recv(w);
-    int64_t sent = 0;
-    for (int64_t s = 0; s < w; s++) {
-        num_recv[s] = py::int_(info[2 + s * (2 + num_local)]);
-        num_send[s] = py::int_(info[end + s]);
-        sent += info[end + s];
-    }
+    const int64_t n = *rows_out, n_info = p[P_N_INFO];
     auto rx = n == cap ? out.x : carve(out.x, x.scalar_type(), {n, hidden}, {hidden, 1}, 0);
     auto ri = n == cap ? out.idx : carve(out.idx, at::kLong, {n, k}, {k, 1}, 0);
     auto rw = n == cap ? out.w : carve(out.w, at::kFloat, {n, k}, {k, 1}, 0);
-    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * p[P_O_SLOT]);
-    auto offsets = carve(scratch, at::kLong, {w + 1}, {1}, 8 * p[P_O_OFFSETS]);
-    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * p[P_O_SEND]);
-    stamp(3);
-    return py::make_tuple(rc, sync_ns, gate_ns, scratch, rx, ri, rw, slot, offsets, send_idx,
-                          tokens_per_expert, num_send, num_recv);
+    return clean_result(rc, sync_ns, gate_ns, scratch, rx, ri, rw,
+                        reinterpret_cast<const int64_t *>(p[P_FLAG]) - n_info, n_info, w,
+                        p[P_LOCAL], t, p[P_O_SLOT], p[P_O_OFFSETS], p[P_O_SEND]);
 }
 
 // Status of a compact dispatch whose counts op ran but whose peers had not all published it
@@ -326,27 +339,13 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
     const int64_t n = *reinterpret_cast<int64_t *>(p[K_ROWS_OUT]);
     if (rc != 3 || n < 0) return py::make_tuple(rc == 3 ? 3 : rc, sync_ns, gate_ns, scratch);
-    const int64_t num_local = p[K_LOCAL], n_info = p[K_N_INFO], hidden = p[K_HIDDEN];
-    const int64_t *info = reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info;
-    auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
-    std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
-    const int64_t end = 1 + w * (2 + num_local);
-    py::tuple num_send(w), num_recv(w);
-    int64_t sent = 0;
-    for (int64_t s = 0; s < w; s++) {
-        num_recv[s] = py::int_(info[2 + s * (2 + num_local)]);
-        num_send[s] = py::int_(info[end + s]);
-        sent += info[end + s];
-    }
+    const int64_t n_info = p[K_N_INFO], hidden = p[K_HIDDEN];
     auto rx = carve(window, x.scalar_type(), {n, hidden}, {hidden, 1}, p[K_DATA_OFF]);
     auto ri = carve(window, at::kLong, {n, k}, {k, 1}, p[K_IDX_OFF]).clone();
     auto rw = carve(window, at::kFloat, {n, k}, {k, 1}, p[K_W_OFF]);
-    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * p[K_O_SLOT]);
-    auto offsets = carve(scratch, at::kLong, {w + 1}, {1}, 8 * p[K_O_OFFSETS]);
-    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * p[K_O_SEND]);
-    stamp(3);
-    return py::make_tuple(0, sync_ns, gate_ns, scratch, rx, ri, rw, slot, offsets, send_idx,
-                          tokens_per_expert, num_send, num_recv);
+    return clean_result(0, sync_ns, gate_ns, scratch, rx, ri, rw,
+                        reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info, n_info, w,
+                        p[K_LOCAL], t, p[K_O_SLOT], p[K_O_OFFSETS], p[K_O_SEND]);
 }
 
 // The first program, the launch gate and the second in one native call of a combine plan `p`
