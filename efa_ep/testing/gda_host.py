@@ -187,7 +187,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     tr._buf_ptrs = torch.zeros(W, dtype=torch.int64)
     tr._sig_ptrs = torch.zeros(W, dtype=torch.int64)
     tr._win_ptr, tr._my_sig = tr._buf_ptrs[0:1], torch.zeros(W, dtype=torch.int32)
-    tr._err, tr._hw = torch.zeros(3, dtype=torch.int64), torch.zeros(2, W, dtype=torch.int64)
+    tr._err, tr._hw = torch.zeros(4, dtype=torch.int64), torch.zeros(2, W, dtype=torch.int64)
     tr._idx_k, tr._idx_full, tr._idx_epoch = [0, 0], [False, False], [0, 0]
     tr._done, tr._epoch = torch.zeros(2, dtype=torch.int32), 0
     tr._op_base, tr._dev_base = torch.zeros(1, dtype=torch.int32), 0

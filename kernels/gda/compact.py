@@ -2,16 +2,22 @@
 ``rows_in_window``): no gather copy; the received rows are returned as views of the window.
 
 Two ops (kernels and protocol: :mod:`.compact_kernels`): the counts op (routing layout, every
-rank's row counts into every rank's board, the launch gate) and the rows op (one program waits
-for the counts and sums those of the ranks before this one, the stores at those rows, the
-launch gate, the header read and the one count read). The rows op's header read, count checks
-and handle are a regular dispatch's, so combine, weight combine and cached dispatch take the
-handle unchanged. A shape's first call runs here phase by phase (binding its programs); later
-calls of it run whole in one C++ call (``efa_gda_op.cpp``, ``dispatch_compact``) with
-``fast_launch=4``.
+rank's row counts and the headers its stores will carry into every rank's board, the launch
+gate) and the rows op (one program waits for the counts, sums those of the ranks before this
+one and hands the host the announced headers, then the stores at those rows, the launch gate
+and the header read, which checks the rows against what was announced). The one count read
+waits for the count wait's word, not for the stores: the host builds the result and queues
+the caller's next kernels while the rows are still moving. Its count checks and handle are a
+regular dispatch's, so combine, weight combine and cached dispatch take the handle unchanged.
+A source that then stores other rows than it announced, or elsewhere, is raised by the
+transport's next count read or error check (``ProtocolError`` naming it; the transport is
+broken): the stores stay inside the window whatever the peers write. A shape's first call runs
+here phase by phase (binding its programs); later calls of it run whole in one C++ call
+(``efa_gda_op.cpp``, ``dispatch_compact``) with ``fast_launch=4``.
 
 Lifetime: ``recv_x`` ``[N, H]`` and ``recv_topk_weights`` ``[N, K]`` are views of this rank's
-window, overwritten once the peers run this transport's second op after this dispatch, which
+window, complete in the order of the caller's stream (the header read precedes what the caller
+queues next), overwritten once the peers run this transport's second op after this dispatch, which
 they reach only after this rank issued its next op: read them (copy what must outlive that)
 before the next call of the transport. ``recv_topk_idx`` is a copy (the handle keeps it for the
 backward's weight combine).
@@ -73,9 +79,10 @@ def dispatch(tr, x, topk_idx, topk_weights, error):
                              scratch=scratch, plan=plan)[4]
         if bad is not None:
             status.fill_(bad)
-        kern.publish_counts(kern.layout_views(scratch, t, cfg.num_experts, w, k)[2],
-                            tr._buf_ptrs, tr._sig_ptrs, board_off=tr._offs[pc]["board_off"],
-                            me=tr.rank, **op_c, plan=plan)
+        _, _, npr, npe, st = kern.layout_views(scratch, t, cfg.num_experts, w, k)
+        kern.publish_counts(npr, npe, st, tr._buf_ptrs, tr._sig_ptrs,
+                            board_off=tr._offs[pc]["board_off"], me=tr.rank,
+                            num_local=cfg.num_local_experts, **op_c, plan=plan)
 
     native = ph.native and bad is None and t and _aligned(x, topk_idx, topk_weights)
     shape = (t, k, x.dtype, x.stride(0), x.shape[1])
@@ -101,14 +108,17 @@ def _rows_op(tr, x, topk_idx, topk_weights, scratch, epoch_c: int, error, native
     t, k = topk_idx.shape
     epoch = epoch_c + 1
     pc, p = epoch_c % 2, epoch % 2
-    _, o_slot, o_send, _, o_dst, _, _, _ = _scratch_layout(tr, t, k)
+    _, o_slot, o_send, _, o_dst, o_out, _, n_info = _scratch_layout(tr, t, k)
     op_c, op = ph._op(epoch_c), ph._op(epoch)
+    if ph.native:  # the header's count read waits for the word the count wait writes last
+        ph._host_info(n_info)
 
     def rows(plan):
         slot, _, npr, npe, status = kern.layout_views(scratch, t, cfg.num_experts, w, k)
-        kern.count_wait(tr._my_sig, tr._err, tr._board[pc], scratch[o_dst:o_dst + w],
-                        me=tr.rank, t_max=cfg.max_tokens_per_rank, **op_c, **tr._wait_kw,
-                        plan=plan)
+        kern.count_wait(tr._my_sig, tr._err, tr._board[pc], scratch[o_dst:o_dst + w], npr,
+                        scratch[o_out:], me=tr.rank, t_max=cfg.max_tokens_per_rank,
+                        num_local=cfg.num_local_experts, **op_c, **tr._wait_kw,
+                        host=ph._pinned if ph.native else None, plan=plan)
         kern.dispatch_store(x, topk_idx, topk_weights, slot, npr, npe, status, tr._buf_ptrs,
                             tr._sig_ptrs, tr._done[0:1], **tr._offs[p], me=tr.rank,
                             t_max=cfg.max_tokens_per_rank, num_local=cfg.num_local_experts,

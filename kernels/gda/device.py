@@ -19,9 +19,11 @@ Window of one rank (one parity of the double buffer; byte offsets are kernel arg
     wts  [W, T_MAX, K]  float32 routing weights (0 where idx is -1)
     hdr  [W, 2 + L]     int64 per source: [status word (base.STATUS_*), rows sent here,
                         rows per local expert...]
-    board [W, W], [W]   int64: a compact dispatch's counts (row s: source s's rows per rank)
-                        and the first row each source stored here (:mod:`.compact_kernels`;
-                        rows then at offset + slot, compact in (source, token) order)
+    board [W, W], [W], [W, 2 + L]
+                        int64: a compact dispatch's counts (row s: source s's rows per rank),
+                        the first row each source stored here (rows then at offset + slot,
+                        compact in (source, token) order), and the header each source
+                        announced to this rank before its stores (:mod:`.compact_kernels`)
 
 Flag protocol (the only cross-rank synchronisation; its constraints: ``gda.py``'s docstring):
 
@@ -296,13 +298,44 @@ def _dispatch_store_kernel(
     _signal_when_grid_done(done_ptr, sig_ptrs, me, epoch, W)
 
 
+@triton.jit
+def _publish_info(h, n, err_ptr, num_per_rank_ptr, info_ptr, offsets_ptr, num_local, T_MAX,
+                  W: tl.constexpr, W_PAD: tl.constexpr, HDR_PAD: tl.constexpr):
+    """What the host reads of a dispatch's counts, from the headers ``h`` ``[W_PAD, HDR_PAD]``
+    (rows past W and columns past 2 + L zero) and their row counts ``n`` ``[W_PAD]``: ``info``
+    = [error word, headers, rows this rank sent per destination, rows per local expert summed
+    over sources]; ``offsets`` = exclusive prefix sum of ``n``, then ``offsets[W + 1]`` = the
+    rows received when the counts are clean (error word 0, every status 0, rows in [0, T_MAX],
+    no negative per-expert count), else -1."""
+    hdr_len = 2 + num_local
+    s = tl.arange(0, W_PAD)
+    c = tl.arange(0, HDR_PAD)
+    hm = (s[:, None] < W) & (c[None, :] < hdr_len)
+    status = tl.sum(tl.where(c[None, :] == 0, h, 0), axis=1)
+    tl.store(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], h, mask=hm)
+    per_expert = tl.sum(h, axis=0)  # [HDR_PAD]: column 2 + l is local expert l's rows
+    pe_cols = (c >= 2) & (c < hdr_len)
+    tl.store(info_ptr + 1 + W * hdr_len + W + c - 2, per_expert, mask=pe_cols)
+    tl.store(offsets_ptr + 1 + s, tl.cumsum(n, axis=0), mask=s < W)
+    tl.store(offsets_ptr, 0)
+    sent = tl.load(num_per_rank_ptr + s, mask=s < W)
+    tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
+    tl.debug_barrier()
+    err = tl.atomic_add(err_ptr, 0, sem="relaxed")
+    tl.store(info_ptr, err)
+    bad = tl.sum(((status != 0) | (n < 0) | (n > T_MAX)).to(tl.int32), axis=0) + \
+        tl.sum((pe_cols & (per_expert < 0)).to(tl.int32), axis=0)
+    tl.store(offsets_ptr + W + 1, tl.where((err == 0) & (bad == 0), tl.sum(n, axis=0), -1))
+
+
 @triton.jit(do_not_specialize=["epoch_delta", "kind", "timeout_ns", "max_spins"])
 def _recv_header_kernel(
     my_sig_ptr: tl.pointer_type(tl.int32),          # [W] this rank's signal pad
     hdr_ptr: tl.pointer_type(tl.int64),             # [W, 2 + L] this rank's header region
-    err_ptr: tl.pointer_type(tl.int64),             # [3] sticky error word (see _wait_for_sources)
+    err_ptr: tl.pointer_type(tl.int64),             # [4] sticky error word (see _wait_for_sources)
     num_per_rank_ptr: tl.pointer_type(tl.int64),    # [W] rows this rank sent (from the layout)
     info_ptr: tl.pointer_type(tl.int64),            # out [1 + W * (2 + L) + W + L (+ 1)] for the host
+                                                    # (COMPACT: in, the announced counts)
     offsets_ptr: tl.pointer_type(tl.int64),         # out [W + 2] first received row per source,
                                                     # then the clean row count (see below)
     hw_ptr: tl.pointer_type(tl.int64),              # in/out [W] rows of this parity's idx written
@@ -314,23 +347,24 @@ def _recv_header_kernel(
 ):
     """One program: wait for every source, then copy the headers (and the error word, this
     rank's send counts and the rows received per local expert, summed over sources) into
-    ``info``; offsets = exclusive prefix sum of the rows each source sent here, then
-    ``offsets[W + 1]`` = the rows received when these counts are clean (error word 0, every
-    source's status 0 and rows in [0, T_MAX], no negative per-expert count), else -1: what a
-    gather launched before the host's count read copies (the host checks the same values, and
-    more). Everything comes from one read of the headers, so ``info``, the offsets and that
-    word agree whatever a peer writes meanwhile. ``hw`` keeps the highest row count of this
-    parity's id region per source, so a fixed-capacity dispatch knows which stale rows to clear.
+    ``info`` and the offsets (:func:`_publish_info`). Everything comes from one read of the
+    headers, so ``info``, the offsets and the clean row count agree whatever a peer writes
+    meanwhile. ``hw`` keeps the highest row count of this parity's id region per source, so a
+    fixed-capacity dispatch knows which stale rows to clear.
 
     ``info`` is device memory the host copies, or (``HOST_FLAG``) page-locked host memory the
     kernel writes over the bus: then the word after ``info`` receives the op's record last
     (release, system scope), and a host that sees it there may read ``info`` (no copy, no
     stream sync).
 
-    ``COMPACT`` (the sources stored their rows compact, see the store kernel): a source whose
-    rows are not at the offset its predecessors' counts give (the first row it wrote into the
-    board) gets ``MISPLACED`` in its status in ``info`` and the counts are not clean; the id
-    region's high-water marks cover rows [0, N)."""
+    ``COMPACT`` (the sources stored their rows compact, see the store kernel): the host read the
+    counts the sources announced before their stores (``info``, written by the count wait of
+    :mod:`.compact_kernels`); here the rows have arrived and only their check is left. A source
+    whose header differs from what it announced, or whose rows are not at the offset its
+    predecessors' announced counts give (the first row it wrote into the board), sets its bit in
+    ``err[3]`` and ``MISPLACED`` in ``err[0]``: the transport's next count read or error check
+    raises naming it. Nothing is written for the host; the id region's high-water marks cover
+    rows [0, N)."""
     epoch, record = _op_epoch(op_base_ptr, epoch_delta, kind)
     _wait_for_sources(my_sig_ptr, epoch, record, err_ptr, timeout_ns, max_spins, W, W_PAD,
                       USE_GLOBALTIMER)
@@ -339,39 +373,33 @@ def _recv_header_kernel(
     c = tl.arange(0, HDR_PAD)
     hm = (s[:, None] < W) & (c[None, :] < hdr_len)
     h = tl.load(hdr_ptr + s[:, None] * hdr_len + c[None, :], mask=hm, other=0)
-    status = tl.sum(tl.where(c[None, :] == 0, h, 0), axis=1)  # [W_PAD] (0 past W)
     n = tl.sum(tl.where(c[None, :] == 1, h, 0), axis=1)
-    ends = tl.cumsum(n, axis=0)
-    misplaced = (s < 0)
-    if COMPACT:
-        placed = tl.load(board_ptr + W * W + s, mask=s < W, other=0)
-        misplaced = (s < W) & (n > 0) & (placed != ends - n)
-        h = tl.where((c[None, :] == 0) & misplaced[:, None], h | MISPLACED, h)
-    tl.store(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], h, mask=hm)
-    per_expert = tl.sum(h, axis=0)  # [HDR_PAD]: column 2 + l is local expert l's rows
-    pe_cols = (c >= 2) & (c < hdr_len)
-    tl.store(info_ptr + 1 + W * hdr_len + W + c - 2, per_expert, mask=pe_cols)
-    tl.store(offsets_ptr + 1 + s, ends, mask=s < W)
-    tl.store(offsets_ptr, 0)
     hw = tl.load(hw_ptr + s, mask=s < W, other=0)
-    if COMPACT:  # rows [0, N) of the id region, in the slots of sources 0, 1, ...
-        total = tl.sum(tl.minimum(tl.maximum(n, 0), T_MAX), axis=0)
+    if COMPACT:
+        said = tl.load(info_ptr + 1 + s[:, None] * hdr_len + c[None, :], mask=hm, other=0)
+        n_said = tl.sum(tl.where(c[None, :] == 1, said, 0), axis=1)
+        n_said = tl.minimum(tl.maximum(n_said, 0), T_MAX)  # as the count wait summed them
+        placed = tl.load(board_ptr + W * W + s, mask=s < W, other=0)
+        other = tl.sum((h != said).to(tl.int32), axis=1) > 0
+        wrong = (s < W) & (other | ((n > 0) & (placed != tl.cumsum(n_said, axis=0) - n_said)))
+        sources = tl.sum(tl.where(wrong, tl.full([W_PAD], 1, tl.int64) << s.to(tl.int64), 0),
+                         axis=0)
+        if sources != 0:
+            tl.atomic_or(err_ptr + 3, sources, sem="relaxed")
+            tl.atomic_or(err_ptr, tl.full([], MISPLACED, tl.int64), sem="relaxed")
+        # rows [0, N) of the id region, in the slots of sources 0, 1, ...
+        total = tl.sum(n_said, axis=0)
         written = tl.minimum(tl.maximum(total - s.to(tl.int64) * T_MAX, 0), T_MAX)
+        tl.store(hw_ptr + s, tl.maximum(hw, written), mask=s < W)
     else:
+        _publish_info(h, n, err_ptr, num_per_rank_ptr, info_ptr, offsets_ptr, num_local, T_MAX,
+                      W, W_PAD, HDR_PAD)
         written = tl.minimum(tl.maximum(n, 0), T_MAX)
-    tl.store(hw_ptr + s, tl.maximum(hw, written), mask=s < W)
-    sent = tl.load(num_per_rank_ptr + s, mask=s < W)
-    tl.store(info_ptr + 1 + W * hdr_len + s, sent, mask=s < W)
-    tl.debug_barrier()
-    err = tl.atomic_add(err_ptr, 0, sem="relaxed")
-    tl.store(info_ptr, err)
-    bad = tl.sum(((status != 0) | (n < 0) | (n > T_MAX) | misplaced).to(tl.int32), axis=0) + \
-        tl.sum((pe_cols & (per_expert < 0)).to(tl.int32), axis=0)
-    tl.store(offsets_ptr + W + 1, tl.where((err == 0) & (bad == 0), tl.sum(n, axis=0), -1))
-    if HOST_FLAG:
-        tl.debug_barrier()
-        tl.atomic_xchg(info_ptr + 1 + W * hdr_len + W + num_local, record, sem="release",
-                       scope="sys")
+        tl.store(hw_ptr + s, tl.maximum(hw, written), mask=s < W)
+        if HOST_FLAG:
+            tl.debug_barrier()
+            tl.atomic_xchg(info_ptr + 1 + W * hdr_len + W + num_local, record, sem="release",
+                           scope="sys")
 
 
 @triton.jit(do_not_specialize=["epoch_delta", "kind", "timeout_ns", "max_spins", "full"])

@@ -17,9 +17,10 @@ from ..base import PeerFailure, ProtocolError, TransportError
 OP_KINDS = {1: "dispatch", 2: "combine", 3: "cached dispatch", 4: "weight combine",
             5: "dispatch counts"}
 KIND_OF = {v: k for k, v in OP_KINDS.items()}
-#: status bit the header read of a compact dispatch (``rows_in_window``) gives a source whose
-#: rows are not at the row its board entry names (above the ``STATUS_*`` bits of every transport)
-ROWS_MISPLACED = 1 << 8
+#: bit of the error word ``err[0]`` set by the header read of a compact dispatch
+#: (``rows_in_window``) when a source (its bit in ``err[3]``) stored other rows than it announced,
+#: or not where the announced counts of the ranks before it put them
+ROWS_MISPLACED = 1 << 61
 
 
 def wait_record(epoch: int, kind: str) -> int:

@@ -308,8 +308,11 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
     ``host[len(info)]`` = this op's record (``epoch * 8 + kind``), last: the host waits for
     that word instead of copying and synchronizing. ``out`` holds ``_even(len(info)) + W + 2``
     elements. ``board``: this rank's count board (``[W * W + W]`` int64 view of this parity)
-    when the sources stored compact: a source whose rows are not where the board says gets
-    :data:`ROWS_MISPLACED` in its status."""
+    when the sources stored compact (:mod:`.compact_kernels`): the count wait wrote ``out``
+    (and ``host``) from the counts the sources announced; here nothing is written for the host
+    and ``host`` is unused: a source whose header differs from ``out``'s info or whose rows are
+    not where the board says sets :data:`ROWS_MISPLACED` in the error word (its bit in
+    ``err[3]``)."""
     world = my_sig.numel()
     n_info = 1 + world * (2 + num_local) + world + num_local
     o_off = _even(n_info)
@@ -317,13 +320,14 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
         out = torch.empty(o_off + world + 2, dtype=torch.int64, device=hdr.device)
     if host is not None and (host.dtype != torch.int64 or host.numel() < n_info + 1):
         raise ValueError(f"host must hold {n_info + 1} int64, got {host.numel()} {host.dtype}")
-    info = out[:n_info] if host is None else host[:n_info]
+    info = out[:n_info] if host is None or board is not None else host[:n_info]
     offsets = out[o_off:o_off + world + 1]
     _go(_K_RECV_HEADER, _ONE, (
         my_sig, hdr, err, num_per_rank, info, offsets, hw, _base(op_base, hdr.device),
         hdr if board is None else board, num_local, t_max, epoch, KIND_OF[kind], timeout_ns,
         max_spins, world, _pad(world), _pad(2 + num_local), bool(use_globaltimer),
-        host is not None, board is not None, ROWS_MISPLACED), 4, fast, plan)
+        host is not None and board is None, board is not None, ROWS_MISPLACED), 4, fast,
+        plan)
     return info, offsets
 
 
@@ -353,27 +357,44 @@ def wait_for_sources(my_sig, err, *, epoch, kind, timeout_ns, max_spins, use_glo
         world, _pad(world), bool(use_globaltimer)), 1, fast, plan)
 
 
-def publish_counts(num_per_rank, buf_ptrs, sig_ptrs, *, board_off, me, epoch, op_base=None,
-                   fast=True, plan=None):
+def publish_counts(num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs, *, board_off, me,
+                   num_local, epoch, op_base=None, fast=True, plan=None):
     """One-program kernel: this rank's rows per destination (``num_per_rank`` ``[W]`` int64)
-    into row ``me`` of every rank's board at ``board_off``, then ``signal[me] = epoch`` at every
-    rank (op ``dispatch counts`` of a compact dispatch, see :mod:`.compact_kernels`)."""
+    into row ``me`` of every rank's board at ``board_off``, and to each rank r the header its
+    stores will carry (``status`` ``[1]``, rows to r, ``num_per_expert`` ``[W * L]`` int64 of
+    r's experts), then ``signal[me] = epoch`` at every rank (op ``dispatch counts`` of a
+    compact dispatch, see :mod:`.compact_kernels`)."""
     world = buf_ptrs.numel()
-    _go(_K_PUBLISH, _ONE, (num_per_rank, buf_ptrs, sig_ptrs, _base(op_base, buf_ptrs.device),
-                           board_off, me, epoch, world, _pad(world)), 1, fast, plan)
+    _go(_K_PUBLISH, _ONE, (num_per_rank, num_per_expert, status, buf_ptrs, sig_ptrs,
+                           _base(op_base, buf_ptrs.device), board_off, me, num_local, epoch,
+                           world, _pad(world), _pad(num_local)), 1, fast, plan)
 
 
-def count_wait(my_sig, err, board, dst_off, *, me, t_max, epoch, timeout_ns, max_spins,
-               use_globaltimer, op_base=None, fast=True, plan=None):
+def count_wait(my_sig, err, board, dst_off, num_per_rank, out, *, me, t_max, num_local, epoch,
+               timeout_ns, max_spins, use_globaltimer, host=None, op_base=None, fast=True,
+               plan=None):
     """One-program kernel: waits for every source's counts (op ``epoch``, kind ``dispatch
     counts``; bound as the variable ``counts_epoch_delta``), then ``dst_off`` ``[W]`` int64 =
-    the rows ranks before ``me`` send to each rank (from this rank's ``board`` ``[W * W]``
-    int64, each count clamped to [0, ``t_max``])."""
+    the rows ranks before ``me`` send to each rank (from this rank's ``board``, each count
+    clamped to [0, ``t_max``]), and the headers the sources announced go where the rows op's
+    header read (:func:`recv_header`) writes a regular dispatch's: ``out`` (int64 device,
+    ``_even(n_info) + W + 2``: info, then offsets and the clean row count) and, with ``host``
+    (page-locked int64, ``n_info + 1``), there too with the rows op's record (``(epoch + 1) * 8
+    + kind dispatch``) last: the count read, before the rows are stored. ``num_per_rank``
+    ``[W]`` int64: the rows this rank sends (from the layout). Returns (info, offsets) of
+    ``out``."""
     world = my_sig.numel()
+    n_info = 1 + world * (2 + num_local) + world + num_local
+    o_off = _even(n_info)
+    if host is not None and (host.dtype != torch.int64 or host.numel() < n_info + 1):
+        raise ValueError(f"host must hold {n_info + 1} int64, got {host.numel()} {host.dtype}")
+    info, offsets = out[:n_info], out[o_off:o_off + world + 2]
     _go(_K_COUNT_WAIT, _ONE, (
-        my_sig, err, _base(op_base, err.device), board, dst_off, me, t_max, epoch,
-        KIND_OF["dispatch counts"], timeout_ns, max_spins, world, _pad(world),
-        bool(use_globaltimer)), 1, fast, plan)
+        my_sig, err, _base(op_base, err.device), board, dst_off, num_per_rank, info, offsets,
+        info if host is None else host, me, t_max, num_local, epoch, KIND_OF["dispatch counts"],
+        timeout_ns, max_spins, world, _pad(world), _pad(2 + num_local), bool(use_globaltimer),
+        host is not None, KIND_OF["dispatch"]), 1, fast, plan)
+    return info, offsets[:world + 1]
 
 
 def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_off, idx_off,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from . import refusal
-from .gate import ROWS_MISPLACED
 from ..base import STATUS_OK, ProtocolError
 
 
@@ -24,13 +23,6 @@ def receive(tr, vals, recv_offsets, epoch: int, k: int, error, topk_idx, topk_we
     end = 1 + world * hdr_len
     num_send = vals[end:end + world]
     statuses = vals[1:end:hdr_len]
-    misplaced = [s for s, v in enumerate(statuses) if v & ROWS_MISPLACED]
-    if tr.rows_in_window and misplaced:
-        msg = (f"rank {tr.rank}: gda dispatch (op {epoch}): source rank(s) {misplaced} stored "
-               f"their rows elsewhere than the row counts of the ranks before them give (the "
-               f"ranks' count boards disagree)")
-        tr._break(msg, epoch, "dispatch")
-        raise ProtocolError(msg)
     if error is not None or any(statuses):
         bad = {s: v for s, v in enumerate(statuses) if v != STATUS_OK}
         raise refusal.dispatch_input_error(tr, epoch, bad, error, topk_idx, topk_weights)

@@ -13,18 +13,18 @@ import torch.distributed as dist
 
 from ..core.hosts import host_id
 from ..base import (
-    STATUS_BAD_INPUT, DispatchHandle, DispatchInputError, Transport,
+    STATUS_BAD_INPUT, DispatchHandle, DispatchInputError, ProtocolError, Transport,
     TransportBroken, TransportError, TransportUnavailable, align_up, local_weight_grads,
     rows_input_error, validate_dispatch_inputs,
 )
 
 from . import compact, cpp_op, refusal
 from .receive import receive
-from .gate import LaunchGate
+from .gate import ROWS_MISPLACED, LaunchGate
 from .graph import GdaGraph, capture
 from .window import GdaDispatchState, WindowLayout
 
-_MAX_WORLD = 62   # the error word is a 64-bit mask of missing sources; bit 62: bad input seen
+_MAX_WORLD = 61   # the error word is a 64-bit mask of missing sources; bits 61, 62: see below
 _BAD_INPUT_BIT = 1 << 62
 
 
@@ -156,9 +156,9 @@ class GdaTransport(Transport):
         self._win_ptr = self._buf_ptrs[self.rank:self.rank + 1]
         self._my_sig = self._hdl.get_signal_pad(self.rank, (self.world_size,), dtype=torch.int32)
         self._my_sig.zero_()
-        # error word: [missing-source bits (bit 62: a source reported bad input in a
-        # fixed-capacity dispatch), epoch * 8 + kind of the first expired wait, bad sources]
-        self._err = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # error word: [missing-source bits (62: bad input in a fixed-capacity dispatch, 61:
+        # ROWS_MISPLACED), first expired wait's epoch * 8 + kind, bad sources, misplaced ones]
+        self._err = torch.zeros(4, dtype=torch.int64, device=self.device)
         launches.check_err(self._err)
         # rows of each parity's id region written per source (fixed mode clears the rest), and
         # per parity the top-k width last written (a new width makes every row stale)
@@ -181,7 +181,7 @@ class GdaTransport(Transport):
         n_hdr = self.world_size * self.layout.hdr_len
         self._hdr = tuple(self._buf[o["hdr_off"]:o["hdr_off"] + 8 * n_hdr].view(torch.int64)
                           .view(self.world_size, -1) for o in self._offs)
-        n_board = (self.world_size + 1) * self.world_size
+        n_board = self.layout.board_words
         self._board = tuple(self._buf[o["board_off"]:o["board_off"] + 8 * n_board]
                             .view(torch.int64) for o in self._offs)
         self._phases = GdaPhases(self, self.fast_launch)
@@ -275,11 +275,18 @@ class GdaTransport(Transport):
     def check_errors(self, op: str = "call") -> None:
         """Blocks on the stream and raises :class:`PeerTimeoutError` if any wait expired, naming
         the first op whose wait expired (its number and kind) and the missing source ranks; or
-        :class:`DispatchInputError` if a fixed-capacity dispatch received bad-input status."""
+        :class:`DispatchInputError` if a fixed-capacity dispatch received bad-input status;
+        :class:`ProtocolError` if a compact dispatch's source broke its announcement."""
         t0 = time.perf_counter()
-        bits, record, bad = self._err.tolist()  # waits for the stream: blocked, not host work
+        bits, record, bad, wrong = self._err.tolist()  # waits for the stream: blocked
         self.blocked_s += time.perf_counter() - t0
-        refusal.raise_missing(self, bits & ~_BAD_INPUT_BIT, record)
+        refusal.raise_missing(self, bits & ~(_BAD_INPUT_BIT | ROWS_MISPLACED), record)
+        if bits & ROWS_MISPLACED:
+            msg = (f"rank {self.rank}: gda dispatch (rows_in_window): source rank(s) "
+                   f"{[s for s in range(self.world_size) if (wrong >> s) & 1]} stored other rows "
+                   f"than they announced, or elsewhere (the ranks' count boards disagree)")
+            self._break(msg, self._epoch, "dispatch")
+            raise ProtocolError(msg)
         if bits & _BAD_INPUT_BIT:
             ranks = [s for s in range(self.world_size) if (bad >> s) & 1]
             msg = (f"rank {self.rank}: EP rank(s) {ranks} passed invalid inputs to a "

@@ -53,11 +53,16 @@ class WindowLayout:
         return align_up(self.world * self.hdr_len * 8, _ALIGN)
 
     @property
+    def board_words(self) -> int:
+        """The count board of a dispatch that stores its rows compact (``rows_in_window``), in
+        int64: ``[W, W]`` (row s: the rows source s sends to each rank), ``[W]`` (the first row
+        at which each source stored its rows here), ``[W, 2 + L]`` (the header each source
+        announced to this rank before its stores)."""
+        return (self.world + 1) * self.world + self.world * self.hdr_len
+
+    @property
     def board_bytes(self) -> int:
-        """The count board of a dispatch that stores its rows compact (``rows_in_window``):
-        ``[W, W]`` int64 (row s: the rows source s sends to each rank), then ``[W]`` int64 (the
-        first row at which each source stored its rows here)."""
-        return align_up((self.world + 1) * self.world * 8, _ALIGN)
+        return align_up(self.board_words * 8, _ALIGN)
 
     @property
     def parity_bytes(self) -> int:

@@ -588,12 +588,15 @@ def _check_layout_in_store():
 
 def _check_compact_receive():
     """A compact dispatch (``rows_in_window``): the counts op publishes every rank's counts and
-    each rank's wait sums the ranks before it; the stores at those rows leave every rank's
-    received rows, ids and weights compact at the start of its window, equal to the reference
-    (and to what the regular gather copies out); the header read's offsets and clean row count
-    as for a regular dispatch, the id region's high-water marks covering rows [0, N); a
-    source whose board entry names another row is flagged, and counts a peer inflates stay
-    clamped inside the window."""
+    the headers its stores will carry; each rank's count wait sums the ranks before it and
+    hands over the announced headers (the info and offsets a regular header read writes, on
+    the device and in the host buffer with the rows op's record last) before any row is
+    stored; the stores at those rows leave every rank's received rows, ids and weights compact
+    at the start of its window, equal to the reference; the header read then finds every
+    source as announced, writes nothing for the host and moves the id region's high-water
+    marks to cover rows [0, N); a source whose rows sit elsewhere or whose header differs from
+    its announcement is flagged in the error word, and counts a peer inflates stay clamped
+    inside the window."""
     import torch
     from efa_ep.kernels.gda import launches as kern
     from efa_ep.testing.reference import reference_combine, reference_dispatch
@@ -609,7 +612,10 @@ def _check_compact_receive():
     ]:
         t_max, dtype = 12, torch.bfloat16
         num_local = num_experts // world
+        hl = 2 + num_local
+        n_info = 1 + world * hl + world + num_local
         peers = _Peers(world, t_max, hidden, dtype, 8, num_local)
+        peers.errs = [torch.zeros(4, dtype=torch.int64) for _ in range(world)]
         g = torch.Generator().manual_seed(world * 10 + topk)
         ts = [(t_max - 3 * r) % (t_max + 1) for r in range(world)]
         xs = [torch.randn(t, hidden, generator=g).to(dtype) for t in ts]
@@ -619,25 +625,44 @@ def _check_compact_receive():
 
         def board(r, offs):
             o = offs["board_off"]
-            return peers.bufs[r][o:o + 8 * (world + 1) * world].view(torch.int64)
+            return peers.bufs[r][o:o + 8 * peers.layout.board_words].view(torch.int64)
 
         # ---- op 1 (dispatch counts, parity 1) ----
         offs_c = peers.layout.offsets(1)
         lays = [kern.layout(idxs[me], ws[me], num_experts, world) for me in range(world)]
         for me in range(world):
-            kern.publish_counts(lays[me][2], peers.buf_ptrs, peers.sig_ptrs,
-                                board_off=offs_c["board_off"], me=me, epoch=1)
+            kern.publish_counts(lays[me][2], lays[me][3], lays[me][4], peers.buf_ptrs,
+                                peers.sig_ptrs, board_off=offs_c["board_off"], me=me,
+                                num_local=num_local, epoch=1)
         counts = torch.stack([lay[2] for lay in lays])  # [source, destination]
-        dst = []
+        # what each source announces to rank d: status, rows, rows per expert of d
+        said = [torch.stack([torch.cat([lays[s][4].view(1), lays[s][2][d:d + 1],
+                                        lays[s][3][d * num_local:(d + 1) * num_local]])
+                             for s in range(world)]) for d in range(world)]
+        dst, outs = [], []
         for me in range(world):
             assert peers.sigs[me].tolist() == [1] * world
             assert torch.equal(board(me, offs_c)[:world * world].view(world, world), counts)
             d = torch.full((world,), -5, dtype=torch.int64)
-            kern.count_wait(peers.sigs[me], peers.errs[me], board(me, offs_c), d, me=me,
-                            t_max=t_max, epoch=1, **WAIT)
+            out = torch.full((kern._even(n_info) + world + 2,), -7, dtype=torch.int64)
+            host = torch.full((n_info + 1,), -9, dtype=torch.int64)
+            info, offsets = kern.count_wait(
+                peers.sigs[me], peers.errs[me], board(me, offs_c), d, lays[me][2], out, me=me,
+                t_max=t_max, num_local=num_local, epoch=1, **WAIT, host=host)
             assert torch.equal(d, counts[:me].sum(0)), (world, me)
-            assert peers.errs[me].tolist() == [0, 0, 0]
+            assert peers.errs[me].tolist() == [0, 0, 0, 0]
+            # the count read: the announced headers, before any row is stored
+            assert torch.equal(info[1:1 + world * hl].view(world, hl), said[me]), (world, me)
+            n = int(said[me][:, 1].sum())
+            assert int(info[0]) == 0 and info[1 + world * hl:][:world].tolist() == \
+                lays[me][2].tolist()
+            assert torch.equal(info[1 + world * hl + world:], said[me][:, 2:].sum(0))
+            assert offsets.tolist() == [0] + said[me][:, 1].cumsum(0).tolist()
+            assert int(out[kern._even(n_info) + world + 1]) == n, (world, me)
+            assert torch.equal(host[:n_info], info) and \
+                int(host[n_info]) == kern.wait_record(2, "dispatch"), (world, me)
             dst.append(d)
+            outs.append(out)
         # ---- op 2 (dispatch, parity 0): the compact stores and the header read ----
         offs = peers.layout.offsets(0)
         for me in range(world):
@@ -650,15 +675,16 @@ def _check_compact_receive():
         iv = torch.int16
         recv = []
         for me in range(world):
-            info, offsets = kern.recv_header(
+            before = outs[me].clone()
+            host = torch.full((n_info + 1,), -9, dtype=torch.int64)
+            _, offsets = kern.recv_header(
                 peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me], lays[me][2],
                 peers.hws[me][0], num_local=num_local, t_max=t_max, epoch=2, **WAIT,
-                board=board(me, offs))
-            hl = 2 + num_local
-            hdr = info[1:1 + world * hl].view(world, hl)
-            assert int(info[0]) == 0 and hdr[:, 0].tolist() == [0] * world, (world, me)
-            n = int(hdr[:, 1].sum())
-            assert int(offsets.as_strided((world + 2,), (1,))[world + 1]) == n
+                out=outs[me], host=host, board=board(me, offs))
+            assert peers.errs[me].tolist() == [0, 0, 0, 0], (world, me)
+            assert torch.equal(outs[me], before) and host.tolist() == [-9] * (n_info + 1)
+            assert torch.equal(peers.hdr(me, offs["hdr_off"]), said[me]), (world, me)
+            n = int(said[me][:, 1].sum())
             ref_x, ref_i, ref_w, ref_tpe, _ = ref[me]
             rx = peers.bufs[me][offs["data_off"]:].view(dtype)[:n * hidden].view(n, hidden)
             ri = peers.bufs[me][offs["idx_off"]:].view(torch.int64)[:n * topk].view(n, topk)
@@ -666,23 +692,25 @@ def _check_compact_receive():
             assert torch.equal(rx.view(iv), ref_x.view(iv)), (world, me)
             assert torch.equal(ri, ref_i) and torch.equal(rw.view(torch.int32),
                                                           ref_w.view(torch.int32))
-            assert torch.equal(hdr[:, 2:].sum(0), ref_tpe)
+            assert torch.equal(said[me][:, 2:].sum(0), ref_tpe)
             want_hw = [min(max(n - s * t_max, 0), t_max) for s in range(world)]
             assert peers.hws[me][0].tolist() == want_hw, (world, me)
             recv.append((n, offsets))
-            # a source whose board entry names another row: flagged, the counts not clean
-            src = next((s for s in range(world) if int(hdr[s, 1]) > 0), None)
+            # a source whose board entry names another row, or whose header differs from what
+            # it announced: its bit in err[3], ROWS_MISPLACED in err[0]
+            src = next((s for s in range(world) if int(said[me][s, 1]) > 0), None)
             if src is not None:
                 b = board(me, offs)
-                b[world * world + src] += 1
-                info2, off2 = kern.recv_header(
-                    peers.sigs[me], peers.hdr(me, offs["hdr_off"]), peers.errs[me],
-                    lays[me][2], peers.hws[me][0].clone(), num_local=num_local, t_max=t_max,
-                    epoch=2, **WAIT, board=b)
-                st = info2[1:1 + world * hl].view(world, hl)[:, 0].tolist()
-                assert st == [kern.ROWS_MISPLACED if s == src else 0 for s in range(world)]
-                assert int(off2.as_strided((world + 2,), (1,))[world + 1]) == -1
-                b[world * world + src] -= 1
+                hdr = peers.hdr(me, offs["hdr_off"])
+                for region, at in ((b, world * world + src), (hdr[src], 2)):
+                    region[at] += 1
+                    kern.recv_header(
+                        peers.sigs[me], hdr, peers.errs[me], lays[me][2],
+                        peers.hws[me][0].clone(), num_local=num_local, t_max=t_max, epoch=2,
+                        **WAIT, out=outs[me], board=b)
+                    assert peers.errs[me].tolist() == [kern.ROWS_MISPLACED, 0, 0, 1 << src]
+                    region[at] -= 1
+                    peers.errs[me].zero_()
         # ---- op 3 (combine, parity 1): the compact handle's offsets return the rows ----
         offs3 = peers.layout.offsets(1)
         ys = [torch.randn(n, hidden, generator=g).to(dtype) for n, _ in recv]
@@ -701,12 +729,15 @@ def _check_compact_receive():
         if world > 1:
             b = board(world - 1, offs_c)
             b[:world * world] = 10 ** 12
+            b[(world + 1) * world:].view(world, hl)[:, 1] = 10 ** 12
             for r in range(world):
                 peers.sigs[world - 1][r] = 5
             d = torch.full((world,), -5, dtype=torch.int64)
-            kern.count_wait(peers.sigs[world - 1], peers.errs[world - 1], b, d, me=world - 1,
-                            t_max=t_max, epoch=5, **WAIT)
+            out = torch.zeros(kern._even(n_info) + world + 2, dtype=torch.int64)
+            kern.count_wait(peers.sigs[world - 1], peers.errs[world - 1], b, d, lays[0][2], out,
+                            me=world - 1, t_max=t_max, num_local=num_local, epoch=5, **WAIT)
             assert d.tolist() == [(world - 1) * t_max] * world
+            assert int(out[kern._even(n_info) + world + 1]) == -1  # not clean: the host refuses
         cases += 1
     print(f"compact receive: {cases} cases")
 

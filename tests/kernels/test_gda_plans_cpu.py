@@ -600,7 +600,7 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     tr = _transport(tmp_path, monkeypatch, cpp=True)
     tr.rows_in_window = True
     tr._buf = torch.zeros(tr.layout.total_bytes, dtype=torch.uint8)
-    n_board = (W + 1) * W
+    n_board = tr.layout.board_words
     tr._board = tuple(tr._buf[o["board_off"]:o["board_off"] + 8 * n_board].view(torch.int64)
                       for o in tr._offs)
     tr._hdr = tuple(tr._buf[o["hdr_off"]:o["hdr_off"] + 8 * W * tr.layout.hdr_len]
