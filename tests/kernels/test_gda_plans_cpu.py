@@ -588,6 +588,18 @@ def test_token_counts_that_keep_changing_keep_the_program_tables_bounded(tr, mon
     assert most <= 12 + 4 and len(ph._plans) <= 12
 
 
+def _compact(tr):
+    """``tr`` with ``rows_in_window``: a window on the CPU holding its boards and headers."""
+    tr.rows_in_window = True
+    tr._buf = torch.zeros(tr.layout.total_bytes, dtype=torch.uint8)
+    n_board = tr.layout.board_words
+    tr._board = tuple(tr._buf[o["board_off"]:o["board_off"] + 8 * n_board].view(torch.int64)
+                      for o in tr._offs)
+    tr._hdr = tuple(tr._buf[o["hdr_off"]:o["hdr_off"] + 8 * W * tr.layout.hdr_len]
+                    .view(torch.int64).view(W, -1) for o in tr._offs)
+    return tr
+
+
 def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, monkeypatch):
     """Option rows_in_window: the first dispatch of a shape runs phase by phase (binding the
     counts op's program, the rows op's and the compact header), a later one of the same parity
@@ -597,14 +609,7 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     same counts and handle."""
     from efa_ep.kernels.gda import compact
 
-    tr = _transport(tmp_path, monkeypatch, cpp=True)
-    tr.rows_in_window = True
-    tr._buf = torch.zeros(tr.layout.total_bytes, dtype=torch.uint8)
-    n_board = tr.layout.board_words
-    tr._board = tuple(tr._buf[o["board_off"]:o["board_off"] + 8 * n_board].view(torch.int64)
-                      for o in tr._offs)
-    tr._hdr = tuple(tr._buf[o["hdr_off"]:o["hdr_off"] + 8 * W * tr.layout.hdr_len]
-                    .view(torch.int64).view(W, -1) for o in tr._offs)
+    tr = _compact(_transport(tmp_path, monkeypatch, cpp=True))
     ph = tr._phases
     calls = []
     real = ph.cpp
@@ -640,3 +645,25 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
         assert tpe.tolist() == [2] * L and h.num_recv_tokens == n
         assert h.num_recv_per_rank == (T, 5) and h.num_send_per_rank == (T, 6)
         assert calls == [1] * call, calls  # the second call went to C++, whole
+
+
+def test_compact_rows_not_as_announced_raise_at_the_next_count_read(tr_any):
+    """With rows_in_window the host reads the counts the sources announced, before their rows
+    arrive; the header read after the stores sets ROWS_MISPLACED and the source's bit in the
+    error word when a source stored other rows or elsewhere. The next dispatch's count read
+    carries that word: it raises ProtocolError naming the source (first call of a shape and a
+    repeated one, Python or C++), and the transport refuses every later call."""
+    from efa_ep.kernels.base import ProtocolError, TransportBroken
+
+    tr = _compact(tr_any)
+    _, x, idx, w = _inputs(3)
+    for _ in range(2):  # the shape's first call binds its programs, the second runs planned
+        tr.dispatch(x, idx, w)
+    tr._err.copy_(torch.tensor([kern.ROWS_MISPLACED, 0, 0, 0b10]))  # what the header read left
+    info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
+    info[0] = kern.ROWS_MISPLACED  # the count wait's copy of the error word
+    tr.stand_in.stand_in_set_info((ctypes.c_int64 * len(info))(*info), len(info))
+    with pytest.raises(ProtocolError, match=r"rank 0: .*source rank\(s\) \[1\] stored other"):
+        tr.dispatch(x, idx, w)
+    with pytest.raises(TransportBroken):
+        tr.dispatch(x, idx, w)
