@@ -27,8 +27,10 @@
  * node's parameters set from the records per run, then one cuGraphLaunch) where the driver
  * allows: the host submits once per program instead of once per kernel (on an H200 host under
  * MPS, ~4.3 us per cuLaunchKernel against ~2.3 us per cuGraphLaunch plus ~0.6 us per node's
- * parameters). Same kernels, arguments and stream order. A program with a memset step, one
- * whose graph could not be made, and a run on a stream being captured launch kernel by kernel.
+ * parameters). Same kernels, arguments and stream order. A memset step is a memset node of the
+ * graph (its address set per run like a kernel's parameters). A program whose graph could not be
+ * made, or whose node parameters the driver refuses, and a run on a stream being captured launch
+ * kernel by kernel.
  *
  * Build: cc -O2 -std=c11 -shared -fPIC efa_launch.c -ldl -o libefa_launch.so
  */
@@ -87,6 +89,17 @@ typedef int (*cu_graph_enable_t)(void *, void *, unsigned);
 typedef int (*cu_graph_launch_t)(void *, void *);
 typedef int (*cu_destroy_t)(void *);
 typedef int (*cu_capturing_t)(void *, int *);
+/* CUDA_MEMSET_NODE_PARAMS: a 1-D memset of width elements of element_bytes (1, 2 or 4) */
+typedef struct {
+    uint64_t dst;
+    size_t pitch;
+    unsigned value, element_bytes;
+    size_t width, height;
+} memset_params_t;
+typedef int (*cu_graph_add_memset_t)(void **, void *, void *const *, size_t,
+                                     const memset_params_t *, void *);
+typedef int (*cu_graph_set_memset_t)(void *, void *, const memset_params_t *, void *);
+typedef int (*cu_ctx_current_t)(void **);
 
 static struct {
     int state; /* 0 not tried, 1 ready, -1 failed */
@@ -106,6 +119,10 @@ static struct {
     cu_graph_launch_t graph_launch;
     cu_destroy_t graph_destroy, graph_exec_destroy;
     cu_capturing_t capturing;
+    /* memset nodes: a program with a memset step runs as a graph only when all three exist */
+    cu_graph_add_memset_t graph_add_memset;
+    cu_graph_set_memset_t graph_set_memset;
+    cu_ctx_current_t ctx_current;
 } cu;
 
 static void set_err(char *err, size_t len, const char *fmt, ...) {
@@ -166,6 +183,9 @@ int efa_launch_init(char *err, size_t errlen) {
     cu.graph_destroy = (cu_destroy_t)dlsym(h, "cuGraphDestroy");
     cu.graph_exec_destroy = (cu_destroy_t)dlsym(h, "cuGraphExecDestroy");
     cu.capturing = (cu_capturing_t)dlsym(h, "cuStreamIsCapturing");
+    cu.graph_add_memset = (cu_graph_add_memset_t)dlsym(h, "cuGraphAddMemsetNode");
+    cu.graph_set_memset = (cu_graph_set_memset_t)dlsym(h, "cuGraphExecMemsetNodeSetParams");
+    cu.ctx_current = (cu_ctx_current_t)dlsym(h, "cuCtxGetCurrent");
     cu.graphs = cu.graph_create && cu.graph_add_kernel && cu.graph_instantiate &&
                 cu.graph_set_params && cu.graph_enable && cu.graph_launch && cu.graph_destroy &&
                 cu.graph_exec_destroy && cu.capturing;
@@ -205,9 +225,10 @@ typedef struct {
     void *graph;
 } efa_program_t;
 
-/* A program's CUDA graph: one kernel node per record, each after the one before. */
+/* A program's CUDA graph: one node per record (kernel or memset), each after the one before. */
 typedef struct {
     void *graph, *exec;
+    void *ctx;              /* the memset nodes' context (the current one when made) */
     int64_t n;
     void **nodes;           /* [n] */
     unsigned char *enabled; /* [n] node on (grid > 0) as the exec has it now */
@@ -242,6 +263,18 @@ static void node_params(const efa_launch_t *r, node_params_t *np) {
     np->params = (void **)r->params;
 }
 
+/* A memset record's node parameters: values[1] bytes of zeros at values[0], in 4-byte
+ * elements when the size is a multiple of 4 (the layout's counters are int64; a node keeps its
+ * element size). 0, or -EINVAL when the address does not suit that element size. */
+static int memset_params(const efa_launch_t *r, memset_params_t *mp) {
+    memset(mp, 0, sizeof *mp);
+    mp->dst = (uint64_t)r->values[0];
+    mp->element_bytes = (r->values[1] % 4) == 0 ? 4 : 1;
+    mp->width = (size_t)r->values[1] / mp->element_bytes;
+    mp->height = 1;
+    return mp->dst % mp->element_bytes ? -EINVAL : 0;
+}
+
 /* Frees p's graph, if any (a no-op otherwise). */
 void efa_launch_graph_free(efa_program_t *p) {
     graph_t *g = (graph_t *)p->graph;
@@ -262,10 +295,17 @@ static int graph_make(efa_program_t *p) {
     g->enabled = (unsigned char *)(g->nodes + n);
     int rc = cu.graph_create(&g->graph, 0);
     for (int64_t i = 0; i < n && !rc; i++) {
-        node_params_t np;
-        node_params(&p->recs[i], &np);
-        rc = cu.graph_add_kernel(&g->nodes[i], g->graph, i ? &g->nodes[i - 1] : NULL, i ? 1 : 0,
-                                 &np);
+        void *const *dep = i ? &g->nodes[i - 1] : NULL;
+        if (p->recs[i].function == 0) {
+            memset_params_t mp;
+            rc = memset_params(&p->recs[i], &mp);
+            if (!rc) rc = cu.ctx_current(&g->ctx);
+            if (!rc) rc = cu.graph_add_memset(&g->nodes[i], g->graph, dep, i ? 1 : 0, &mp, g->ctx);
+        } else {
+            node_params_t np;
+            node_params(&p->recs[i], &np);
+            rc = cu.graph_add_kernel(&g->nodes[i], g->graph, dep, i ? 1 : 0, &np);
+        }
         g->enabled[i] = 1;
     }
     if (!rc) rc = cu.graph_instantiate(&g->exec, g->graph, 0);
@@ -275,15 +315,17 @@ static int graph_make(efa_program_t *p) {
 }
 
 /* Runs bound p as its graph: 0, -EIO (err says why), or 1 when p does not run as a graph
- * (mode off, a memset step, the graph could not be made, the stream is being captured). */
+ * (mode off, a memset step without the driver's memset nodes, an empty memset, the graph could
+ * not be made or its node parameters were refused, the stream is being captured). */
 static int run_graph(efa_program_t *p, void *stream, char *err, size_t errlen) {
     if (p->graph_mode <= 0 || !cu.graphs) return 1;
     int capture = 0;
     if (cu.capturing(stream, &capture) || capture) return 1;
     graph_t *g = (graph_t *)p->graph;
+    const int memset_nodes = cu.graph_add_memset && cu.graph_set_memset && cu.ctx_current;
     if (!g) {
         for (int64_t i = 0; i < p->num_recs; i++)
-            if (p->recs[i].function == 0) {
+            if (p->recs[i].function == 0 && (!memset_nodes || p->recs[i].values[1] <= 0)) {
                 p->graph_mode = -1;
                 return 1;
             }
@@ -299,6 +341,16 @@ static int run_graph(efa_program_t *p, void *stream, char *err, size_t errlen) {
         const unsigned char on = r->grid_x > 0;
         int rc = 0;
         const char *what = "cuGraphNodeSetEnabled";
+        if (r->function == 0) { /* a memset: its address changes per run, its size does not */
+            memset_params_t mp;
+            if (r->values[1] <= 0 || memset_params(r, &mp) ||
+                cu.graph_set_memset(g->exec, g->nodes[i], &mp, g->ctx)) {
+                p->graph_mode = -3; /* the driver refused: kernel by kernel from now on */
+                efa_launch_graph_free(p);
+                return 1;
+            }
+            continue;
+        }
         if (on != g->enabled[i]) {
             rc = cu.graph_enable(g->exec, g->nodes[i], on);
             g->enabled[i] = on;

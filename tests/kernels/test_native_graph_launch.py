@@ -6,8 +6,9 @@ arguments with the value of the first parameter at that moment, node enabling, g
 and can pretend that the stream is being captured or that a graph cannot be instantiated. The
 tests pin what the GPU runs cannot show call by call: the graph is made once, every run sets
 each node's arguments after the call's variables were written, a step of grid 0 is disabled
-rather than launched, and a memset step, a capturing stream or a graph the driver refuses
-launch kernel by kernel with the same records."""
+rather than launched, a memset step is a memset node whose address each run sets (with a
+driver that has them), and a memset step without them, a capturing stream or a graph the
+driver refuses launch kernel by kernel with the same records."""
 import json
 import os
 import subprocess
@@ -61,6 +62,22 @@ int cuGraphLaunch(void *x, void *s) { add("graph;"); return 0; }
 int cuGraphDestroy(void *g) { add("destroy;"); return 0; }
 int cuGraphExecDestroy(void *x) { add("destroy_exec;"); return 0; }
 int cuStreamIsCapturing(void *s, int *st) { *st = capturing; return 0; }
+#ifdef MEMSET_NODES
+typedef struct { uint64_t dst; size_t pitch; unsigned value, elem; size_t width, height; } ms_t;
+static int refuse_memset;
+void fake_refuse_memset(int r) { refuse_memset = r; }
+int cuCtxGetCurrent(void **c) { *c = (void *)0x400; return 0; }
+int cuGraphAddMemsetNode(void **n, void *g, void *const *deps, size_t nd, const ms_t *p,
+                         void *ctx) {
+  *n = (void *)(uintptr_t)(0x200 + nodes_made++);
+  char b[96]; snprintf(b, sizeof b, "memset_node %zu %u x %zu;", nd, p->elem, p->width); add(b);
+  return 0;
+}
+int cuGraphExecMemsetNodeSetParams(void *x, void *n, const ms_t *p, void *ctx) {
+  char b[96]; snprintf(b, sizeof b, "memset_set %llu;", (unsigned long long)p->dst); add(b);
+  return refuse_memset ? 1 : 0;
+}
+#endif
 """
 
 # The child: programs of two kernel steps (or a memset then a kernel) whose first parameter is
@@ -76,12 +93,13 @@ _CHILD = textwrap.dedent("""
     drv.fake_log.restype = ctypes.c_char_p
     keep, out = [], {}
 
-    def program(memset=False, mode=1):
+    def program(memset=False, mode=1, nbytes=0):
         recs = (nl._Record * 2)()
         for i, r in enumerate(recs):
             r.head[0] = 0 if (memset and i == 0) else 0x1000 + i
             r.head[1], r.head[2], r.head[3], r.head[4], r.head[6] = 4, 1, 1, 128, 1
             r.params[0] = ctypes.addressof(r.values)
+        recs[0].values[1] = nbytes  # a memset step's size
         words = ctypes.sizeof(nl._Record) // 8
         uses = (ctypes.c_int64 * 9)(nl._VALUES, 0, 0, words + nl._VALUES, 0, 8,
                                     words + 1, 1, 0)  # step 1's grid: variable 1
@@ -108,8 +126,15 @@ _CHILD = textwrap.dedent("""
     out["free"] = [drv.fake_log().decode(), bool(d.graph)]
     d, v = program(mode=0)
     run("mode0", d, v, 60, 4)
-    d, v = program(memset=True)
-    run("memset", d, v, 70, 4)
+    d, v = program(memset=True, nbytes=64)
+    run("memset", d, v, 72, 4)
+    if hasattr(drv, "fake_refuse_memset"):  # the driver has memset nodes
+        run("memset_again", d, v, 96, 4)
+        d2, v2 = program(memset=True, nbytes=64)
+        run("memset_odd", d2, v2, 73, 4)
+        drv.fake_refuse_memset(1)
+        run("memset_refused", d, v, 120, 4)
+        run("memset_refused_again", d, v, 136, 4)
     d, v = program()
     run("refused", d, v, 80, 4, refuse=1)
     run("refused_again", d, v, 90, 4)
@@ -117,8 +142,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def driver_log(tmp_path_factory):
+def _run_child(tmp_path_factory, memset_nodes):
     try:
         nl.load()
     except nl.NativeLaunchError as e:
@@ -128,13 +152,25 @@ def driver_log(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake_driver")
     src = d / "driver.c"
     src.write_text(_DRIVER)
-    subprocess.run(["cc", "-O1", "-shared", "-fPIC", str(src), "-o", str(d / "libcuda.so.1")],
-                   check=True)
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", *(["-DMEMSET_NODES"] if memset_nodes else []),
+                    str(src), "-o", str(d / "libcuda.so.1")], check=True)
     env = dict(os.environ, LD_LIBRARY_PATH=f"{d}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     res = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def driver_log(tmp_path_factory):
+    """The log of a driver without memset nodes (their entry points absent)."""
+    return _run_child(tmp_path_factory, memset_nodes=False)
+
+
+@pytest.fixture(scope="module")
+def memset_driver_log(tmp_path_factory):
+    """The log of a driver with memset nodes."""
+    return _run_child(tmp_path_factory, memset_nodes=True)
 
 
 def test_graph_is_made_once_and_each_run_sets_every_node_from_the_call(driver_log):
@@ -159,9 +195,32 @@ def test_a_capturing_stream_gets_kernel_launches_and_the_graph_is_freed(driver_l
 
 def test_launch_by_launch_when_off_with_a_memset_or_refused_by_the_driver(driver_log):
     assert driver_log["mode0"][:3] == [0, "launch 4 60;launch 4 68;", 0]
-    rc, log, mode, has = driver_log["memset"]
-    assert (rc, log, mode, has) == (0, "memset;launch 4 78;", -1, False)
+    rc, log, mode, has = driver_log["memset"]  # a driver without memset nodes
+    assert (rc, log, mode, has) == (0, "memset;launch 4 80;", -1, False)
     rc, log, mode, has = driver_log["refused"]
     assert rc == 0 and log.endswith("refused;destroy;launch 4 80;launch 4 88;") and mode == -2
     assert not has  # what was made is freed
     assert driver_log["refused_again"][:3] == [0, "launch 4 90;launch 4 98;", -2]
+
+
+def test_a_memset_step_is_a_memset_node_set_from_each_call(memset_driver_log):
+    """A program with a memset step (a large batch's routing layout) runs as one graph: the
+    memset is a node of its own before the kernel (64 bytes as 16 four-byte elements), its
+    address set from the call's variables on every run like a kernel's arguments."""
+    rc, log, mode, has = memset_driver_log["memset"]
+    assert (rc, mode, has) == (0, 1, True)
+    assert log == ("create;memset_node 0 4 x 16;node 1;instantiate;memset_set 72;set 4 80;"
+                   "graph;"), log
+    assert memset_driver_log["memset_again"][:2] == [0, "memset_set 96;set 4 104;graph;"]
+
+
+def test_a_memset_node_refused_or_misaligned_falls_back_to_launches(memset_driver_log):
+    """The driver refusing a memset node's arguments frees the graph and runs the program
+    launch by launch from then on; an address that does not suit the node's four-byte
+    elements never makes the graph."""
+    rc, log, mode, has = memset_driver_log["memset_refused"]
+    assert (rc, log, mode, has) == (
+        0, "memset_set 120;destroy_exec;destroy;memset;launch 4 128;", -3, False)
+    assert memset_driver_log["memset_refused_again"][:3] == [0, "memset;launch 4 144;", -3]
+    rc, log, mode, has = memset_driver_log["memset_odd"]
+    assert rc == 0 and log.endswith("memset;launch 4 81;") and mode == -2 and not has, log
