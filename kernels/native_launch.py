@@ -225,8 +225,8 @@ class Program:
         grid_steps: indices of steps whose grid size :meth:`run` supplies (after the ints).
         graph: run the kernels as one CUDA graph (made by the first run; each run sets every
             node's parameters from the call's values, then one ``cuGraphLaunch``: same kernels,
-            arguments and stream order, less host time) where the driver allows; a program
-            with a memset step, and a run on a stream being captured, launch kernel by kernel.
+            arguments and stream order, less host time) where the driver allows, a memset step
+            as a memset node; a run on a stream being captured launches kernel by kernel.
     """
 
     def __init__(self, steps: Sequence, tensors: Sequence[torch.Tensor] = (),
