@@ -285,7 +285,8 @@ def dispatch_store(x, topk_idx, topk_weights, slot, num_per_rank, num_per_expert
 # Op kinds recorded with the epoch of an expired wait (error word slot 1 = epoch * 8 + kind).
 def check_err(err: torch.Tensor) -> None:
     """The error word: ``[3]`` int64 (missing-source bits, first expired op, sources with bad
-    input). Checked once by whoever makes it."""
+    input), a fourth (sources whose compact rows were not as announced) where compact
+    dispatches run (the transport's has it). Checked once by whoever makes it."""
     _check("err", err, torch.int64, 1)
     if err.numel() < 3:
         raise ValueError(f"err must hold 3 int64 (missing-source bits, first expired op, sources "
