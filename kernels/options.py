@@ -150,9 +150,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "host submission instead of one per kernel); 0 = kernel by kernel",
                choices=(0, 1)),
         Option("rows_in_window", int, 0, "1 = a regular dispatch exchanges its row counts "
-               "first (a second op) and stores the rows compact, so the received rows are "
-               "views of the window (no copy), valid until the transport's next call; 0 = "
-               "copied out of the window into tensors of their own", choices=(0, 1)),
+               "first (a second op; the counts reach the host before the rows) and stores the "
+               "rows compact, so the received rows are views of the window (no copy), valid "
+               "until the transport's next call: faster for large batches, slower for small "
+               "ones; 0 = copied out of the window into tensors of their own", choices=(0, 1)),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",
