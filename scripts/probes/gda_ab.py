@@ -12,10 +12,11 @@ pair; the slowest rank's medians are reported. Both arms are checked first: comb
 bit-identical to the expected sum, and A's outputs bit-identical to B's.
 
 EP ranks as processes on one GPU (MPS on, as ``gda_gpu_check.py``), DeepSeek-V3 shape (H 7168
-bf16, top-8 of 256), decode 128 and prefill 4096 tokens per rank, random routes.
+bf16, top-8 of 256), decode 128 and prefill 4096 tokens per rank (or a number of tokens per rank
+as a profile's name), random routes.
 
     python3 scripts/probes/gda_ab.py --b layout_in_store=0 [--a k=v,...] [--worlds 2,4]
-        [--profiles decode,prefill] [--iters 300] [--starts 2] [--out FILE.json]
+        [--profiles decode,512,prefill] [--iters 300] [--starts 2] [--out FILE.json]
 """
 import argparse
 import datetime
@@ -68,7 +69,7 @@ def _rank(rank, world, a, b, profiles, iters):
             for name, opts in (("A", a), ("B", b))}
     out = {}
     for prof in profiles:
-        t = PROFILES[prof]
+        t = PROFILES[prof] if prof in PROFILES else int(prof)
         idx, w = contract_route("random", t, EXPERTS, TOPK, world, seed=1234 + rank)
         idx, w = idx.to(dev), w.to(dev)
         g = torch.Generator(device=dev).manual_seed(99 + rank)
