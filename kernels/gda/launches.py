@@ -309,9 +309,9 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
     ``host[len(info)]`` = this op's record (``epoch * 8 + kind``), last: the host waits for
     that word instead of copying and synchronizing. ``out`` holds ``_even(len(info)) + W + 2``
     elements. ``board``: this rank's count board (int64 view of this parity, at least
-    ``[W * W + W]``) when the sources stored compact (:mod:`.compact_kernels`): the count wait wrote ``out``
-    (and ``host``) from the counts the sources announced; here nothing is written for the host
-    and ``host`` is unused: a source whose header differs from ``out``'s info or whose rows are
+    ``[W * W + W]``) when the sources stored compact (:mod:`.compact_kernels`): the count wait
+    wrote ``out`` (and ``host``) from the counts the sources announced; here nothing is written
+    for the host and ``host`` is unused: a source whose header differs from ``out``'s info or whose rows are
     not where the board says sets :data:`ROWS_MISPLACED` in the error word (its bit in
     ``err[3]``)."""
     world = my_sig.numel()
