@@ -6,14 +6,14 @@ a job starts.
     window_bytes("gda", world=8, hidden=7168, dtype=torch.bfloat16, max_tokens_per_rank=4096,
                  num_experts=256)          # bytes per rank
 
-What is counted: ``gda`` its symmetric-memory window (two parities of data, ids, weights,
-headers and the compact dispatch's count board; torch's signal pads are a few KiB more);
-``proxy`` its registered window (send slots, receive regions, headers), not the engine's provider buffers (measured ~72 MB resident per tcp
-channel: ``ProxyTransport.memory_report``); ``hier`` the sum of its network stage (``proxy`` over
-one rail, a rank per node; over the whole group without aggregation) and local stage (``gda``
-over the node's ranks, sized for the rows a rank forwards: nodes x ``max_tokens_per_rank`` with
-aggregation); ``torch`` holds no
-window (it allocates per call: about its received rows).
+What is counted: ``gda`` its symmetric-memory window (two parities of data, ids, weights, headers
+and the compact dispatch's count board; torch's signal pads are a few KiB more); ``proxy`` its
+registered window (send slots, receive regions, headers), not the engine's provider buffers
+(measured ~72 MB resident per tcp channel: ``ProxyTransport.memory_report``); ``hier`` the sum of
+its network stage (``proxy`` over one rail, a rank per node; over the whole group without
+aggregation) and local stage (``gda`` over the node's ranks, sized for the rows a rank forwards:
+nodes x ``max_tokens_per_rank`` with aggregation); ``torch`` holds no window (it allocates per call:
+about its received rows).
 """
 from __future__ import annotations
 

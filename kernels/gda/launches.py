@@ -311,9 +311,9 @@ def recv_header(my_sig, hdr, err, num_per_rank, hw, *, num_local, t_max, epoch, 
     elements. ``board``: this rank's count board (int64 view of this parity, at least
     ``[W * W + W]``) when the sources stored compact (:mod:`.compact_kernels`): the count wait
     wrote ``out`` (and ``host``) from the counts the sources announced; here nothing is written
-    for the host and ``host`` is unused: a source whose header differs from ``out``'s info or whose rows are
-    not where the board says sets :data:`ROWS_MISPLACED` in the error word (its bit in
-    ``err[3]``)."""
+    for the host and ``host`` is unused: a source whose header differs from ``out``'s info or
+    whose rows are not where the board says sets :data:`ROWS_MISPLACED` in the error word (its
+    bit in ``err[3]``)."""
     world = my_sig.numel()
     n_info = 1 + world * (2 + num_local) + world + num_local
     o_off = _even(n_info)
