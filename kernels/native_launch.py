@@ -1,4 +1,5 @@
-"""Kernel programs launched in one native call (``kernels/native/efa_launch.c``).
+"""Kernel programs launched in one native call (``kernels/native/efa_launch.c``, its CUDA graphs
+in ``efa_launch_graph.c``).
 
 A transport op launches a few compiled Triton kernels in a fixed order (layout, store, wait,
 reduce, ...). Launching each through Python costs 6-40 us of host time per kernel on a GPU
@@ -49,7 +50,10 @@ __all__ = ["NativeLaunchError", "Program", "KernelStep", "MemsetStep", "availabi
            "NOT_GATHERED"]
 
 _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
-SOURCE = os.path.join(_NATIVE_DIR, "efa_launch.c")
+#: the library's files: the driver, programs, gate and gda dispatch; a program as one CUDA graph;
+#: what both share (hashed with them, so an edit of any rebuilds)
+SOURCES = tuple(os.path.join(_NATIVE_DIR, f) for f in ("efa_launch.c", "efa_launch_graph.c"))
+HEADER = os.path.join(_NATIVE_DIR, "efa_launch.h")
 ABI_VERSION = 8
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
@@ -96,10 +100,11 @@ def _build() -> str:
     cc = compiler()
     if cc is None:
         raise NativeLaunchError("no C compiler found (cc/gcc/clang; apt-get install gcc)")
-    cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", SOURCE, "-ldl"]
+    cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", *SOURCES, "-ldl"]
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for path in (*SOURCES, HEADER):
+        with open(path, "rb") as f:
+            h.update(f.read())
     h.update(" ".join(cmd).encode())
     d = cache_dir()
     os.makedirs(d, exist_ok=True)
@@ -107,7 +112,7 @@ def _build() -> str:
     if os.path.isfile(out):
         return out
     try:
-        return compile_library(lambda o: cmd + ["-o", o], out, [SOURCE])
+        return compile_library(lambda o: cmd + ["-o", o], out, list(SOURCES))
     except RuntimeError as e:
         raise NativeLaunchError(str(e)) from e
 

@@ -19,7 +19,7 @@
 
 namespace {
 
-// efa_program_t of efa_launch.c: only its variables are written here
+// efa_program_t of efa_launch.h: only its variables are written here
 struct Program {
     void *recs;
     int64_t num_recs;

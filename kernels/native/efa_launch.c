@@ -23,7 +23,7 @@
  * outputs the caller allocated ahead at a capacity; counts that are not clean, or more rows than
  * the capacity, leave the gather to the caller, whose checks name the problem.
  *
- * A program of kernels only goes to the GPU as one CUDA graph (made on its first run, every
+ * A program goes to the GPU as one CUDA graph (efa_launch_graph.c: made on its first run, every
  * node's parameters set from the records per run, then one cuGraphLaunch) where the driver
  * allows: the host submits once per program instead of once per kernel (on an H200 host under
  * MPS, ~4.3 us per cuLaunchKernel against ~2.3 us per cuGraphLaunch plus ~0.6 us per node's
@@ -32,112 +32,12 @@
  * made, or whose node parameters the driver refuses, and a run on a stream being captured launch
  * kernel by kernel.
  *
- * Build: cc -O2 -std=c11 -shared -fPIC efa_launch.c -ldl -o libefa_launch.so
+ * Build: cc -O2 -std=c11 -shared -fPIC efa_launch.c efa_launch_graph.c -ldl -o libefa_launch.so
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
+#include "efa_launch.h"
 
-#define EFA_LAUNCH_ABI 8
-#define EFA_LAUNCH_MAX_PARAMS 40
-
-/* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
- * values[1] = bytes, set to zero). params[i] points at values[i]; a 4-byte parameter reads the
- * low half of its slot (little-endian). */
-typedef struct {
-    int64_t function;
-    int64_t grid_x, grid_y, grid_z;
-    int64_t block_x;
-    int64_t shared_bytes;
-    int64_t num_params;
-    int64_t reserved;
-    void *params[EFA_LAUNCH_MAX_PARAMS];
-    int64_t values[EFA_LAUNCH_MAX_PARAMS];
-} efa_launch_t;
-
-typedef int CUresult;
-typedef int (*cu_init_t)(unsigned);
-typedef int (*cu_launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                           unsigned, void *, void **, void **);
-typedef int (*cu_param_info_t)(void *, size_t, size_t *, size_t *);
-typedef int (*cu_memset_t)(uint64_t, unsigned char, size_t, void *);
-typedef int (*cu_errstr_t)(int, const char **);
-typedef int (*cu_event_record_t)(void *, void *);
-typedef int (*cu_event_sync_t)(void *);
-
-/* CUDA_KERNEL_NODE_PARAMS_v2 (kern and ctx unused: func is set) */
-typedef struct {
-    void *func;
-    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
-    void **params;
-    void **extra;
-    void *kern;
-    void *ctx;
-} node_params_t;
-typedef int (*cu_graph_create_t)(void **, unsigned);
-typedef int (*cu_graph_add_kernel_t)(void **, void *, void *const *, size_t,
-                                     const node_params_t *);
-typedef int (*cu_graph_instantiate_t)(void **, void *, unsigned long long);
-typedef int (*cu_graph_set_params_t)(void *, void *, const node_params_t *);
-typedef int (*cu_graph_enable_t)(void *, void *, unsigned);
-typedef int (*cu_graph_launch_t)(void *, void *);
-typedef int (*cu_destroy_t)(void *);
-typedef int (*cu_capturing_t)(void *, int *);
-/* CUDA_MEMSET_NODE_PARAMS: a 1-D memset of width elements of element_bytes (1, 2 or 4) */
-typedef struct {
-    uint64_t dst;
-    size_t pitch;
-    unsigned value, element_bytes;
-    size_t width, height;
-} memset_params_t;
-typedef int (*cu_graph_add_memset_t)(void **, void *, void *const *, size_t,
-                                     const memset_params_t *, void *);
-typedef int (*cu_graph_set_memset_t)(void *, void *, const memset_params_t *, void *);
-typedef int (*cu_ctx_current_t)(void **);
-
-static struct {
-    int state; /* 0 not tried, 1 ready, -1 failed */
-    char why[256];
-    cu_launch_t launch;
-    cu_param_info_t param_info;
-    cu_memset_t memset;
-    cu_errstr_t errstr;
-    cu_event_record_t event_record;
-    cu_event_sync_t event_sync;
-    int graphs; /* 1 when every graph entry point below was found */
-    cu_graph_create_t graph_create;
-    cu_graph_add_kernel_t graph_add_kernel;
-    cu_graph_instantiate_t graph_instantiate;
-    cu_graph_set_params_t graph_set_params;
-    cu_graph_enable_t graph_enable;
-    cu_graph_launch_t graph_launch;
-    cu_destroy_t graph_destroy, graph_exec_destroy;
-    cu_capturing_t capturing;
-    /* memset nodes: a program with a memset step runs as a graph only when all three exist */
-    cu_graph_add_memset_t graph_add_memset;
-    cu_graph_set_memset_t graph_set_memset;
-    cu_ctx_current_t ctx_current;
-} cu;
-
-static void set_err(char *err, size_t len, const char *fmt, ...) {
-    if (!err || !len) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, len, fmt, ap);
-    va_end(ap);
-}
-
-static const char *cu_name(int rc) {
-    const char *s = NULL;
-    if (cu.errstr && cu.errstr(rc, &s) == 0 && s) return s;
-    return "unknown CUDA error";
-}
+efa_driver_t cu;
 
 int efa_launch_abi_version(void) { return EFA_LAUNCH_ABI; }
 
@@ -209,31 +109,6 @@ int efa_launch_param_sizes(int64_t function, int64_t *sizes, int max, char *err,
     }
 }
 
-/* A bound program: n records, and where the call's variables go. uses holds num_uses triples
- * (word, variable, byte offset): before a run, word `word` of the records (viewed as one flat
- * int64 array) becomes vars[variable] + offset. vars is written by the caller per call.
- * graph_mode: 1 = run as one CUDA graph where possible (graph: its state, made on the first
- * run; efa_launch_graph_free frees it), 0 = kernel by kernel; the library sets it to a
- * negative value when the graph could not be made (then kernel by kernel for good). */
-typedef struct {
-    efa_launch_t *recs;
-    int64_t num_recs;
-    const int64_t *uses;
-    int64_t num_uses;
-    const int64_t *vars;
-    int64_t graph_mode;
-    void *graph;
-} efa_program_t;
-
-/* A program's CUDA graph: one node per record (kernel or memset), each after the one before. */
-typedef struct {
-    void *graph, *exec;
-    void *ctx;              /* the memset nodes' context (the current one when made) */
-    int64_t n;
-    void **nodes;           /* [n] */
-    unsigned char *enabled; /* [n] node on (grid > 0) as the exec has it now */
-} graph_t;
-
 int efa_launch_program_bytes(void) { return (int)sizeof(efa_program_t); }
 
 /* Writes the call's variables into the program's records. */
@@ -251,134 +126,9 @@ int efa_launch_bind(const efa_program_t *p) {
     return 0;
 }
 
-static void node_params(const efa_launch_t *r, node_params_t *np) {
-    memset(np, 0, sizeof *np);
-    np->func = (void *)(uintptr_t)r->function;
-    np->grid_x = r->grid_x > 0 ? (unsigned)r->grid_x : 1;
-    np->grid_y = (unsigned)r->grid_y;
-    np->grid_z = (unsigned)r->grid_z;
-    np->block_x = (unsigned)r->block_x;
-    np->block_y = np->block_z = 1;
-    np->shared_bytes = (unsigned)r->shared_bytes;
-    np->params = (void **)r->params;
-}
-
-/* A memset record's node parameters: values[1] bytes of zeros at values[0], in 4-byte
- * elements when the size is a multiple of 4 (the layout's counters are int64; a node keeps its
- * element size). 0, or -EINVAL when the address does not suit that element size. */
-static int memset_params(const efa_launch_t *r, memset_params_t *mp) {
-    memset(mp, 0, sizeof *mp);
-    mp->dst = (uint64_t)r->values[0];
-    mp->element_bytes = (r->values[1] % 4) == 0 ? 4 : 1;
-    mp->width = (size_t)r->values[1] / mp->element_bytes;
-    mp->height = 1;
-    return mp->dst % mp->element_bytes ? -EINVAL : 0;
-}
-
-/* Frees p's graph, if any (a no-op otherwise). */
-void efa_launch_graph_free(efa_program_t *p) {
-    graph_t *g = (graph_t *)p->graph;
-    if (!g) return;
-    p->graph = NULL;
-    if (g->exec) cu.graph_exec_destroy(g->exec);
-    if (g->graph) cu.graph_destroy(g->graph);
-    free(g);
-}
-
-/* Makes p's graph from its bound records; 0, or the driver's error (p->graph stays NULL). */
-static int graph_make(efa_program_t *p) {
-    const int64_t n = p->num_recs;
-    graph_t *g = (graph_t *)calloc(1, sizeof *g + n * (sizeof(void *) + 1));
-    if (!g) return -ENOMEM;
-    g->n = n;
-    g->nodes = (void **)(g + 1);
-    g->enabled = (unsigned char *)(g->nodes + n);
-    int rc = cu.graph_create(&g->graph, 0);
-    for (int64_t i = 0; i < n && !rc; i++) {
-        void *const *dep = i ? &g->nodes[i - 1] : NULL;
-        if (p->recs[i].function == 0) {
-            memset_params_t mp;
-            rc = memset_params(&p->recs[i], &mp);
-            if (!rc) rc = cu.ctx_current(&g->ctx);
-            if (!rc) rc = cu.graph_add_memset(&g->nodes[i], g->graph, dep, i ? 1 : 0, &mp, g->ctx);
-        } else {
-            node_params_t np;
-            node_params(&p->recs[i], &np);
-            rc = cu.graph_add_kernel(&g->nodes[i], g->graph, dep, i ? 1 : 0, &np);
-        }
-        g->enabled[i] = 1;
-    }
-    if (!rc) rc = cu.graph_instantiate(&g->exec, g->graph, 0);
-    p->graph = g;
-    if (rc) efa_launch_graph_free(p);
-    return rc;
-}
-
-/* Runs bound p as its graph: 0, -EIO (err says why), or 1 when p does not run as a graph
- * (mode off, a memset step without the driver's memset nodes, an empty memset, the graph could
- * not be made or its node parameters were refused, the stream is being captured). */
-static int run_graph(efa_program_t *p, void *stream, char *err, size_t errlen) {
-    if (p->graph_mode <= 0 || !cu.graphs) return 1;
-    int capture = 0;
-    if (cu.capturing(stream, &capture) || capture) return 1;
-    graph_t *g = (graph_t *)p->graph;
-    const int memset_nodes = cu.graph_add_memset && cu.graph_set_memset && cu.ctx_current;
-    if (!g) {
-        for (int64_t i = 0; i < p->num_recs; i++)
-            if (p->recs[i].function == 0 && (!memset_nodes || p->recs[i].values[1] <= 0)) {
-                p->graph_mode = -1;
-                return 1;
-            }
-        int rc = graph_make(p);
-        if (rc) {
-            p->graph_mode = -2;
-            return 1;
-        }
-        g = (graph_t *)p->graph;
-    }
-    for (int64_t i = 0; i < g->n; i++) {
-        const efa_launch_t *r = &p->recs[i];
-        const unsigned char on = r->grid_x > 0;
-        int rc = 0;
-        const char *what = "cuGraphNodeSetEnabled";
-        if (r->function == 0) { /* a memset: its address changes per run, its size does not */
-            memset_params_t mp;
-            if (r->values[1] <= 0 || memset_params(r, &mp) ||
-                cu.graph_set_memset(g->exec, g->nodes[i], &mp, g->ctx)) {
-                p->graph_mode = -3; /* the driver refused: kernel by kernel from now on */
-                efa_launch_graph_free(p);
-                return 1;
-            }
-            continue;
-        }
-        if (on != g->enabled[i]) {
-            rc = cu.graph_enable(g->exec, g->nodes[i], on);
-            g->enabled[i] = on;
-        }
-        if (!rc && on) {
-            node_params_t np;
-            node_params(r, &np);
-            what = "cuGraphExecKernelNodeSetParams";
-            rc = cu.graph_set_params(g->exec, g->nodes[i], &np);
-        }
-        if (rc) {
-            set_err(err, errlen, "%s (step %lld of %lld) failed: %s", what, (long long)i,
-                    (long long)g->n, cu_name(rc));
-            return -EIO;
-        }
-    }
-    int rc = cu.graph_launch(g->exec, stream);
-    if (rc) {
-        set_err(err, errlen, "cuGraphLaunch (%lld steps) failed: %s", (long long)g->n,
-                cu_name(rc));
-        return -EIO;
-    }
-    return 0;
-}
-
 static int run(const efa_program_t *p, void *stream, char *err, size_t errlen) {
     bind(p);
-    const int graphed = run_graph((efa_program_t *)p, stream, err, errlen);
+    const int graphed = efa_launch_graph_run((efa_program_t *)p, stream, err, errlen);
     if (graphed <= 0) return graphed;
     const int n = (int)p->num_recs;
     for (int i = 0; i < n; i++) {
