@@ -35,10 +35,6 @@ PROFILES = {"decode": 128, "prefill": 4096}
 WARMUP = 20
 
 
-def _options(text: str) -> dict:
-    return dict(kv.split("=", 1) for kv in text.split(",") if kv)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
@@ -119,9 +115,9 @@ def main():
     ap.add_argument("--out", default=None, help="JSON record")
     args = ap.parse_args()
     from efa_ep.distributed import run_ranks
-    from efa_ep.kernels.options import validate_options
+    from efa_ep.kernels.options import parse_options_text, validate_options
 
-    a, b = (validate_options("gda", _options(v), where=f"--{n}") for n, v in
+    a, b = (validate_options("gda", parse_options_text(v, f"--{n}"), where=f"--{n}") for n, v in
             (("a", args.a), ("b", args.b)))
     profiles = args.profiles.split(",")
     record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -132,7 +132,7 @@ def _rank(rank, world, tokens, options, iters):
 
 def main():
     from efa_ep.distributed import run_ranks
-    from efa_ep.kernels.options import validate_options
+    from efa_ep.kernels.options import parse_options_text, validate_options
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -141,8 +141,7 @@ def main():
     ap.add_argument("--options", default="rows_in_window=1", help="eager arm's gda options")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    options = validate_options("gda", dict(kv.split("=", 1) for kv in a.options.split(",") if kv),
-                               where="--options")
+    options = validate_options("gda", parse_options_text(a.options, "--options"), "--options")
     res = run_ranks(_rank, a.world, (a.tokens, options, a.iters), timeout_s=400,
                     pg_timeout_s=350, env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
     glob = {arm: _global(res, arm) for arm in ("eager", "replay")}
