@@ -78,6 +78,6 @@ def test_wire_header_fields_and_op_codes_match():
 
 
 def test_launcher_constants_match_python():
-    c = _defines("efa_launch.c")
+    c = _defines("efa_launch.h")
     assert c["EFA_LAUNCH_ABI"] == native_launch.ABI_VERSION
     assert c["EFA_LAUNCH_MAX_PARAMS"] == native_launch.MAX_PARAMS
