@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Where the host time of an eager gda dispatch and combine goes, per step, with peers.
 
-EP ranks as processes on one GPU (MPS on), DeepSeek-V3 decode shape (H 7168 bf16, top-8 of
-256, 128 tokens/rank), the default ``fast_launch=4``: after warm-up every dispatch and combine
-goes through its one C++ call (:mod:`efa_ep.kernels.gda.cpp_op`), whose host-time trace is
-turned on here. Per op, medians over ``--iters`` calls of the slowest rank, microseconds:
+EP ranks as processes on one GPU (MPS on), DeepSeek-V3 shape (H 7168 bf16, top-8 of 256,
+``--tokens`` per rank, default 128: decode), the default ``fast_launch=4`` (``--options``
+k=v,... sets others): after warm-up every dispatch and combine goes through its one C++ call
+(:mod:`efa_ep.kernels.gda.cpp_op`), whose host-time trace is turned on here. Per op, medians over ``--iters`` calls of the slowest rank, microseconds:
 
 * ``py_in``: from the Python call to the C++ call's entry (the transport's Python before it);
 * ``cpp_pre``: the C++ call's input check, allocations and program variables;
@@ -13,7 +13,8 @@ turned on here. Per op, medians over ``--iters`` calls of the slowest rank, micr
 * ``cpp_post``: after the native call until the result is built (views, counts);
 * ``py_out``: from there back to the caller (the result tuple, the handle, Python after it).
 
-    python3 scripts/probes/gda_op_trace.py [--worlds 2,4] [--iters 300] [--out FILE.json]
+    python3 scripts/probes/gda_op_trace.py [--worlds 2,4] [--iters 300] [--tokens 4096] \
+        [--options rows_in_window=1] [--out FILE.json]
 """
 import argparse
 import json
@@ -38,20 +39,21 @@ def _steps(p0, p1, tr):
                 cpp_post=(t3 - t2) / 1e3, py_out=(p1 - t3) / 1e3, wall=(p1 - p0) / 1e3)
 
 
-def _rank(rank, world, iters):
+def _rank(rank, world, iters, tokens, options):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    tr = create_transport("gda", None, 256, 7168, 4096, torch.bfloat16, timeout_s=60)
+    tr = create_transport("gda", None, 256, 7168, max(4096, tokens), torch.bfloat16,
+                          **{"timeout_s": 60, **options})
     cpp = tr._phases.cpp
     if cpp is None:
         raise RuntimeError(f"the C++ dispatch is off here: {tr._phases.cpp_off}")
-    idx, w = contract_route("random", 128, 256, 8, world, seed=1234 + rank)
+    idx, w = contract_route("random", tokens, 256, 8, world, seed=1234 + rank)
     idx, w = idx.to(dev), w.to(dev)
-    x = torch.randn(128, 7168, device=dev).to(torch.bfloat16)
+    x = torch.randn(tokens, 7168, device=dev).to(torch.bfloat16)
     for _ in range(20):
         r = tr.dispatch(x, idx, w)
         tr.combine(r[0], r[-1])
@@ -84,14 +86,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    ap.add_argument("--options", default="", help="gda options k=v,...")
     ap.add_argument("--out", default=None, help="JSON record of every rank's medians")
     a = ap.parse_args()
     from efa_ep.distributed import run_ranks
+    from efa_ep.kernels.options import parse_options_text, validate_options
+
+    options = validate_options("gda", parse_options_text(a.options, "--options"),
+                               where="--options")
 
     record = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), iters=a.iters,
+                  tokens=a.tokens, options=options,
                   torch=torch.__version__, device=torch.cuda.get_device_name(0), worlds={})
     for world in (int(v) for v in a.worlds.split(",")):
-        res = run_ranks(_rank, world, (a.iters,), timeout_s=300, pg_timeout_s=250,
+        res = run_ranks(_rank, world, (a.iters, a.tokens, options), timeout_s=300, pg_timeout_s=250,
                         env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"})
         record["worlds"][world] = res
         for op in ("dispatch", "combine"):
