@@ -4,7 +4,8 @@
 EP ranks as processes on one GPU (MPS on), DeepSeek-V3 shape (H 7168 bf16, top-8 of 256,
 ``--tokens`` per rank, default 128: decode), the default ``fast_launch=4`` (``--options``
 k=v,... sets others): after warm-up every dispatch and combine goes through its one C++ call
-(:mod:`efa_ep.kernels.gda.cpp_op`), whose host-time trace is turned on here. Per op, medians over ``--iters`` calls of the slowest rank, microseconds:
+(:mod:`efa_ep.kernels.gda.cpp_op`), whose host-time trace is turned on here. Per op, medians
+over ``--iters`` calls of the slowest rank, microseconds:
 
 * ``py_in``: from the Python call to the C++ call's entry (the transport's Python before it);
 * ``cpp_pre``: the C++ call's input check, allocations and program variables;
