@@ -103,10 +103,13 @@ def _equal_to_torch(rank, world, cases, options=None):
             assert tr.cpp_dispatch_off is None, tr.cpp_dispatch_off
         # bound programs went to the GPU as CUDA graphs (memset steps as memset nodes: the
         # layout of a large batch), unless told not to
-        graphed = {key: p.graphed for key, p in tr._phases._progs.items() if p is not None}
+        progs = {key: p for key, p in tr._phases._progs.items() if p is not None}
         on = bool((options or {}).get("graph_launch", 1))
-        assert graphed and (all(graphed.values()) if on else not any(graphed.values())), \
-            [key for key, g in graphed.items() if g != on]
+        # (named with the library's graph mode, <= 0: refused, and whether a graph was ever
+        # made: none for a program bound but never run by the library)
+        assert progs and all(p.graphed == on for p in progs.values()), \
+            [(key, p._desc.graph_mode, bool(p._desc.graph)) for key, p in progs.items()
+             if p.graphed != on]
     if counting:
         assert planned[0] > 0, "no compact dispatch went to its C++ call"
     dist.barrier()
