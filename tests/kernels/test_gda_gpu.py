@@ -141,8 +141,8 @@ def test_gda_bit_identical_to_torch(world):
 
 # Shapes seen again take the planned path (outputs allocated ahead at the rows the shape's recent
 # calls received; with fast_launch=4 the whole dispatch in one C++ call; the 2048-token case's
-# outputs are too large to share the layout's allocation). Each repeat draws new routes, so a
-# later call receives more or fewer rows than allocated.
+# outputs, above 16 MiB, are allocated after its count read instead). Each repeat draws new
+# routes, so a later call receives more or fewer rows than allocated.
 REPEATED = [("random", 128, 7168, 8), ("hot_experts", 128, 7168, 8), ("random", 1, 2048, 1),
             ("dropped", 300, 2048, 4), ("random", 2048, 7168, 8)] * 4
 
