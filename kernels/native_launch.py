@@ -53,7 +53,7 @@ _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 #: the library's files: the driver, programs, gate and gda dispatch; a program as one CUDA graph;
 #: what both share (hashed with them, so an edit of any rebuilds)
 SOURCES = tuple(os.path.join(_NATIVE_DIR, f) for f in ("efa_launch.c", "efa_launch_graph.c"))
-HEADER = os.path.join(_NATIVE_DIR, "efa_launch.h")
+HEADERS = tuple(os.path.join(_NATIVE_DIR, f) for f in ("efa_launch.h", "efa_util.h"))
 ABI_VERSION = 8
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
@@ -102,7 +102,7 @@ def _build() -> str:
         raise NativeLaunchError("no C compiler found (cc/gcc/clang; apt-get install gcc)")
     cmd = [cc, "-O2", "-std=c11", "-Wall", "-shared", "-fPIC", *SOURCES, "-ldl"]
     h = hashlib.sha256()
-    for path in (*SOURCES, HEADER):
+    for path in (*SOURCES, *HEADERS):  # a changed header rebuilds too
         with open(path, "rb") as f:
             h.update(f.read())
     h.update(" ".join(cmd).encode())

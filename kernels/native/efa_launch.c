@@ -185,12 +185,6 @@ int efa_launch_event_wait(int64_t event, char *err, size_t errlen) {
     return 0;
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
 /* Spins until *flag holds value or wait_ns passed: 1 when seen, 0 when the time ran out.
  * *waited_ns = time spun. flag is page-locked host memory a kernel writes last, with a release
  * store at system scope, after the data the caller reads next: read with acquire loads. */
@@ -206,7 +200,7 @@ int efa_launch_wait_flag(const int64_t *flag, int64_t value, int64_t wait_ns,
             if (t - t0 >= wait_ns) break;
         }
     }
-    if (waited_ns) *waited_ns = (seen ? now_ns() : t) - t0;
+    if (waited_ns) *waited_ns = (seen ? (int64_t)now_ns() : t) - t0;
     return seen;
 }
 

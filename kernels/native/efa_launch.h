@@ -5,12 +5,13 @@
 #define EFA_LAUNCH_H
 #include <dlfcn.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "efa_util.h" /* now_ns, set_err */
 
 #define EFA_LAUNCH_ABI 8
 #define EFA_LAUNCH_MAX_PARAMS 40
@@ -96,13 +97,6 @@ typedef struct {
 /* The driver's entry points (efa_launch_init loads them; defined in efa_launch.c). */
 extern efa_driver_t cu __attribute__((visibility("hidden")));
 
-static inline void set_err(char *err, size_t len, const char *fmt, ...) {
-    if (!err || !len) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, len, fmt, ap);
-    va_end(ap);
-}
 
 static inline const char *cu_name(int rc) {
     const char *s = NULL;

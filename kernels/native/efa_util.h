@@ -1,5 +1,6 @@
-/* efa_util.h: the small helpers every source of libefa_proxy shares (the monotonic clock, the
- * error-text setter, 16-byte alignment). Internal; not part of the ABI (that is efa_proxy.h). */
+/* efa_util.h: the small helpers every source of libefa_proxy and of the launch library shares
+ * (the monotonic clock, the error-text setter, 16-byte alignment). Internal; not part of either
+ * ABI (efa_proxy.h, efa_launch.h). */
 #ifndef EFA_UTIL_H
 #define EFA_UTIL_H
 #include <stdarg.h>
