@@ -101,15 +101,19 @@ def _equal_to_torch(rank, world, cases, options=None):
         tr.check_errors()
         if (options or {}).get("fast_launch") == 4:  # the C++ dispatch ran, not the fallback
             assert tr.cpp_dispatch_off is None, tr.cpp_dispatch_off
-        # bound programs went to the GPU as CUDA graphs (memset steps as memset nodes: the
-        # layout of a large batch), unless told not to
+        # bound programs go to the GPU as CUDA graphs (memset steps as memset nodes: the layout
+        # of a large batch), unless told not to: none refused (graph mode <= 0), and graphs were
+        # made. A program bound but never run by the library has none yet, which timing decides
+        # (a late peer or counts that need the transport's checks: the early gather falls back)
         progs = {key: p for key, p in tr._phases._progs.items() if p is not None}
-        on = bool((options or {}).get("graph_launch", 1))
-        # (named with the library's graph mode, <= 0: refused, and whether a graph was ever
-        # made: none for a program bound but never run by the library)
-        assert progs and all(p.graphed == on for p in progs.values()), \
-            [(key, p._desc.graph_mode, bool(p._desc.graph)) for key, p in progs.items()
-             if p.graphed != on]
+        assert progs
+        if (options or {}).get("graph_launch", 1):
+            assert all(p._desc.graph_mode > 0 for p in progs.values()), \
+                [(key, p._desc.graph_mode) for key, p in progs.items() if p._desc.graph_mode <= 0]
+            assert any(p.graphed for p in progs.values()), list(progs)
+        else:
+            assert not any(p.graphed for p in progs.values()), \
+                [key for key, p in progs.items() if p.graphed]
     if counting:
         assert planned[0] > 0, "no compact dispatch went to its C++ call"
     dist.barrier()
