@@ -164,8 +164,10 @@ def test_calibration_round_trip(tmp_path):
     for k, v in doc["params"].items():
         assert back[k].value == (tuple(v["value"]) if isinstance(v["value"], list) else v["value"])
         assert back[k].tag in ("measured", "derived", "assumed") and back[k].source
-    # The fit reproduces its inputs: gda@nvlink has 2 points and 2 parameters (exact).
-    assert doc["groups"]["gda@nvlink"]["max_abs_rel_err"] < 1e-9
+    # The fit reproduces its inputs: the first two-GPU gda records (one date) are 2 points for
+    # 2 parameters (exact); the newer ones (two starts of each shape) are fitted on their own.
+    assert doc["groups"]["gda@nvlink 2026-12-01"]["max_abs_rel_err"] < 1e-9
+    assert doc["groups"]["gda@nvlink 2026-12-04"]["n"] == 4
     assert 0.3 < back["gda_link_eff"].value < 0.8 and 0.5 < back["proxy_channel_alpha"].value < 1.0
     # Held-out predictions exist and are in a stated band: median |error| <= 25%.
     v = doc["validation"]
@@ -250,9 +252,10 @@ def test_gda_fixed_cost_from_the_newest_records_link_efficiency_from_nvlink(tmp_
 
 
 def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
-    """The shipped calibration takes gda's fixed cost from the one-H200 gda_gpu_check runs of the
-    current code (their regular cells, the median over starts per EP size and profile) and the
-    proxy's from its own D+C of CUDA inputs on the same host."""
+    """The one-H200 gda_gpu_check runs of the current code are read as records (their regular
+    cells, the median over starts per EP size and profile); the shipped calibration takes gda's
+    fixed cost from the same day's two-H200 bench and the proxy's from its own D+C of CUDA
+    inputs on one H200."""
     import statistics
 
     names = ("gda_gpu_check_np_default_2026-12-04.json", "gda_gpu_check_np528_2026-12-04.json")
@@ -276,11 +279,17 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert not any(o["tokens_per_rank"] == 128 for o in cal_mod._from_gda_check(raw, "x"))
     shipped = cal_mod.read(SHIPPED)
     assert shipped["gda_fixed_us"].tag == "measured"
-    assert all(f"results/gda_perop/{n}" in shipped["gda_fixed_us"].source for n in names)
+    # the same day's two-H200 runs (NCCL group, one rank per GPU) are the fixed cost; the
+    # one-H200 fit of these files is named beside it
+    x2 = ("results/h200x2/bench_gpu_nccl_2026-12-04T1151/bench_summary.json",
+          "results/h200x2/bench_gpu_nccl_2026-12-04T1158/bench_summary.json")
+    assert all(n in shipped["gda_fixed_us"].source for n in x2)
+    assert "gda@hbm 2026-12-04" in shipped["gda_fixed_us"].source
+    assert all(n in shipped["nccl_fixed_us"].source for n in x2)
     assert shipped["proxy_fixed_us"].tag == "measured"
     assert ("results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json"
             in shipped["proxy_fixed_us"].source)
-    assert "results/plan/measured_h200x2.jsonl" in shipped["gda_link_eff"].source
+    assert all(n in shipped["gda_link_eff"].source for n in x2)
     # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
     assert shipped["hier_fixed_us"].tag == "measured"
     assert ("results/h200/bench_hier_ep4_early_reads/bench_summary.json"
@@ -308,6 +317,11 @@ def test_calibration_from_bench_records_jsonl(tmp_path):
     p3 = tmp_path / "v2.jsonl"
     p3.write_text("\n".join(json.dumps(dict(r, schema="efa_ep.bench/2")) for r in recs))
     assert sorted(o["us"] for o in cal_mod.load([str(p3)])) == [100.0, 500.0]
+    # steady-state cells (back-to-back ops) are not a single op's cost: only single-shot ones
+    p4 = tmp_path / "timings.jsonl"
+    p4.write_text("\n".join(json.dumps(dict(r, timing=t, start_median_us=r["start_median_us"] * f))
+                            for r in recs for t, f in (("single", 1), ("steady", 0.5))))
+    assert sorted(o["us"] for o in cal_mod.load([str(p4)])) == [100.0, 500.0]
     with pytest.raises(ValueError, match="no records for nccl_a2a@nvlink"):
         cal_mod.calibrate([str(p)])
     bad = tmp_path / "x.json"

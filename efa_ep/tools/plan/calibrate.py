@@ -171,7 +171,7 @@ def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
                     out.append(_from_plan_record(r, name))
                     got += 1
                 elif sch in ("efa_ep.bench/1", "efa_ep.bench/2") and r.get("view") == "transport" \
-                        and not r.get("void"):
+                        and not r.get("void") and r.get("timing", "single") == "single":
                     key = (r["arm"], r["profile"], r["shape"], r["route"], r["dtype"], r["ep_size"])
                     bench_cells.setdefault(key, []).append(r)
                     got += 1
@@ -198,7 +198,8 @@ def _from_bench_summary(doc, name) -> List[Dict[str, Any]]:
     gpu = ((doc.get("provenance") or {}).get("gpu") or {}).get("name", "cpu")
     out = []
     for c in doc.get("cells", []):
-        if c.get("view") != "transport" or not c["latency_us"].get("median"):
+        if c.get("view") != "transport" or not c["latency_us"].get("median") \
+                or c.get("timing", "single") != "single":
             continue
         link = _bench_link(cfg.get("device", ""), cfg.get("ranks_per_gpu"), c["ep_size"])
         st = c["latency_us"]
@@ -395,6 +396,12 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
     why = ("" if fx_name == nv_name else
            f"; the newest gda records ({fx['date']}; gda@nvlink: {nv['date']}): the fixed cost is host work, "
            f"not link time")
+    # the same date's gda fits on the other link (ranks sharing one GPU), named for comparison:
+    # a host's speed moves the fixed cost as much as the code does
+    same_day = [f"{g}: {f['fixed_us']:.0f} us" for g, f in sorted(fits.items())
+                if g != fx_name and g.split("@")[0] == "gda" and f.get("date") == fx["date"]]
+    if same_day:
+        why += f" (the same day's other gda fits: {', '.join(same_day)})"
     params["gda_fixed_us"] = Fig(round(fx["fixed_us"], 2), "us", "measured",
                                  f"fit of {fx_name} D+C = 2 x fixed + bytes / rate (n={fx['n']}, max |error| "
                                  f"{100 * fx['max_abs_rel_err']:.0f}%){why}: {src}")
@@ -403,10 +410,11 @@ def calibrate(paths: Sequence[str], provider: str = "shm", desc_bytes: int = 64)
                                  f"{nv['date']}) / NVLink 4 spec {NVLINK4_GBPS:g} GB/s per direction: "
                                  + "; ".join(nv["sources"]))
     gda = fx
-    nc = from_group("nccl_a2a@nvlink", "NCCL all-to-all over NVLink")
+    nc_name = newest_group(fits, "nccl_a2a", ("nvlink",))
+    nc = from_group(nc_name, "NCCL all-to-all over NVLink", "nccl_a2a@nvlink")
     src = "; ".join(nc["sources"])
     params["nccl_fixed_us"] = Fig(round(nc["fixed_us"], 2), "us", "measured",
-                                  f"fit of nccl_a2a@nvlink (n={nc['n']}): {src}")
+                                  f"fit of {nc_name} (n={nc['n']}): {src}")
     params["nccl_link_eff"] = Fig(round(nc["gbps"] / NVLINK4_GBPS, 4), "fraction", "derived",
                                   f"fitted nccl_a2a@nvlink rate {nc['gbps']:.0f} GB/s / {NVLINK4_GBPS:g} GB/s")
     params["nccl_efa_eff"] = Fig(round(study["node_injection_gbps"].value / P5EN_EFA_NODE_GBPS, 4), "fraction",
@@ -553,5 +561,7 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json",
              "results/h200/bench_hier_ep4_one_call/bench_summary.json",
-             "results/h200/bench_hier_ep4_early_reads/bench_summary.json"]
+             "results/h200/bench_hier_ep4_early_reads/bench_summary.json",
+             "results/h200x2/bench_gpu_nccl_2026-12-04T1151/bench_summary.json",
+             "results/h200x2/bench_gpu_nccl_2026-12-04T1158/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
