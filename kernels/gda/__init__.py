@@ -94,7 +94,8 @@ barrier op when needed), so graphs and eager calls interleave freely.
 Package layout: ``transport`` (:class:`GdaTransport`: op sequencing, checks, errors), ``gate``
 (:class:`LaunchGate` for ranks sharing a GPU), ``window`` (:class:`WindowLayout`, the handle
 state), ``graph`` (CUDA graph capture and replay), ``phases`` (each op phase's launches, natively
-or through the wrappers), ``launches`` (the kernels' host wrappers), ``device`` and
+or through the wrappers), ``fixed`` (the fixed-capacity dispatch), ``launches`` (the
+kernels' host wrappers), ``device`` and
 ``layout_kernels`` (the Triton kernels), ``refusal`` (bad input on one rank: the same error on
 every rank).
 """

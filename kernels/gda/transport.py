@@ -18,7 +18,7 @@ from ..base import (
     rows_input_error, validate_dispatch_inputs,
 )
 
-from . import compact, cpp_op, refusal
+from . import compact, cpp_op, fixed, refusal
 from .receive import receive
 from .gate import ROWS_MISPLACED, LaunchGate
 from .graph import GdaGraph, capture
@@ -185,6 +185,7 @@ class GdaTransport(Transport):
         self._board = tuple(self._buf[o["board_off"]:o["board_off"] + 8 * n_board]
                             .view(torch.int64) for o in self._offs)
         self._phases = GdaPhases(self, self.fast_launch)
+        self._fixed_regions = {}  # (parity, top-k) -> the fixed dispatch's receive regions
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
 
@@ -446,47 +447,7 @@ class GdaTransport(Transport):
         next ``dispatch`` / ``after_backward``), and later combines return NaN.
         Synchronization: none with the host; all work on the current stream.
         """
-        kern, cfg, world = self._kern, self.cfg, self.world_size
-        error = self._host_check(x, topk_idx, topk_weights)
-        epoch = self._begin_op("dispatch")
-        parity = epoch % 2
-        offs = self._offs[parity]
-        if error is not None:  # take part with no rows and a bad status (see dispatch)
-            x = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
-            topk_idx = torch.empty(0, topk_idx.shape[1] if topk_idx.dim() == 2 else 1,
-                                   dtype=torch.int64, device=self.device)
-            topk_weights = torch.empty(0, topk_idx.shape[1], dtype=torch.float32,
-                                       device=self.device)
-        x = x.contiguous() if x.stride(-1) != 1 else x
-        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-        k = topk_idx.shape[1]
-        _, slot, send_idx = self._phases.front(
-            x, topk_idx, topk_weights, epoch, None if error is None else STATUS_BAD_INPUT)
-        t_max = cfg.max_tokens_per_rank
-        self._issued(epoch, "dispatch")
-        full = self._note_idx_width(parity, k)
-        rows = world * t_max
-        num_recv = torch.empty(world, dtype=torch.int64, device=self.device)
-        tokens_per_expert = torch.empty(cfg.num_local_experts, dtype=torch.int64,
-                                        device=self.device)
-        idx_region = self._region(offs["idx_off"], rows * k * 8, torch.int64)
-        w_region = self._region(offs["w_off"], rows * k * 4, torch.float32)
-        kern.recv_header_fixed(self._my_sig, self._hdr[parity], self._err,
-                            self._hw[parity], num_recv, tokens_per_expert, idx_region, w_region,
-                            num_topk=k, t_max=t_max, **self._op(epoch), full=full, kind="dispatch",
-                            **self._wait_args())
-        if error is not None:
-            raise DispatchInputError(error)
-        recv_x = self._region(offs["data_off"], rows * cfg.hidden * self._elem,
-                              cfg.dtype).view(rows, cfg.hidden)
-        recv_idx, recv_w = idx_region.view(rows, k), w_region.view(rows, k)
-        handle = DispatchHandle(
-            num_tokens=x.shape[0], num_recv_tokens=rows, topk_idx=topk_idx,
-            send_token_idx=send_idx, num_send_per_rank=(), num_recv_per_rank=(),
-            recv_topk_idx=recv_idx,
-            state=GdaDispatchState(owner=self.uid, slot_TW=slot, recv_offsets=None, epoch=epoch,
-                                   fixed=True, num_recv_W=num_recv))
-        return recv_x, recv_idx, recv_w, num_recv, tokens_per_expert, handle
+        return fixed.dispatch(self, x, topk_idx, topk_weights)
 
     def dispatch_cached(self, x, handle):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window

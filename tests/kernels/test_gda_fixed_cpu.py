@@ -1,0 +1,81 @@
+"""``gda``'s fixed-capacity dispatch, eager: its front and fixed header run as two bound programs
+in one native call with the launch gate between them, and hand the native library what the
+Python launches would: the call's tensors' addresses, the op's number and whether the id region
+must be cleared whole. The transport runs its real host code over a stand-in library
+(:mod:`efa_ep.testing.gda_host`: no GPU); the GPU tests check what the kernels then do."""
+import pytest
+import torch
+
+from efa_ep.kernels.gda import launches as kern
+from efa_ep.testing.gda_host import header_info, host_only_transport, stand_in_library
+
+W, E, H, T_MAX, K, T = 2, 16, 64, 32, 2, 8
+L = E // W
+
+
+@pytest.fixture
+def tr(tmp_path, monkeypatch):
+    try:
+        lib = stand_in_library(str(tmp_path))
+    except (OSError, FileNotFoundError) as e:
+        pytest.skip(f"no C compiler here: {e}")
+    info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
+    t = host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX, info=info,
+                            patch=monkeypatch.setattr)
+    t.stand_in = lib
+    return t
+
+
+def _inputs(seed, k=K):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    return x, torch.randint(0, E, (T, k), generator=g), torch.rand(T, k, generator=g)
+
+
+def test_fixed_dispatch_programs_pass_what_the_python_launches_pass(tr):
+    x, idx, w = _inputs(1)
+    o_slot, o_send = kern._layout_offsets(T, E, W, K)[4:6]
+    rows = W * T_MAX
+    seen = {}
+    for call in range(6):  # calls 0, 1 bind (one program pair per parity); the rest run them
+        recv_x, recv_idx, recv_w, num_recv, tpe, h = tr.dispatch_fixed(x, idx, w)
+        epoch, parity = tr._epoch, tr._epoch % 2
+        progs = tr._phases._progs
+        front = list(progs[("front", parity, T, K, x.dtype, x.stride(0), H)]._vars)
+        header = list(progs[("header_fixed", parity, K)]._vars)
+        base = h.state.slot_TW.data_ptr() - 8 * o_slot  # the call's scratch
+        assert front == [x.data_ptr(), idx.data_ptr(), w.data_ptr(), base, epoch]
+        # the id region is cleared whole the first time a parity is written with this top-k
+        assert header == [num_recv.data_ptr(), tpe.data_ptr(), epoch, int(call < 2)]
+        assert h.send_token_idx.data_ptr() == base + 8 * o_send
+        assert h.state.fixed and h.state.num_recv_W is num_recv and h.num_recv_tokens == rows
+        # the receive buffers are the window: fresh views of this parity's regions each call
+        assert recv_x.shape == (rows, H) and recv_idx.shape == recv_w.shape == (rows, K)
+        offs = tr._offs[parity]
+        assert recv_x.data_ptr() == tr._buf.data_ptr() + offs["data_off"]
+        assert recv_idx.data_ptr() == tr._buf.data_ptr() + offs["idx_off"]
+        assert recv_w.data_ptr() == tr._buf.data_ptr() + offs["w_off"]
+        assert all(v is not seen.get((parity, i)) for i, v in enumerate((recv_x, recv_idx)))
+        seen.update({(parity, 0): recv_x, (parity, 1): recv_idx})
+    # another top-k: its own header program, the id region cleared whole again
+    x, idx, w = _inputs(2, k=K + 1)
+    *_, num_recv, tpe, h = tr.dispatch_fixed(x, idx, w)
+    header = list(tr._phases._progs[("header_fixed", tr._epoch % 2, K + 1)]._vars)
+    assert header == [num_recv.data_ptr(), tpe.data_ptr(), tr._epoch, 1]
+
+
+def test_fixed_dispatch_with_a_late_peer_runs_its_header_after_the_transport_waited(tr,
+                                                                                  monkeypatch):
+    x, idx, w = _inputs(3)
+    for _ in range(2):
+        tr.dispatch_fixed(x, idx, w)
+    waited = []
+    real = tr._await_peers
+    monkeypatch.setattr(tr, "_await_peers", lambda e, kind: (waited.append((e, kind)),
+                                                             real(e, kind)))
+    tr.stand_in.stand_in_gate_late(1)
+    *_, num_recv, tpe, h = tr.dispatch_fixed(x, idx, w)
+    assert waited == [(tr._epoch, "dispatch")]
+    header = list(tr._phases._progs[("header_fixed", tr._epoch % 2, K)]._vars)
+    assert header == [num_recv.data_ptr(), tpe.data_ptr(), tr._epoch, 0]
+
