@@ -347,14 +347,16 @@ def planned_result(tr, res, epoch: int, x, topk_idx):
                                                   epoch)
 
 
-def _planned_op(ph, handle):
+def _planned_op(ph, handle, fixed_ok: bool = False):
     """(the op's number, the handle's state) when a combine or cached dispatch along
     ``handle`` may go straight to its C++ call (``fast_launch=4``): the transport usable
-    and not capturing, the handle one of this transport's regular dispatches; else None."""
+    and not capturing, the handle one of this transport's regular dispatches (``fixed_ok``:
+    or fixed-capacity ones); else None."""
     tr = ph.tr
     st = getattr(handle, "state", None)
     if (tr._capturing or tr._broken is not None or type(st) is not GdaDispatchState
-            or st.owner != tr.uid or st.fixed or not isinstance(handle, DispatchHandle)
+            or st.owner != tr.uid or (st.fixed and not fixed_ok)
+            or not isinstance(handle, DispatchHandle)
             or tr._epoch + 1 >= 2**31 - 1 or torch.cuda.is_current_stream_capturing()):
         return None
     return tr._epoch + 1, st
@@ -388,21 +390,22 @@ def combine_planned(ph, y, handle):
     this device (see :func:`combine`). Returns the output, checked as the transport's
     ``_finish`` checks it, or None when not that case (nothing ran; the transport's checked
     path takes it and names any problem)."""
-    op = _planned_op(ph, handle)
+    op = _planned_op(ph, handle, fixed_ok=True)
     if op is None or not handle.num_tokens:
         return None
     epoch, st = op
+    fixed = st.fixed  # (its store reads the device's row counts, its grid covers T_MAX rows)
     try:
-        key = ("combine", epoch & 1, y.shape[1], y.dtype, y.stride(0), False, "combine", False)
+        key = ("combine", epoch & 1, y.shape[1], y.dtype, y.stride(0), fixed, "combine", False)
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     plan = ph._plans.get(key)
     if plan is None or plan[2] is None:
         return None
     tr, stream, t = ph.tr, _stream(ph._dev), handle.num_tokens
-    res = ph.cpp.combine(y, st.recv_offsets, None, st.slot_TW, t, plan[2].address,
-                         epoch - tr._dev_base, epoch * 8 + _COMBINE_KIND, stream,
-                         handle.num_recv_tokens, ph._cpp_device)
+    res = ph.cpp.combine(y, st.num_recv_W if fixed else st.recv_offsets, None, st.slot_TW, t,
+                         plan[2].address, epoch - tr._dev_base, epoch * 8 + _COMBINE_KIND,
+                         stream, handle.num_recv_tokens, ph._cpp_device)
     return _finished(ph, res, plan[1], st.slot_TW, t, epoch, "combine", stream)
 
 

@@ -11,7 +11,9 @@ machine; device costs (launches, waits) are not in it: measure those on a GPU wi
 this script each, alternated, and read the best of several medians.
 
     python3 scripts/probes/gda_python_cost.py [--calls 2000] [--repeats 6] [--paths python,cpp]
-        [--profile]
+        [--fixed] [--profile]
+
+``--fixed``: the fixed-capacity dispatch (``dispatch_fixed``) and its combine instead.
 
 Shape: DeepSeek-V3 decode (H 7168 bf16, top-8 of 256, 128 tokens/rank), EP 2.
 """
@@ -34,6 +36,16 @@ W, E, H, T_MAX, K, T = 2, 256, 7168, 4096, 8, 128
 def _calls(tr, x, idx, w, calls: int):
     """``calls`` rounds of the four ops: the median seconds of each."""
     times = ([], [], [], [])
+    if tr.probe_fixed:  # dispatch_fixed and its combine
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            r = tr.dispatch_fixed(x, idx, w)
+            t1 = time.perf_counter()
+            tr.combine(r[0], r[-1])
+            t2 = time.perf_counter()
+            times[0].append(t1 - t0)
+            times[1].append(t2 - t1)
+        return [statistics.median(acc) * 1e6 for acc in times[:2]] + [0.0, 0.0]
     for _ in range(calls):
         t0 = time.perf_counter()
         r = tr.dispatch(x, idx, w)
@@ -56,6 +68,9 @@ def main():
     ap.add_argument("--paths", default="python",
                     help="comma list: python (fast_launch 3), cpp (4: the C++ dispatch); the "
                          "paths alternate within each repeat")
+    ap.add_argument("--fixed", action="store_true",
+                    help="time dispatch_fixed and its combine (cached dispatch and weight "
+                         "combine print 0)")
     ap.add_argument("--profile", action="store_true", help="then a cProfile of D+C")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -71,7 +86,12 @@ def main():
         idx = torch.randint(0, E, (T, K))
         w = torch.rand(T, K)
         for tr in trs.values():
+            tr.probe_fixed = a.fixed
             for _ in range(200):  # binds every program and plan
+                if a.fixed:
+                    r = tr.dispatch_fixed(x, idx, w)
+                    tr.combine(r[0], r[-1])
+                    continue
                 r = tr.dispatch(x, idx, w)
                 tr.combine(r[0], r[-1])
                 tr.dispatch_cached(x, r[-1])
@@ -92,7 +112,7 @@ def main():
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(a.calls):
-                r = tr.dispatch(x, idx, w)
+                r = tr.dispatch_fixed(x, idx, w) if a.fixed else tr.dispatch(x, idx, w)
                 tr.combine(r[0], r[-1])
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)

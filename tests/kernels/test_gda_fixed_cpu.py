@@ -13,17 +13,27 @@ W, E, H, T_MAX, K, T = 2, 16, 64, 32, 2, 8
 L = E // W
 
 
-@pytest.fixture
-def tr(tmp_path, monkeypatch):
+def _transport(tmp_path, monkeypatch, cpp=False):
     try:
         lib = stand_in_library(str(tmp_path))
     except (OSError, FileNotFoundError) as e:
         pytest.skip(f"no C compiler here: {e}")
+    if cpp:
+        from efa_ep.kernels.gda import cpp_op
+
+        why = cpp_op.availability()
+        if why is not None:
+            pytest.skip(why)
     info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
     t = host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX, info=info,
-                            patch=monkeypatch.setattr)
+                            patch=monkeypatch.setattr, cpp=cpp)
     t.stand_in = lib
     return t
+
+
+@pytest.fixture
+def tr(tmp_path, monkeypatch):
+    return _transport(tmp_path, monkeypatch)
 
 
 def _inputs(seed, k=K):
@@ -79,3 +89,42 @@ def test_fixed_dispatch_with_a_late_peer_runs_its_header_after_the_transport_wai
     header = list(tr._phases._progs[("header_fixed", tr._epoch % 2, K)]._vars)
     assert header == [num_recv.data_ptr(), tpe.data_ptr(), tr._epoch, 0]
 
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
+def test_fixed_combine_plan_passes_its_tensors_and_goes_straight_to_cpp(tmp_path, monkeypatch,
+                                                                       cpp):
+    """A combine along a fixed-capacity handle: the store reads the device's row counts over a
+    grid of T_MAX rows; once its plan is bound, with fast_launch=4 the call goes to C++ before
+    the transport's checked path, as a regular combine's does."""
+    tr = _transport(tmp_path, monkeypatch, cpp=cpp)
+    checked = []
+    real = tr._combine
+    monkeypatch.setattr(tr, "_combine", lambda *a, **k: (checked.append(1), real(*a, **k))[1])
+    x, idx, w = _inputs(5)
+    ph, rows = tr._phases, W * T_MAX
+    g = torch.Generator().manual_seed(6)
+    parities = set()
+    for call in range(6):
+        recv_x, _, _, num_recv, _, h = tr.dispatch_fixed(x, idx, w)
+        y = torch.randn(rows, H, generator=g).to(torch.bfloat16)
+        out = tr.combine(y, h)
+        parity = tr._epoch % 2
+        parities.add(parity)
+        store = ph._progs[("cstore", parity, H, y.dtype, y.stride(0), True, False)]
+        reduce = ph._progs[("creduce", parity, H, out.dtype, "combine")]
+        assert list(store._vars) == [y.data_ptr(), num_recv.data_ptr(), rows, tr._epoch,
+                                     min(T_MAX, tr.num_programs)]
+        assert list(reduce._vars) == [h.state.slot_TW.data_ptr(), out.data_ptr(), tr._epoch, T,
+                                      min(T, tr.num_programs)]
+        assert out.shape == (T, H) and out.dtype == torch.bfloat16
+    # the first call of each parity binds its plan through the checked path; later ones: C++
+    assert len(checked) == (len(parities) if cpp else 6)
+    if cpp:  # rows that are not the handle's are left to the checked path, nothing ran
+        from efa_ep.kernels.gda import cpp_op
+
+        *_, h = tr.dispatch_fixed(x, idx, w)
+        epoch = tr._epoch
+        assert cpp_op.combine_planned(ph, torch.zeros(rows - 1, H, dtype=torch.bfloat16),
+                                      h) is None
+        assert tr._epoch == epoch
