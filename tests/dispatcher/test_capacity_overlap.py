@@ -14,6 +14,9 @@ import torch.distributed as dist
 from efa_ep.distributed import run_ranks
 
 HIDDEN, EXPERTS, SEQ, BATCH, SHARED = 32, 8, 8, 2, 48
+# The CPU cases' ranks see no GPU: on a GPU machine Megatron would put the layers' parameters
+# on cuda:0 while these inputs stay on the CPU
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def _layer(dispatcher, ep, topk, transport=None, transport_options=None, **overrides):
@@ -115,7 +118,8 @@ def test_capacity_pad_equals_alltoall(world, topk):
     # 0.5 drops about half the choices; E / K gives C = T: every token for every expert, no drop
     # (a larger C, over T, breaks Megatron's alltoall in this mode: it reshapes by C).
     factors = (0.5, EXPERTS / topk)
-    results = run_ranks(_capacity_worker, world, (topk, factors), timeout_s=300)
+    results = run_ranks(_capacity_worker, world, (topk, factors), timeout_s=300,
+                        env=CPU_ONLY)
     dropped = {f: 0 for f in factors}
     for report in results:
         for factor, err, n_dropped, device, tpe, max_col in report:
@@ -169,7 +173,7 @@ def _overlap_worker(rank, world, pad):
 
 @pytest.mark.parametrize("pad", [False, True], ids=["dropless", "capacity-pad"])
 def test_shared_expert_overlap(pad):
-    for n_shared, *errors in run_ranks(_overlap_worker, 2, (pad,), timeout_s=300):
+    for n_shared, *errors in run_ranks(_overlap_worker, 2, (pad,), timeout_s=300, env=CPU_ONLY):
         assert n_shared >= 2
         assert errors == [None] * 3, errors
 
@@ -361,12 +365,12 @@ def _overflow_worker(rank, world, policy):
 
 
 def test_capacity_overflow_policies():
-    msgs = run_ranks(_overflow_worker, 2, ("error",), timeout_s=120)
+    msgs = run_ranks(_overflow_worker, 2, ("error",), timeout_s=120, env=CPU_ONLY)
     assert msgs[0] == msgs[1], msgs
     assert "rank 1 routes 16 tokens to expert 3" in msgs[0] and "capacity is 4" in msgs[0], msgs
     # grow: the shapes are static (C from the capacity factor), over-capacity pairs are dropped
     for policy in ("drop", "grow"):
-        blocks = run_ranks(_overflow_worker, 2, (policy,), timeout_s=120)
+        blocks = run_ranks(_overflow_worker, 2, (policy,), timeout_s=120, env=CPU_ONLY)
         # expert 3 lives on rank 0 (4 local experts); rank 1's tokens are 1000 + t
         assert blocks == [[1000.0, 1001.0, 1002.0, 1003.0], None], (policy, blocks)
 
@@ -374,7 +378,8 @@ def test_capacity_overflow_policies():
 def test_capacity_overflow_policies_must_agree():
     """Ranks with different EFA_EP_CAPACITY_OVERFLOW raise the same line instead of waiting in
     a collective that the others never join."""
-    msgs = run_ranks(_overflow_worker, 2, (("error", "drop"),), timeout_s=120)
+    msgs = run_ranks(_overflow_worker, 2, (("error", "drop"),), timeout_s=120,
+                     env=CPU_ONLY)
     assert msgs[0] == msgs[1], msgs
     assert "disagree on EFA_EP_CAPACITY_OVERFLOW" in msgs[0] and "'drop' on rank(s) [1]" in msgs[0]
 
