@@ -5,8 +5,10 @@ With ``fast_launch=4`` (the default) a regular dispatch whose plan gathers ahead
 allocation, their views, ``tokens_per_expert``) and writes its programs' variables there, then
 makes the same native call as the Python path (``efa_launch_dispatch``); a planned combine,
 weight combine or cached dispatch likewise allocates its output and writes both programs'
-variables, then makes the gated native call (``efa_launch_run_gated``). Same kernels with the
-same arguments, so the same results.
+variables, then makes the gated native call (``efa_launch_run_gated``); a planned
+fixed-capacity dispatch (:mod:`.fixed`) allocates its layout and device counts at once and
+makes that gated call over its front and header. Same kernels with the same arguments, so the
+same results.
 
 A call whose shape has such a plan goes from the transport's method straight to C++
 (``GdaPhases.dispatch_planned``, ``combine_planned``, ``cached_planned``): the C++ call first
@@ -45,6 +47,9 @@ PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin
 # A combine plan's constants, in the order of the C_* fields of efa_gda_op.cpp.
 COMBINE_FIELDS = ("fn", "store", "reduce", "gate", "world", "rank", "spin_ns", "max_grid",
                   "fixed_rows")
+# A fixed-capacity dispatch plan's constants, in the order of the F_* fields of efa_gda_op.cpp.
+FIXED_FIELDS = ("fn", "front", "header", "gate", "world", "rank", "spin_ns", "words", "o_slot",
+                "o_send", "num_local", "hidden", "topk", "tokens", "t_max")
 
 def _stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -83,12 +88,13 @@ def load():
                       f"into {build}", file=sys.stderr, flush=True)
             mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
                            extra_cflags=["-O2"], verbose=False)
-            if (mod.PLAN_FIELDS, mod.COMBINE_FIELDS, mod.NOT_PLANNED) != (
-                    len(PLAN_FIELDS), len(COMBINE_FIELDS), NOT_PLANNED):
-                raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} dispatch and "
-                                   f"{mod.COMBINE_FIELDS} combine plan fields, "
-                                   f"kernels/gda/cpp_op.py {len(PLAN_FIELDS)} and "
-                                   f"{len(COMBINE_FIELDS)}")
+            if (mod.PLAN_FIELDS, mod.COMBINE_FIELDS, mod.FIXED_FIELDS, mod.NOT_PLANNED) != (
+                    len(PLAN_FIELDS), len(COMBINE_FIELDS), len(FIXED_FIELDS), NOT_PLANNED):
+                raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} dispatch, "
+                                   f"{mod.COMBINE_FIELDS} combine and {mod.FIXED_FIELDS} "
+                                   f"fixed dispatch plan fields, kernels/gda/cpp_op.py "
+                                   f"{len(PLAN_FIELDS)}, {len(COMBINE_FIELDS)} and "
+                                   f"{len(FIXED_FIELDS)}")
         except Exception as e:  # noqa: BLE001 (any build failure means: not available)
             _why = (f"the C++ dispatch could not be built ({type(e).__name__}: "
                     f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); it needs a "

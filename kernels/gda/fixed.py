@@ -5,15 +5,25 @@ Eager, its phases are two native programs run in one call with the launch gate b
 (the front: layout and stores; the fixed header: the wait for every source, the counts and the
 unused rows marked), bound on the first call of a shape as the regular dispatch's are
 (:class:`~.phases.GdaPhases`); inside a capture, or with bad input, or where programs cannot be
-bound, the same kernels are launched from Python with the gate passed in Python.
+bound, the same kernels are launched from Python with the gate passed in Python. With
+``fast_launch=4`` a shape whose programs are bound goes from the transport's method straight to
+one C++ call (:func:`dispatch_planned`, ``efa_gda_op.cpp``'s ``dispatch_fixed``), which checks
+that the inputs are the plan's case and otherwise leaves the call to the checked path.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from ..base import STATUS_BAD_INPUT, DispatchHandle, DispatchInputError
+from ..native_launch import GATE_LATE, NativeLaunchError
+from . import cpp_op
 from . import phases as _phases
+from .gate import GATE_SPIN_NS, KIND_OF
 from .window import GdaDispatchState
+
+_DISPATCH_KIND = KIND_OF["dispatch"]
 
 # the fixed header program's integer variables, after its tensors (num_recv, tokens_per_expert)
 _HEADER_INTS = ("epoch_delta", "full")
@@ -41,6 +51,11 @@ def dispatch(tr, x, topk_idx, topk_weights):
     ``[W * T_MAX, K]`` float32: views of the window; num_recv ``[W]`` and tokens_per_expert
     ``[L]`` int64 on the device; the handle). All work on the current stream, no host sync."""
     kern, cfg, world = tr._kern, tr.cfg, tr.world_size
+    ph = tr._phases
+    if ph.cpp is not None:  # a shape seen before, its inputs as then: one C++ call
+        out = dispatch_planned(tr, x, topk_idx, topk_weights)
+        if out is not None:
+            return out
     error = tr._host_check(x, topk_idx, topk_weights)
     epoch = tr._begin_op("dispatch")
     parity = epoch % 2
@@ -52,7 +67,6 @@ def dispatch(tr, x, topk_idx, topk_weights):
     x = x.contiguous() if x.stride(-1) != 1 else x
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     k = topk_idx.shape[1]
-    ph = tr._phases
     # the gate in the native call: not inside a capture, whose replays issue every op at once
     native = error is None and not tr._capturing
     front = ph.front(x, topk_idx, topk_weights, epoch,
@@ -81,6 +95,8 @@ def dispatch(tr, x, topk_idx, topk_weights):
         values = (num_recv.data_ptr(), tokens_per_expert.data_ptr(), op["epoch"], int(full))
         if first is not None:
             ph._gated(first, prog, values, epoch, "dispatch")
+            if ph.cpp is not None:
+                _record_plan(tr, x, topk_idx, first[0], prog, front[0].numel())
         else:
             ph._then(None, epoch, "dispatch")
             prog.run(values, _phases._stream(ph._dev))
@@ -94,3 +110,70 @@ def dispatch(tr, x, topk_idx, topk_weights):
         state=GdaDispatchState(owner=tr.uid, slot_TW=slot, recv_offsets=None, epoch=epoch,
                                fixed=True, num_recv_W=num_recv))
     return data.view(rows, cfg.hidden), recv_idx, recv_w, num_recv, tokens_per_expert, handle
+
+
+def _record_plan(tr, x, topk_idx, front, header, words: int) -> None:
+    """Records the C++ plan of this shape's fixed dispatch (``front`` and ``header``: its bound
+    programs; ``words``: the scratch's int64 elements) for :func:`dispatch_planned`."""
+    ph, parity = tr._phases, tr._epoch & 1
+    t, k = topk_idx.shape
+    key = ("fixed", parity, t, k, x.dtype, x.stride(0), x.shape[1])
+    if key in ph._plans:
+        return
+    o_slot, o_send = tr._kern._layout_offsets(t, tr.cfg.num_experts, tr.world_size, k)[4:6]
+    gate = tr._gate
+    ph._plans[key] = (header, cpp_op.CppPlan(
+        cpp_op.FIXED_FIELDS,
+        fn=ctypes.cast(front._lib.efa_launch_run_gated, ctypes.c_void_p).value,
+        front=front._addr, header=header._addr, gate=gate.address if gate is not None else 0,
+        world=tr.world_size, rank=tr.rank, spin_ns=GATE_SPIN_NS, words=words, o_slot=o_slot,
+        o_send=o_send, num_local=tr.cfg.num_local_experts, hidden=x.shape[1], topk=k, tokens=t,
+        t_max=tr.cfg.max_tokens_per_rank))
+
+
+def dispatch_planned(tr, x, topk_idx, topk_weights):
+    """A fixed-capacity dispatch of ``tr`` straight to its C++ call, before the transport's
+    checks: when this shape has a plan (its programs bound by an earlier call) and the call
+    finds the inputs the plan's case. Returns what :func:`dispatch` returns, or None when not
+    that case (nothing ran, the op's number not taken; the checked path takes the call and names
+    any problem)."""
+    ph = tr._phases
+    if tr._capturing or tr._broken is not None:
+        return None
+    epoch = tr._epoch + 1
+    try:
+        key = ("fixed", epoch & 1, *topk_idx.shape, x.dtype, x.stride(0), x.shape[1])
+    except (AttributeError, IndexError, TypeError, RuntimeError, ValueError):
+        return None  # not tensors of two dimensions
+    plan = ph._plans.get(key)
+    if plan is None or epoch >= 2**31 - 1 or torch.cuda.is_current_stream_capturing():
+        return None  # (while capturing the checked path raises, naming the capture)
+    header, cpp = plan
+    parity, k = epoch & 1, key[3]
+    full = int(tr._idx_k[parity] != k or tr._idx_full[parity])
+    data, ids, weights = _regions(tr, parity, k)
+    delta = epoch - tr._dev_base
+    res = ph.cpp.dispatch_fixed(x, topk_idx, topk_weights, data, ids, weights, cpp.address,
+                                delta, full, epoch * 8 + _DISPATCH_KIND,
+                                _phases._stream(ph._dev), ph._cpp_device)
+    status = res[0]
+    if status == cpp_op.NOT_PLANNED:
+        return None
+    tr._epoch = epoch
+    tr.blocked_s += res[1] * 1e-9
+    if status < 0:
+        raise NativeLaunchError(res[2])
+    # (the transport's _note_idx_width of this op)
+    tr._idx_k[parity], tr._idx_full[parity], tr._idx_epoch[parity] = k, False, epoch
+    _, _, slot, send_idx, num_recv, tokens_per_expert, recv_x, recv_idx, recv_w = res
+    if status == GATE_LATE:  # the front ran and is published: wait for the peers, then header
+        tr._await_peers(epoch, "dispatch")
+        header.run((num_recv.data_ptr(), tokens_per_expert.data_ptr(), delta, full),
+                   _phases._stream(ph._dev))
+    handle = DispatchHandle(
+        num_tokens=x.shape[0], num_recv_tokens=recv_x.shape[0], topk_idx=topk_idx,
+        send_token_idx=send_idx, num_send_per_rank=(), num_recv_per_rank=(),
+        recv_topk_idx=recv_idx,
+        state=GdaDispatchState(owner=tr.uid, slot_TW=slot, recv_offsets=None, epoch=epoch,
+                               fixed=True, num_recv_W=num_recv))
+    return recv_x, recv_idx, recv_w, num_recv, tokens_per_expert, handle

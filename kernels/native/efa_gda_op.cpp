@@ -1,5 +1,5 @@
-// efa_gda_op.cpp: a planned gda regular dispatch, combine and cached dispatch, each as one C++
-// call (a torch extension).
+// efa_gda_op.cpp: a planned gda regular dispatch, fixed-capacity dispatch, combine and cached
+// dispatch, each as one C++ call (a torch extension).
 //
 // The Python path of a planned dispatch (kernels/gda/phases.py) makes a dozen tensor objects per
 // call (scratch, outputs, their views, tokens_per_expert) and packs three programs' variables
@@ -55,6 +55,12 @@ enum {
 };
 
 typedef int (*GateFn)(int64_t *, int, int, int64_t, int64_t, int64_t *);
+
+// A fixed-capacity dispatch plan's constants (kernels/gda/fixed.py, FIXED_FIELDS).
+enum {
+    F_FN, F_FRONT, F_HEADER, F_GATE, F_WORLD, F_RANK, F_SPIN_NS, F_WORDS, F_O_SLOT, F_O_SEND,
+    F_LOCAL, F_HIDDEN, F_TOPK, F_TOKENS, F_T_MAX, F_NUM_FIELDS
+};
 
 // A combine plan's constants (kernels/gda/cpp_op.py, COMBINE_FIELDS).
 enum {
@@ -371,6 +377,68 @@ static py::tuple run_gated(const int64_t *p, Program *first, Program *second,
     return py::make_tuple(rc, sync_ns, gate_ns, out);
 }
 
+// A planned fixed-capacity dispatch (kernels/gda/fixed.py) in one call: one allocation for the
+// layout's scratch and the device counts (num_recv [W], tokens_per_expert [L] int64), the
+// front's variables (x, topk_idx, topk_weights, scratch, delta) and the fixed header's
+// (num_recv, tokens_per_expert, delta, full), then the front, the launch gate and the header in
+// one native call (efa_launch_run_gated with no completion word: nothing is read on the host),
+// the GIL released. `data`, `ids`, `weights`: this parity's receive regions of the window (flat,
+// x's dtype / int64 / float32). Returns (status, gate_ns, slot [T, W], send_token_idx [T * W]
+// (views of the scratch), num_recv, tokens_per_expert, recv_x [W * T_MAX, H], recv_topk_idx and
+// recv_topk_weights [W * T_MAX, K] (views of the regions)) with status 0 (both ran) or 1 (a peer
+// late at the gate: the front ran and is published, the header's variables are written, the
+// caller waits and runs it); (status, gate_ns, error text) when negative; with `device` != -1,
+// (NOT_PLANNED,) unless the inputs are the plan's case (inputs_fit): nothing ran.
+py::tuple dispatch_fixed(const at::Tensor &x, const at::Tensor &topk_idx,
+                         const at::Tensor &topk_weights, const at::Tensor &data,
+                         const at::Tensor &ids, const at::Tensor &weights, int64_t plan_address,
+                         int64_t delta, int64_t full, int64_t record, int64_t stream,
+                         int64_t device) {
+    stamp(0);
+    const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
+    const int64_t w = p[F_WORLD], k = p[F_TOPK], t = p[F_TOKENS], local = p[F_LOCAL];
+    if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
+        return py::make_tuple(NOT_PLANNED);
+    // scratch, then num_recv and tokens_per_expert, each 256-byte aligned (the header's kernel
+    // was bound for 16-byte aligned pointers)
+    const int64_t scratch_bytes = up256(8 * p[F_WORDS]), recv_bytes = up256(8 * w);
+    auto buf = at::empty({scratch_bytes + recv_bytes + 8 * local}, x.options().dtype(at::kByte));
+    auto scratch = carve(buf, at::kLong, {p[F_WORDS]}, {1}, 0);
+    auto num_recv = carve(buf, at::kLong, {w}, {1}, scratch_bytes);
+    auto tokens_per_expert = carve(buf, at::kLong, {local}, {1}, scratch_bytes + recv_bytes);
+    const int64_t sp = reinterpret_cast<int64_t>(scratch.data_ptr());
+    auto *front = reinterpret_cast<Program *>(p[F_FRONT]);
+    auto *header = reinterpret_cast<Program *>(p[F_HEADER]);
+    const int64_t fv[5] = {reinterpret_cast<int64_t>(x.data_ptr()),
+                           reinterpret_cast<int64_t>(topk_idx.data_ptr()),
+                           reinterpret_cast<int64_t>(topk_weights.data_ptr()), sp, delta};
+    std::memcpy(front->vars, fv, sizeof fv);
+    const int64_t hv[4] = {reinterpret_cast<int64_t>(num_recv.data_ptr()),
+                           reinterpret_cast<int64_t>(tokens_per_expert.data_ptr()), delta, full};
+    std::memcpy(header->vars, hv, sizeof hv);
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    int rc;
+    stamp(1);
+    {
+        py::gil_scoped_release unlocked;  // the gate waits for peers
+        rc = reinterpret_cast<GatedFn>(p[F_FN])(
+            front, header, stream, reinterpret_cast<int64_t *>(p[F_GATE]), static_cast<int>(w),
+            static_cast<int>(p[F_RANK]), record, p[F_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns,
+            err, sizeof err);
+    }
+    stamp(2);
+    waits(sync_ns, gate_ns);
+    if (rc < 0) return py::make_tuple(rc, gate_ns, std::string(err));
+    const int64_t rows = w * p[F_T_MAX], hidden = p[F_HIDDEN];
+    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * p[F_O_SLOT]);
+    auto send_idx = carve(scratch, at::kLong, {t * w}, {1}, 8 * p[F_O_SEND]);
+    auto rx = carve(data, data.scalar_type(), {rows, hidden}, {hidden, 1}, 0);
+    auto ri = carve(ids, at::kLong, {rows, k}, {k, 1}, 0);
+    auto rw = carve(weights, at::kFloat, {rows, k}, {k, 1}, 0);
+    return py::make_tuple(rc, gate_ns, slot, send_idx, num_recv, tokens_per_expert, rx, ri, rw);
+}
+
 // A planned combine (or weight combine, with ids) of y [N, D] into a new out [T, D] in y's
 // dtype: the store program's variables (y, offsets, [ids], N, delta, grid), the reduce
 // program's (slot, out, delta, T, grid), then the store, the launch gate and the reduce in one
@@ -438,6 +506,8 @@ py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached", &cached, "a planned gda cached dispatch in one call (see the file)");
     m.def("dispatch", &dispatch, "a planned gda regular dispatch in one call (see the file)");
+    m.def("dispatch_fixed", &dispatch_fixed,
+          "a planned gda fixed-capacity dispatch in one call (see the file)");
     m.def("dispatch_compact", &dispatch_compact,
           "a planned gda dispatch with compact rows in one call (see the file)");
     m.def("combine", &combine, "a planned gda combine in one call (see the file)");
@@ -445,6 +515,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("PLAN_FIELDS") = static_cast<int64_t>(P_NUM_FIELDS);
     m.attr("COMBINE_FIELDS") = static_cast<int64_t>(C_NUM_FIELDS);
     m.attr("COMPACT_FIELDS") = static_cast<int64_t>(K_NUM_FIELDS);
+    m.attr("FIXED_FIELDS") = static_cast<int64_t>(F_NUM_FIELDS);
     m.attr("COUNTS_GATE_LATE") = static_cast<int64_t>(COUNTS_GATE_LATE);
     m.attr("NOT_PLANNED") = static_cast<int64_t>(NOT_PLANNED);
 }

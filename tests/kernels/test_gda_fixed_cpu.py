@@ -128,3 +128,58 @@ def test_fixed_combine_plan_passes_its_tensors_and_goes_straight_to_cpp(tmp_path
         assert cpp_op.combine_planned(ph, torch.zeros(rows - 1, H, dtype=torch.bfloat16),
                                       h) is None
         assert tr._epoch == epoch
+
+
+def test_fixed_dispatch_in_one_cpp_call_passes_what_the_phase_methods_pass(tmp_path,
+                                                                          monkeypatch):
+    """fast_launch=4: once a shape's programs are bound, a fixed dispatch goes from the
+    transport's method to one C++ call, which writes the same variables the Python path writes
+    and returns the same views; inputs that are not the plan's case are left to the checked
+    path with nothing run."""
+    from efa_ep.kernels.gda import fixed
+
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    checked = []
+    real = tr._host_check
+    monkeypatch.setattr(tr, "_host_check", lambda *a: (checked.append(1), real(*a))[1])
+    x, idx, w = _inputs(7)
+    o_slot, o_send = kern._layout_offsets(T, E, W, K)[4:6]
+    rows, ph = W * T_MAX, tr._phases
+    for call in range(6):
+        recv_x, recv_idx, recv_w, num_recv, tpe, h = tr.dispatch_fixed(x, idx, w)
+        epoch, parity = tr._epoch, tr._epoch % 2
+        front = list(ph._progs[("front", parity, T, K, x.dtype, x.stride(0), H)]._vars)
+        header = list(ph._progs[("header_fixed", parity, K)]._vars)
+        base = h.state.slot_TW.data_ptr() - 8 * o_slot
+        assert front == [x.data_ptr(), idx.data_ptr(), w.data_ptr(), base, epoch]
+        assert header == [num_recv.data_ptr(), tpe.data_ptr(), epoch, int(call < 2)]
+        assert h.state.slot_TW.shape == (T, W) and h.send_token_idx.shape == (T * W,)
+        assert h.send_token_idx.data_ptr() == base + 8 * o_send
+        assert num_recv.shape == (W,) and tpe.shape == (L,) and num_recv.dtype == torch.int64
+        assert num_recv.data_ptr() % 16 == 0 and tpe.data_ptr() % 16 == 0
+        assert h.state.fixed and h.state.num_recv_W is num_recv and h.state.epoch == epoch
+        assert h.num_recv_tokens == rows and h.topk_idx is idx
+        offs = tr._offs[parity]
+        assert recv_x.shape == (rows, H) and recv_x.dtype == torch.bfloat16
+        assert recv_x.data_ptr() == tr._buf.data_ptr() + offs["data_off"]
+        assert recv_idx.shape == recv_w.shape == (rows, K) and recv_w.dtype == torch.float32
+        assert recv_idx.data_ptr() == tr._buf.data_ptr() + offs["idx_off"]
+        assert recv_w.data_ptr() == tr._buf.data_ptr() + offs["w_off"]
+        assert tr._idx_k[parity] == K and tr._idx_epoch[parity] == epoch
+    assert len(checked) == 2  # the first call of each parity bound its programs
+    # not the plan's case (ids not contiguous): nothing ran, the checked path takes it
+    idx_t = idx.t().contiguous().t()
+    epoch = tr._epoch
+    assert fixed.dispatch_planned(tr, x, idx_t, w) is None and tr._epoch == epoch
+    *_, num_recv, tpe, h = tr.dispatch_fixed(x, idx_t, w)
+    assert len(checked) == 3 and tr._epoch == epoch + 1
+    # a peer late at the gate: the transport waits for it, then runs the header
+    waited = []
+    real_wait = tr._await_peers
+    monkeypatch.setattr(tr, "_await_peers", lambda e, kind: (waited.append((e, kind)),
+                                                             real_wait(e, kind)))
+    tr.stand_in.stand_in_gate_late(1)
+    *_, num_recv, tpe, h = tr.dispatch_fixed(x, idx, w)
+    assert waited == [(tr._epoch, "dispatch")] and len(checked) == 3
+    header = list(ph._progs[("header_fixed", tr._epoch % 2, K)]._vars)
+    assert header == [num_recv.data_ptr(), tpe.data_ptr(), tr._epoch, 0]
