@@ -420,14 +420,17 @@ def weight_combine_planned(ph, g, handle):
     received weights) straight to its C++ call, as :func:`combine_planned`; the handle's
     received ids go with it (the store returns the slots of experts elsewhere as 0). Returns
     the output or None."""
-    op = _planned_op(ph, handle)
+    op = _planned_op(ph, handle, fixed_ok=True)
     if op is None or not handle.num_tokens:
         return None
     epoch, st = op
+    fixed = st.fixed
+    if fixed and ph.tr._idx_epoch[st.epoch & 1] != st.epoch:
+        return None  # its ids in the window were overwritten: the checked path refuses it
     try:
         if g.dtype != torch.float32:
             return None
-        key = ("combine", epoch & 1, g.shape[1], g.dtype, g.stride(0), False, "weight combine",
+        key = ("combine", epoch & 1, g.shape[1], g.dtype, g.stride(0), fixed, "weight combine",
                True)
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
@@ -435,9 +438,10 @@ def weight_combine_planned(ph, g, handle):
     if plan is None or plan[2] is None:
         return None
     tr, stream, t = ph.tr, _stream(ph._dev), handle.num_tokens
-    res = ph.cpp.combine(g, st.recv_offsets, handle.recv_topk_idx, st.slot_TW, t,
-                         plan[2].address, epoch - tr._dev_base, epoch * 8 + _WEIGHT_KIND, stream,
-                         handle.num_recv_tokens, ph._cpp_device)
+    res = ph.cpp.combine(g, st.num_recv_W if fixed else st.recv_offsets, handle.recv_topk_idx,
+                         st.slot_TW, t, plan[2].address, epoch - tr._dev_base,
+                         epoch * 8 + _WEIGHT_KIND, stream, handle.num_recv_tokens,
+                         ph._cpp_device)
     return _finished(ph, res, plan[1], st.slot_TW, t, epoch, "weight combine", stream)
 
 

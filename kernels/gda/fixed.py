@@ -177,3 +177,26 @@ def dispatch_planned(tr, x, topk_idx, topk_weights):
         state=GdaDispatchState(owner=tr.uid, slot_TW=slot, recv_offsets=None, epoch=epoch,
                                fixed=True, num_recv_W=num_recv))
     return recv_x, recv_idx, recv_w, num_recv, tokens_per_expert, handle
+
+
+def cached(tr, x, slot, epoch: int) -> None:
+    """Store, launch gate and wait of cached dispatch op ``epoch`` of ``x`` ``[T, D]`` along a
+    fixed-capacity handle's layout ``slot`` ``[T, W]``: the rows land in this parity's data
+    region of every destination's window, which the caller returns as the output. Eager, the
+    store and the wait are bound programs run in one native call with the gate between them;
+    inside a capture, or where they cannot be bound, launched from Python."""
+    ph, kern = tr._phases, tr._kern
+    op = ph._op(epoch)
+
+    def launch(plan):
+        kern.wait_for_sources(tr._my_sig, tr._err, **op, kind="cached dispatch", **tr._wait_kw,
+                              plan=plan)
+
+    first = ph.cached_store(x, slot, epoch, defer=not tr._capturing)
+    prog = (ph._program(("wait", "cached dispatch"), launch, (), _phases._EPOCH)
+            if first is not None else None)
+    if prog is None:
+        ph._then(first, epoch, "cached dispatch")
+        launch(None)
+        return
+    ph._gated(first, prog, (op["epoch"],), epoch, "cached dispatch")

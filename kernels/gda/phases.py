@@ -14,10 +14,8 @@ method launches its kernels on the current stream either
 Between the two phases of an op whose second phase waits on the peers' stores (front and
 header, combine's store and reduce, cached store and gather) sits the launch gate of ranks
 sharing a GPU (:class:`~efa_ep.kernels.gda.gate.LaunchGate`). When both phases are native
-programs they run in one native call with the gate's fast path between them
-(:meth:`~efa_ep.kernels.native_launch.Program.run_gated`, ``fast_launch=3``); a late peer
-hands the wait back to the transport's gate wait, which has the deadline and names the missing
-ranks. With ``fast_launch=2`` each phase is its own native call and the gate runs in Python.
+programs they run in one native call with the gate's fast path between them (``run_gated``);
+a late peer hands the wait back to the transport's gate wait (deadline, missing ranks named).
 
 A regular dispatch whose shape has run before goes further: its outputs are allocated ahead at
 the rows the shape's recent calls received (at most :data:`.gather_ahead.GATHER_AHEAD_BYTES`),
@@ -26,8 +24,7 @@ launches the gather (:func:`.gather_ahead.dispatch_gather`); counts the check re
 rows than allocated or a late peer leave the gather to the transport's own checks.
 
 Both paths launch the same compiled kernels with the same arguments: the same bits. A program
-that cannot be bound (another Triton calling convention) turns native launching off for the
-transport, with the reason in :attr:`GdaPhases.native_off`; a launch the driver refuses raises.
+that cannot be bound turns native launching off (the reason in :attr:`GdaPhases.native_off`).
 
 Program keys hold everything that changes a kernel's specialization or constant arguments:
 window parity, shapes, dtypes, row strides, op kind. Variable tensors are the call's own
@@ -46,8 +43,7 @@ from . import cpp_op
 from . import gather_ahead
 from .gate import GATE_SPIN_NS
 from .gather_ahead import GatherAhead
-from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability
-from ..native_launch import bind
+from ..native_launch import GATE_LATE, RAN, NativeLaunchError, Program, availability, bind
 
 _EPOCH = ("epoch_delta",)
 
@@ -551,8 +547,9 @@ class GdaPhases:
                      min(n, self.read_programs)), epoch, "cached dispatch")
         return out
 
-    def cached_store(self, x, slot, epoch: int) -> None:
-        """Stores ``x``'s rows along a dispatch's layout ``slot`` (no ids, no header)."""
+    def cached_store(self, x, slot, epoch: int, defer: bool = False):
+        """Stores ``x``'s rows along a dispatch's layout ``slot`` (no ids, no header);
+        ``defer``: returns the bound program as ``(program, values)`` (None: launched)."""
         tr = self.tr
         parity = epoch % 2
         op = self._op(epoch)
@@ -571,8 +568,11 @@ class GdaPhases:
             prog = self._program(key, launch, (x, slot))
         if prog is None:
             launch(None)
-            return
-        prog.run((x.data_ptr(), slot.data_ptr(), op["epoch"]), _stream(self._dev))
+            return None
+        values = (x.data_ptr(), slot.data_ptr(), op["epoch"])
+        if defer:
+            return prog, values
+        prog.run(values, _stream(self._dev))
 
     def cached_gather(self, offsets, out, epoch: int) -> None:
         """Waits for every source, then copies the received rows into ``out`` ``[N, D]``."""

@@ -465,15 +465,11 @@ class GdaTransport(Transport):
             self._check_row_fits(x.shape[1], x.dtype, "cached dispatch")
         except DispatchInputError as e:
             refusal.refuse(self, str(e), "cached dispatch")
-        kern = self._kern
         epoch = self._begin_op("dispatch_cached")
         offs = self._offs[epoch % 2]
         x = x.contiguous() if (x.shape[1] > 1 and x.stride(1) != 1) else x
         if st.fixed:  # the receive buffer is the window: wait, then return a view of it
-            self._phases.cached_store(x, st.slot_TW, epoch)
-            self._issued(epoch, "cached dispatch")
-            kern.wait_for_sources(self._my_sig, self._err, **self._op(epoch), kind="cached dispatch",
-                               **self._wait_args())
+            fixed.cached(self, x, st.slot_TW, epoch)
             refusal.raise_if_refused(self, epoch, "cached dispatch")  # the op is whole
             rows = handle.num_recv_tokens
             return self._region(offs["data_off"], rows * x.shape[1] * x.element_size(),

@@ -13,7 +13,7 @@ this script each, alternated, and read the best of several medians.
     python3 scripts/probes/gda_python_cost.py [--calls 2000] [--repeats 6] [--paths python,cpp]
         [--fixed] [--profile]
 
-``--fixed``: the fixed-capacity dispatch (``dispatch_fixed``) and its combine instead.
+``--fixed``: the fixed-capacity dispatch (``dispatch_fixed``) and the ops along its handle.
 
 Shape: DeepSeek-V3 decode (H 7168 bf16, top-8 of 256, 128 tokens/rank), EP 2.
 """
@@ -36,19 +36,10 @@ W, E, H, T_MAX, K, T = 2, 256, 7168, 4096, 8, 128
 def _calls(tr, x, idx, w, calls: int):
     """``calls`` rounds of the four ops: the median seconds of each."""
     times = ([], [], [], [])
-    if tr.probe_fixed:  # dispatch_fixed and its combine
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            r = tr.dispatch_fixed(x, idx, w)
-            t1 = time.perf_counter()
-            tr.combine(r[0], r[-1])
-            t2 = time.perf_counter()
-            times[0].append(t1 - t0)
-            times[1].append(t2 - t1)
-        return [statistics.median(acc) * 1e6 for acc in times[:2]] + [0.0, 0.0]
+    dispatch = tr.dispatch_fixed if tr.probe_fixed else tr.dispatch
     for _ in range(calls):
         t0 = time.perf_counter()
-        r = tr.dispatch(x, idx, w)
+        r = dispatch(x, idx, w)
         t1 = time.perf_counter()
         tr.combine(r[0], r[-1])
         t2 = time.perf_counter()
@@ -69,8 +60,7 @@ def main():
                     help="comma list: python (fast_launch 3), cpp (4: the C++ dispatch); the "
                          "paths alternate within each repeat")
     ap.add_argument("--fixed", action="store_true",
-                    help="time dispatch_fixed and its combine (cached dispatch and weight "
-                         "combine print 0)")
+                    help="time dispatch_fixed and the ops along its handle")
     ap.add_argument("--profile", action="store_true", help="then a cProfile of D+C")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -87,12 +77,9 @@ def main():
         w = torch.rand(T, K)
         for tr in trs.values():
             tr.probe_fixed = a.fixed
+            dispatch = tr.dispatch_fixed if a.fixed else tr.dispatch
             for _ in range(200):  # binds every program and plan
-                if a.fixed:
-                    r = tr.dispatch_fixed(x, idx, w)
-                    tr.combine(r[0], r[-1])
-                    continue
-                r = tr.dispatch(x, idx, w)
+                r = dispatch(x, idx, w)
                 tr.combine(r[0], r[-1])
                 tr.dispatch_cached(x, r[-1])
                 tr.combine_topk_weights(r[2], r[-1])

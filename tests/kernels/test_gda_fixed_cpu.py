@@ -183,3 +183,49 @@ def test_fixed_dispatch_in_one_cpp_call_passes_what_the_phase_methods_pass(tmp_p
     assert waited == [(tr._epoch, "dispatch")] and len(checked) == 3
     header = list(ph._progs[("header_fixed", tr._epoch % 2, K)]._vars)
     assert header == [num_recv.data_ptr(), tpe.data_ptr(), tr._epoch, 0]
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
+def test_fixed_cached_dispatch_and_weight_combine_plans(tmp_path, monkeypatch, cpp):
+    """Along a fixed-capacity handle: a cached dispatch's store and wait run as bound programs
+    in one native call with the gate between them and return the window's data region; a
+    weight combine's store reads the device's row counts and the window's ids, and with
+    fast_launch=4 goes straight to C++ once planned, unless a later dispatch overwrote the ids."""
+    tr = _transport(tmp_path, monkeypatch, cpp=cpp)
+    checked = []
+    real = tr._combine
+    monkeypatch.setattr(tr, "_combine", lambda *a, **k: (checked.append(a[2]), real(*a, **k))[1])
+    x, idx, w = _inputs(8)
+    ph, rows = tr._phases, W * T_MAX
+    g = torch.Generator().manual_seed(9)
+    wparities = set()
+    for call in range(6):
+        *_, num_recv, _, h = tr.dispatch_fixed(x, idx, w)
+        x2 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        got = tr.dispatch_cached(x2, h)
+        epoch, parity = tr._epoch, tr._epoch % 2
+        store = list(ph._progs[("cstore_x", parity, T, H, x2.dtype, x2.stride(0))]._vars)
+        assert store == [x2.data_ptr(), h.state.slot_TW.data_ptr(), epoch]
+        assert list(ph._progs[("wait", "cached dispatch")]._vars) == [epoch]
+        assert got.shape == (rows, H) and got.dtype == x2.dtype
+        assert got.data_ptr() == tr._buf.data_ptr() + tr._offs[parity]["data_off"]
+        gw = torch.randn(rows, K, generator=g)
+        back = tr.combine_topk_weights(gw, h)
+        parity = tr._epoch % 2
+        wparities.add(parity)
+        wstore = list(ph._progs[("cstore", parity, K, torch.float32, K, True, True)]._vars)
+        assert wstore == [gw.data_ptr(), num_recv.data_ptr(), h.recv_topk_idx.data_ptr(), rows,
+                          tr._epoch, min(T_MAX, tr.num_programs)]
+        assert back.shape == (T, K) and back.dtype == torch.float32
+    weight = [k for k in checked if k == "weight combine"]
+    # the first weight combine of each parity binds its plan through the checked path
+    assert len(weight) == (len(wparities) if cpp else 6)
+    if cpp:  # ids overwritten by two later dispatches: left to the checked path, which refuses
+        from efa_ep.kernels.gda import cpp_op
+
+        *_, h = tr.dispatch_fixed(x, idx, w)
+        tr.dispatch_fixed(x, idx, w)
+        tr.dispatch_fixed(x, idx, w)
+        epoch = tr._epoch
+        assert cpp_op.weight_combine_planned(ph, torch.zeros(rows, K), h) is None
+        assert tr._epoch == epoch
