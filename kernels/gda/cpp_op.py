@@ -50,6 +50,8 @@ COMBINE_FIELDS = ("fn", "store", "reduce", "gate", "world", "rank", "spin_ns", "
 # A fixed-capacity dispatch plan's constants, in the order of the F_* fields of efa_gda_op.cpp.
 FIXED_FIELDS = ("fn", "front", "header", "gate", "world", "rank", "spin_ns", "words", "o_slot",
                 "o_send", "num_local", "hidden", "topk", "tokens", "t_max")
+# A fixed handle's cached dispatch plan, in the order of the FC_* fields of efa_gda_op.cpp.
+FIXED_CACHED_FIELDS = ("fn", "store", "wait", "gate", "world", "rank", "spin_ns", "rows")
 
 def _stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -88,13 +90,14 @@ def load():
                       f"into {build}", file=sys.stderr, flush=True)
             mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
                            extra_cflags=["-O2"], verbose=False)
-            if (mod.PLAN_FIELDS, mod.COMBINE_FIELDS, mod.FIXED_FIELDS, mod.NOT_PLANNED) != (
-                    len(PLAN_FIELDS), len(COMBINE_FIELDS), len(FIXED_FIELDS), NOT_PLANNED):
-                raise RuntimeError(f"{SOURCE} has {mod.PLAN_FIELDS} dispatch, "
-                                   f"{mod.COMBINE_FIELDS} combine and {mod.FIXED_FIELDS} "
-                                   f"fixed dispatch plan fields, kernels/gda/cpp_op.py "
-                                   f"{len(PLAN_FIELDS)}, {len(COMBINE_FIELDS)} and "
-                                   f"{len(FIXED_FIELDS)}")
+            mine = (len(PLAN_FIELDS), len(COMBINE_FIELDS), len(FIXED_FIELDS),
+                    len(FIXED_CACHED_FIELDS), NOT_PLANNED)
+            theirs = (mod.PLAN_FIELDS, mod.COMBINE_FIELDS, mod.FIXED_FIELDS,
+                      mod.FIXED_CACHED_FIELDS, mod.NOT_PLANNED)
+            if theirs != mine:
+                raise RuntimeError(f"{SOURCE} has (dispatch, combine, fixed dispatch, fixed "
+                                   f"cached dispatch) plan fields and NOT_PLANNED {theirs}, "
+                                   f"kernels/gda/cpp_op.py {mine}")
         except Exception as e:  # noqa: BLE001 (any build failure means: not available)
             _why = (f"the C++ dispatch could not be built ({type(e).__name__}: "
                     f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); it needs a "

@@ -18,12 +18,12 @@ import torch
 
 from ..base import STATUS_BAD_INPUT, DispatchHandle, DispatchInputError
 from ..native_launch import GATE_LATE, NativeLaunchError
-from . import cpp_op
+from . import cpp_op, refusal
 from . import phases as _phases
 from .gate import GATE_SPIN_NS, KIND_OF
 from .window import GdaDispatchState
 
-_DISPATCH_KIND = KIND_OF["dispatch"]
+_DISPATCH_KIND, _CACHED_KIND = KIND_OF["dispatch"], KIND_OF["cached dispatch"]
 
 # the fixed header program's integer variables, after its tensors (num_recv, tokens_per_expert)
 _HEADER_INTS = ("epoch_delta", "full")
@@ -200,3 +200,51 @@ def cached(tr, x, slot, epoch: int) -> None:
         launch(None)
         return
     ph._gated(first, prog, (op["epoch"],), epoch, "cached dispatch")
+    key = ("cached_fixed", epoch & 1, x.shape[0], x.shape[1], x.dtype, x.stride(0))
+    if ph.cpp is not None and key not in ph._plans:  # the next such call: one C++ call
+        store, gate = first[0], tr._gate
+        ph._plans[key] = (prog, cpp_op.CppPlan(
+            cpp_op.FIXED_CACHED_FIELDS,
+            fn=ctypes.cast(store._lib.efa_launch_run_gated, ctypes.c_void_p).value,
+            store=store._addr, wait=prog._addr, gate=gate.address if gate is not None else 0,
+            world=tr.world_size, rank=tr.rank, spin_ns=GATE_SPIN_NS,
+            rows=tr.world_size * tr.cfg.max_tokens_per_rank))
+
+
+def cached_planned(tr, x, handle):
+    """A cached dispatch along a fixed-capacity ``handle`` of ``tr`` straight to its C++ call,
+    before the transport's checks: when this shape has a plan (bound by an earlier call) and
+    the call finds ``x`` the handle's tokens' rows, dense, on this device. Returns the rows
+    ``[W * T_MAX, D]`` (a view of this parity's data region of the window, as the checked path
+    returns) or None when not that case (nothing ran)."""
+    ph = tr._phases
+    op = cpp_op._planned_op(ph, handle, fixed_ok=True)
+    if op is None or not op[1].fixed or not handle.num_tokens:
+        return None
+    epoch, st = op
+    try:
+        key = ("cached_fixed", epoch & 1, handle.num_tokens, x.shape[1], x.dtype, x.stride(0))
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    plan = ph._plans.get(key)
+    if plan is None:
+        return None
+    wait, cpp = plan
+    parity = epoch & 1
+    data = _regions(tr, parity, handle.recv_topk_idx.shape[1])[0]
+    delta, stream = epoch - tr._dev_base, _phases._stream(ph._dev)
+    res = ph.cpp.cached_fixed(x, st.slot_TW, data, cpp.address, delta,
+                              epoch * 8 + _CACHED_KIND, stream, handle.num_tokens,
+                              ph._cpp_device)
+    status = res[0]
+    if status == cpp_op.NOT_PLANNED:
+        return None
+    tr._epoch = epoch
+    tr.blocked_s += res[1] * 1e-9
+    if status < 0:
+        raise NativeLaunchError(res[2])
+    if status == GATE_LATE:  # the store ran and is published: wait for the peers, then the wait
+        tr._await_peers(epoch, "cached dispatch")
+        wait.run((delta,), stream)
+    refusal.raise_if_refused(tr, epoch, "cached dispatch")  # the op is whole
+    return res[2]

@@ -453,9 +453,12 @@ class GdaTransport(Transport):
         """Replays ``handle``'s layout for ``x`` ``[T, D]`` (any dtype whose rows fit the window
         row): returns ``[N, D]``. No host sync (deadline errors are deferred, see the class)."""
         phases = self._phases
-        out = cpp_op.cached_planned(phases, x, handle) if phases.cpp else None  # as combine's
-        if out is not None:
-            return out
+        if phases.cpp:  # as combine's
+            out = cpp_op.cached_planned(phases, x, handle)
+            if out is None:
+                out = fixed.cached_planned(self, x, handle)
+            if out is not None:
+                return out
         try:
             st = self.handle_state(handle)
             error = rows_input_error(self.rank, "cached dispatch input x", x, handle.num_tokens,

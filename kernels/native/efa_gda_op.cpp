@@ -62,6 +62,9 @@ enum {
     F_LOCAL, F_HIDDEN, F_TOPK, F_TOKENS, F_T_MAX, F_NUM_FIELDS
 };
 
+// A fixed-capacity handle's cached dispatch plan (kernels/gda/fixed.py, FIXED_CACHED_FIELDS).
+enum { FC_FN, FC_STORE, FC_WAIT, FC_GATE, FC_WORLD, FC_RANK, FC_SPIN_NS, FC_ROWS, FC_NUM_FIELDS };
+
 // A combine plan's constants (kernels/gda/cpp_op.py, COMBINE_FIELDS).
 enum {
     C_FN, C_STORE, C_REDUCE, C_GATE, C_WORLD, C_RANK, C_SPIN_NS, C_MAX_GRID, C_FIXED_ROWS,
@@ -439,6 +442,44 @@ py::tuple dispatch_fixed(const at::Tensor &x, const at::Tensor &topk_idx,
     return py::make_tuple(rc, gate_ns, slot, send_idx, num_recv, tokens_per_expert, rx, ri, rw);
 }
 
+// A planned cached dispatch along a fixed-capacity handle (kernels/gda/fixed.py): the store
+// program's variables (x, slot, delta), the wait's (delta), then the store, the launch gate and
+// the wait for every source in one native call (efa_launch_run_gated), the GIL released; the
+// rows land in this parity's data region of the window (`data`, flat), returned as
+// [W * T_MAX, D] in x's dtype. Returns (status, gate_ns, rows) with status 0, or 1 (a peer late
+// at the gate: the store ran and is published, the caller waits and runs the wait);
+// (status, gate_ns, error text) when negative; with `device` != -1, (NOT_PLANNED,) unless x is
+// [num_tokens, D] with dense rows there (rows_fit): nothing ran.
+py::tuple cached_fixed(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &data,
+                       int64_t plan_address, int64_t delta, int64_t record, int64_t stream,
+                       int64_t num_tokens, int64_t device) {
+    stamp(0);
+    const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
+    if (device != -1 && !rows_fit(x, num_tokens, device)) return py::make_tuple(NOT_PLANNED);
+    auto *store = reinterpret_cast<Program *>(p[FC_STORE]);
+    auto *wait = reinterpret_cast<Program *>(p[FC_WAIT]);
+    const int64_t sv[3] = {reinterpret_cast<int64_t>(x.data_ptr()),
+                           reinterpret_cast<int64_t>(slot.data_ptr()), delta};
+    std::memcpy(store->vars, sv, sizeof sv);
+    wait->vars[0] = delta;
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    int rc;
+    stamp(1);
+    {
+        py::gil_scoped_release unlocked;  // the gate waits for peers
+        rc = reinterpret_cast<GatedFn>(p[FC_FN])(
+            store, wait, stream, reinterpret_cast<int64_t *>(p[FC_GATE]),
+            static_cast<int>(p[FC_WORLD]), static_cast<int>(p[FC_RANK]), record, p[FC_SPIN_NS],
+            nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
+    }
+    stamp(2);
+    waits(sync_ns, gate_ns);
+    if (rc < 0) return py::make_tuple(rc, gate_ns, std::string(err));
+    const int64_t d = x.size(1);
+    return py::make_tuple(rc, gate_ns, carve(data, x.scalar_type(), {p[FC_ROWS], d}, {d, 1}, 0));
+}
+
 // A planned combine (or weight combine, with ids) of y [N, D] into a new out [T, D] in y's
 // dtype: the store program's variables (y, offsets, [ids], N, delta, grid), the reduce
 // program's (slot, out, delta, T, grid), then the store, the launch gate and the reduce in one
@@ -506,6 +547,8 @@ py::tuple cached(const at::Tensor &x, const at::Tensor &slot, const at::Tensor &
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cached", &cached, "a planned gda cached dispatch in one call (see the file)");
     m.def("dispatch", &dispatch, "a planned gda regular dispatch in one call (see the file)");
+    m.def("cached_fixed", &cached_fixed,
+          "a planned gda cached dispatch along a fixed-capacity handle (see the file)");
     m.def("dispatch_fixed", &dispatch_fixed,
           "a planned gda fixed-capacity dispatch in one call (see the file)");
     m.def("dispatch_compact", &dispatch_compact,
@@ -516,6 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("COMBINE_FIELDS") = static_cast<int64_t>(C_NUM_FIELDS);
     m.attr("COMPACT_FIELDS") = static_cast<int64_t>(K_NUM_FIELDS);
     m.attr("FIXED_FIELDS") = static_cast<int64_t>(F_NUM_FIELDS);
+    m.attr("FIXED_CACHED_FIELDS") = static_cast<int64_t>(FC_NUM_FIELDS);
     m.attr("COUNTS_GATE_LATE") = static_cast<int64_t>(COUNTS_GATE_LATE);
     m.attr("NOT_PLANNED") = static_cast<int64_t>(NOT_PLANNED);
 }

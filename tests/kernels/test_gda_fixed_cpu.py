@@ -189,12 +189,14 @@ def test_fixed_dispatch_in_one_cpp_call_passes_what_the_phase_methods_pass(tmp_p
 def test_fixed_cached_dispatch_and_weight_combine_plans(tmp_path, monkeypatch, cpp):
     """Along a fixed-capacity handle: a cached dispatch's store and wait run as bound programs
     in one native call with the gate between them and return the window's data region; a
-    weight combine's store reads the device's row counts and the window's ids, and with
-    fast_launch=4 goes straight to C++ once planned, unless a later dispatch overwrote the ids."""
+    weight combine's store reads the device's row counts and the window's ids. With
+    fast_launch=4 both go straight to C++ once planned (the weight combine not once a later
+    dispatch overwrote the ids)."""
     tr = _transport(tmp_path, monkeypatch, cpp=cpp)
-    checked = []
-    real = tr._combine
+    checked, begun = [], []
+    real, real_begin = tr._combine, tr._begin_op
     monkeypatch.setattr(tr, "_combine", lambda *a, **k: (checked.append(a[2]), real(*a, **k))[1])
+    monkeypatch.setattr(tr, "_begin_op", lambda op: (begun.append(op), real_begin(op))[1])
     x, idx, w = _inputs(8)
     ph, rows = tr._phases, W * T_MAX
     g = torch.Generator().manual_seed(9)
@@ -220,6 +222,8 @@ def test_fixed_cached_dispatch_and_weight_combine_plans(tmp_path, monkeypatch, c
     weight = [k for k in checked if k == "weight combine"]
     # the first weight combine of each parity binds its plan through the checked path
     assert len(weight) == (len(wparities) if cpp else 6)
+    # likewise the cached dispatch (its ops land on alternating parities too)
+    assert begun.count("dispatch_cached") == (len(wparities) if cpp else 6)
     if cpp:  # ids overwritten by two later dispatches: left to the checked path, which refuses
         from efa_ep.kernels.gda import cpp_op
 
@@ -228,4 +232,14 @@ def test_fixed_cached_dispatch_and_weight_combine_plans(tmp_path, monkeypatch, c
         tr.dispatch_fixed(x, idx, w)
         epoch = tr._epoch
         assert cpp_op.weight_combine_planned(ph, torch.zeros(rows, K), h) is None
+        assert tr._epoch == epoch
+        # a cached dispatch of other rows than the handle's tokens: nothing ran (its C++ check)
+        from efa_ep.kernels.gda import fixed
+
+        *_, h = tr.dispatch_fixed(x, idx, w)
+        tr.dispatch_cached(torch.zeros(T, H, dtype=torch.bfloat16), h)  # (plans this parity's)
+        *_, h = tr.dispatch_fixed(x, idx, w)
+        epoch = tr._epoch
+        assert ("cached_fixed", (epoch + 1) & 1, T, H, torch.bfloat16, H) in ph._plans
+        assert fixed.cached_planned(tr, torch.zeros(T - 1, H, dtype=torch.bfloat16), h) is None
         assert tr._epoch == epoch
