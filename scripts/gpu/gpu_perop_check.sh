@@ -27,7 +27,9 @@ N=${PEROP_STARTS:-3}
 BENCH="--skip-tests --worlds 2,4 --routes random --modes regular,fixed,graph ${PEROP_BENCH_ARGS:-}"
 want tests && TAILN=20 step tests ${PEROP_TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
   --durations=12 \
-  tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py -k "${PEROP_TESTS_K:-not stress}"
+  tests/kernels/test_gda_gpu.py tests/dispatcher/test_moe_layer_gpu.py \
+  tests/dispatcher/test_capacity_overlap.py::test_gda_capacity_pad_equals_torch_without_host_sync \
+  -k "${PEROP_TESTS_K:-not stress}"
 want bench && TAILN=30 step bench "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py $BENCH --starts "$N" --tag _after
 want fast3 && TAILN=12 step fast3 "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py \
   $BENCH --starts "$N" --options fast_launch=3 --tag _fast3
