@@ -7,8 +7,8 @@ makes the same native call as the Python path (``efa_launch_dispatch``); a plann
 weight combine or cached dispatch likewise allocates its output and writes both programs'
 variables, then makes the gated native call (``efa_launch_run_gated``); a planned
 fixed-capacity dispatch (:mod:`.fixed`) allocates its layout and device counts at once and
-makes that gated call over its front and header. Same kernels with the same arguments, so the
-same results.
+makes that gated call over its front and header, and a cached dispatch along its handle over
+its store and wait. Same kernels with the same arguments, so the same results.
 
 A call whose shape has such a plan goes from the transport's method straight to C++
 (``GdaPhases.dispatch_planned``, ``combine_planned``, ``cached_planned``): the C++ call first
