@@ -13,6 +13,7 @@ that the inputs are the plan's case and otherwise leaves the call to the checked
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 import torch
 
@@ -131,6 +132,21 @@ def _record_plan(tr, x, topk_idx, front, header, words: int) -> None:
         t_max=tr.cfg.max_tokens_per_rank))
 
 
+def _taken(tr, res, epoch: int) -> Optional[int]:
+    """The status of a planned C++ call's result ``res`` (status, gate wait ns, ...) for op
+    ``epoch``: None when its inputs were not the plan's case (nothing ran, the op's number not
+    taken); else the op's number is taken and its gate wait counted, and a launch failure
+    raises."""
+    status = res[0]
+    if status == cpp_op.NOT_PLANNED:
+        return None
+    tr._epoch = epoch
+    tr.blocked_s += res[1] * 1e-9
+    if status < 0:
+        raise NativeLaunchError(res[2])
+    return status
+
+
 def dispatch_planned(tr, x, topk_idx, topk_weights):
     """A fixed-capacity dispatch of ``tr`` straight to its C++ call, before the transport's
     checks: when this shape has a plan (its programs bound by an earlier call) and the call
@@ -156,13 +172,9 @@ def dispatch_planned(tr, x, topk_idx, topk_weights):
     res = ph.cpp.dispatch_fixed(x, topk_idx, topk_weights, data, ids, weights, cpp.address,
                                 delta, full, epoch * 8 + _DISPATCH_KIND,
                                 _phases._stream(ph._dev), ph._cpp_device)
-    status = res[0]
-    if status == cpp_op.NOT_PLANNED:
+    status = _taken(tr, res, epoch)
+    if status is None:
         return None
-    tr._epoch = epoch
-    tr.blocked_s += res[1] * 1e-9
-    if status < 0:
-        raise NativeLaunchError(res[2])
     # (the transport's _note_idx_width of this op)
     tr._idx_k[parity], tr._idx_full[parity], tr._idx_epoch[parity] = k, False, epoch
     _, _, slot, send_idx, num_recv, tokens_per_expert, recv_x, recv_idx, recv_w = res
@@ -236,13 +248,9 @@ def cached_planned(tr, x, handle):
     res = ph.cpp.cached_fixed(x, st.slot_TW, data, cpp.address, delta,
                               epoch * 8 + _CACHED_KIND, stream, handle.num_tokens,
                               ph._cpp_device)
-    status = res[0]
-    if status == cpp_op.NOT_PLANNED:
+    status = _taken(tr, res, epoch)
+    if status is None:
         return None
-    tr._epoch = epoch
-    tr.blocked_s += res[1] * 1e-9
-    if status < 0:
-        raise NativeLaunchError(res[2])
     if status == GATE_LATE:  # the store ran and is published: wait for the peers, then the wait
         tr._await_peers(epoch, "cached dispatch")
         wait.run((delta,), stream)

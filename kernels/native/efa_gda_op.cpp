@@ -357,24 +357,35 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
                         p[K_LOCAL], t, p[K_O_SLOT], p[K_O_OFFSETS], p[K_O_SEND]);
 }
 
-// The first program, the launch gate and the second in one native call of a combine plan `p`
-// (the GIL released: the gate may wait for peers). Returns (status, sync_ns, gate_ns, out), and
-// when negative the library's error text.
-static py::tuple run_gated(const int64_t *p, Program *first, Program *second,
-                           const at::Tensor &out, int64_t record, int64_t stream) {
-    int64_t sync_ns = 0, gate_ns = 0;
-    char err[512] = {0};
-    auto fn = reinterpret_cast<GatedFn>(p[C_FN]);
+// The first program, the launch gate and the second in one native call (efa_launch_run_gated
+// at `fn`, no completion word), the GIL released: the gate may wait for peers. Returns its
+// status; the device and gate waits go to sync_ns / gate_ns, a failure's text to err.
+static int gated(int64_t fn, int64_t gate, int64_t world, int64_t rank, int64_t spin_ns,
+                 Program *first, Program *second, int64_t record, int64_t stream,
+                 int64_t *sync_ns, int64_t *gate_ns, char *err, size_t errlen) {
     int rc;
     stamp(1);
     {
         py::gil_scoped_release unlocked;
-        rc = fn(first, second, stream, reinterpret_cast<int64_t *>(p[C_GATE]),
-                static_cast<int>(p[C_WORLD]), static_cast<int>(p[C_RANK]), record,
-                p[C_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
+        rc = reinterpret_cast<GatedFn>(fn)(first, second, stream,
+                                           reinterpret_cast<int64_t *>(gate),
+                                           static_cast<int>(world), static_cast<int>(rank),
+                                           record, spin_ns, nullptr, 0, 0, sync_ns, gate_ns, err,
+                                           errlen);
     }
     stamp(2);
-    waits(sync_ns, gate_ns);
+    waits(*sync_ns, *gate_ns);
+    return rc;
+}
+
+// gated() of a combine plan `p`. Returns (status, sync_ns, gate_ns, out), and when negative the
+// library's error text.
+static py::tuple run_gated(const int64_t *p, Program *first, Program *second,
+                           const at::Tensor &out, int64_t record, int64_t stream) {
+    int64_t sync_ns = 0, gate_ns = 0;
+    char err[512] = {0};
+    const int rc = gated(p[C_FN], p[C_GATE], p[C_WORLD], p[C_RANK], p[C_SPIN_NS], first, second,
+                         record, stream, &sync_ns, &gate_ns, err, sizeof err);
     stamp(3);
     if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, out, std::string(err));
     return py::make_tuple(rc, sync_ns, gate_ns, out);
@@ -421,17 +432,8 @@ py::tuple dispatch_fixed(const at::Tensor &x, const at::Tensor &topk_idx,
     std::memcpy(header->vars, hv, sizeof hv);
     int64_t sync_ns = 0, gate_ns = 0;
     char err[512] = {0};
-    int rc;
-    stamp(1);
-    {
-        py::gil_scoped_release unlocked;  // the gate waits for peers
-        rc = reinterpret_cast<GatedFn>(p[F_FN])(
-            front, header, stream, reinterpret_cast<int64_t *>(p[F_GATE]), static_cast<int>(w),
-            static_cast<int>(p[F_RANK]), record, p[F_SPIN_NS], nullptr, 0, 0, &sync_ns, &gate_ns,
-            err, sizeof err);
-    }
-    stamp(2);
-    waits(sync_ns, gate_ns);
+    const int rc = gated(p[F_FN], p[F_GATE], w, p[F_RANK], p[F_SPIN_NS], front, header, record,
+                         stream, &sync_ns, &gate_ns, err, sizeof err);
     if (rc < 0) return py::make_tuple(rc, gate_ns, std::string(err));
     const int64_t rows = w * p[F_T_MAX], hidden = p[F_HIDDEN];
     auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * p[F_O_SLOT]);
@@ -464,17 +466,8 @@ py::tuple cached_fixed(const at::Tensor &x, const at::Tensor &slot, const at::Te
     wait->vars[0] = delta;
     int64_t sync_ns = 0, gate_ns = 0;
     char err[512] = {0};
-    int rc;
-    stamp(1);
-    {
-        py::gil_scoped_release unlocked;  // the gate waits for peers
-        rc = reinterpret_cast<GatedFn>(p[FC_FN])(
-            store, wait, stream, reinterpret_cast<int64_t *>(p[FC_GATE]),
-            static_cast<int>(p[FC_WORLD]), static_cast<int>(p[FC_RANK]), record, p[FC_SPIN_NS],
-            nullptr, 0, 0, &sync_ns, &gate_ns, err, sizeof err);
-    }
-    stamp(2);
-    waits(sync_ns, gate_ns);
+    const int rc = gated(p[FC_FN], p[FC_GATE], p[FC_WORLD], p[FC_RANK], p[FC_SPIN_NS], store,
+                         wait, record, stream, &sync_ns, &gate_ns, err, sizeof err);
     if (rc < 0) return py::make_tuple(rc, gate_ns, std::string(err));
     const int64_t d = x.size(1);
     return py::make_tuple(rc, gate_ns, carve(data, x.scalar_type(), {p[FC_ROWS], d}, {d, 1}, 0));

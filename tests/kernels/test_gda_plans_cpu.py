@@ -10,28 +10,11 @@ import pytest
 import torch
 
 from efa_ep.kernels.gda import launches as kern
-from efa_ep.testing.gda_host import header_info, host_only_transport, last_completion, stand_in_library
+from efa_ep.testing.gda_host import header_info, last_completion
 
-W, E, H, T_MAX, K, T = 2, 16, 64, 32, 2, 8
-L = E // W
-
-
-def _transport(tmp_path, monkeypatch, cpp=False):
-    try:
-        lib = stand_in_library(str(tmp_path))
-    except (OSError, FileNotFoundError) as e:
-        pytest.skip(f"no C compiler here: {e}")
-    if cpp:
-        from efa_ep.kernels.gda import cpp_op
-
-        why = cpp_op.availability()
-        if why is not None:
-            pytest.skip(why)
-    info = header_info(W, L, rows_from=[T, 5], rows_to=[T, 6], per_expert=[2] * L)
-    t = host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX, info=info,
-                            patch=monkeypatch.setattr, cpp=cpp)
-    t.stand_in = lib
-    return t
+# (tests/kernels is on sys.path under pytest)
+from gda_stand_in import E, H, K, L, T, T_MAX, W
+from gda_stand_in import stand_in_transport as _transport
 
 
 @pytest.fixture
