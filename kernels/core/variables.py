@@ -213,6 +213,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "benchmarks only: 0 runs every packed proxy op of CUDA rows in its Python steps, "
              "even for a case that ran before (the other arm of a comparison)",
              allowed="0 or 1", read_by="kernels/proxy/planned.py"),
+    Variable("EFA_EP_PROXY_CPP", "proxy_cpp", str, "1",
+             "benchmarks only: 0 runs a planned proxy dispatch or combine through the Python "
+             "glue around its native calls instead of one C++ call (the other arm of a "
+             "comparison)", allowed="0 or 1", read_by="kernels/proxy/cpp_op.py"),
     Variable("EFA_EP_PROXY_EARLY_READS", "proxy_early_reads", str, "1",
              "benchmarks only: 0 launches the kernel that reads a one-call proxy op's received "
              "rows after the round completed, instead of as the rows' chunks arrive (the other "

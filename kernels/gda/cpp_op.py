@@ -23,10 +23,6 @@ cannot be built, :func:`availability` says why, the transport warns once and run
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import sys
-import threading
 import warnings
 from typing import Optional
 
@@ -35,11 +31,10 @@ import torch
 from . import gather_ahead
 from .gate import GATE_SPIN_NS, KIND_OF, wait_record
 from .window import GdaDispatchState
+from .. import cpp_ext
 from ..base import DispatchHandle
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native",
-                      "efa_gda_op.cpp")
 # The plan's constants, in the order of the P_* fields of efa_gda_op.cpp.
 PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin_ns", "flag",
                "wait_ns", "shape", "rows", "words", "o_slot", "o_send", "o_rank", "o_out",
@@ -57,9 +52,6 @@ def _stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-_lock = threading.Lock()
-_mod = None
-_why: Optional[str] = None
 _warned = False
 # efa_gda_op.cpp's status of a dispatch whose inputs are not its plan's case (nothing ran)
 NOT_PLANNED = 100
@@ -68,43 +60,10 @@ NOT_PLANNED = 100
 def load():
     """The built extension module (built once per source, into the package's cache folder).
     Raises RuntimeError naming what is missing."""
-    global _mod, _why
-    with _lock:
-        if _mod is not None:
-            return _mod
-        if _why is not None:
-            raise RuntimeError(_why)
-        try:
-            import torch.utils.cpp_extension as cpp
-
-            from ..proxy.native import cache_dir
-
-            cpp.verify_ninja_availability()
-            with open(SOURCE, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()[:12]
-            name = f"efa_gda_op_{digest}"
-            build = os.path.join(cache_dir(), name)
-            os.makedirs(build, exist_ok=True)
-            if not any(f.endswith(".so") for f in os.listdir(build)):  # say why the wait
-                print(f"efa-ep: building gda's C++ dispatch once for this install (about 30 s) "
-                      f"into {build}", file=sys.stderr, flush=True)
-            mod = cpp.load(name=name, sources=[SOURCE], build_directory=build,
-                           extra_cflags=["-O2"], verbose=False)
-            mine = (len(PLAN_FIELDS), len(COMBINE_FIELDS), len(FIXED_FIELDS),
-                    len(FIXED_CACHED_FIELDS), NOT_PLANNED)
-            theirs = (mod.PLAN_FIELDS, mod.COMBINE_FIELDS, mod.FIXED_FIELDS,
-                      mod.FIXED_CACHED_FIELDS, mod.NOT_PLANNED)
-            if theirs != mine:
-                raise RuntimeError(f"{SOURCE} has (dispatch, combine, fixed dispatch, fixed "
-                                   f"cached dispatch) plan fields and NOT_PLANNED {theirs}, "
-                                   f"kernels/gda/cpp_op.py {mine}")
-        except Exception as e:  # noqa: BLE001 (any build failure means: not available)
-            _why = (f"the C++ dispatch could not be built ({type(e).__name__}: "
-                    f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); it needs a "
-                    f"C++ compiler and ninja (pip install ninja)")
-            raise RuntimeError(_why) from e
-        _mod = mod
-        return mod
+    return cpp_ext.load("efa_gda_op.cpp", "gda's C++ dispatch", {
+        "PLAN_FIELDS": len(PLAN_FIELDS), "COMBINE_FIELDS": len(COMBINE_FIELDS),
+        "FIXED_FIELDS": len(FIXED_FIELDS), "FIXED_CACHED_FIELDS": len(FIXED_CACHED_FIELDS),
+        "NOT_PLANNED": NOT_PLANNED})
 
 
 def warn_off(why: str) -> None:

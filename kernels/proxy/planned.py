@@ -17,9 +17,13 @@ checks name any problem. Errors of the native call are raised as the stepped pat
 a flagged routing or a group's input error runs the same error round or raises the same error
 on every rank; anything else breaks the transport (its ``_guarded``).
 
+Where the proxy's C++ ops are built (:mod:`.cpp_op`), a planned dispatch or combine goes from
+here to one C++ call instead, which also makes the op's tensors and writes the programs'
+variables; Python keeps the plan lookup, the round's accounting, the errors and the handle.
+
 ``EFA_EP_PROXY_ONE_CALL=0`` keeps every call on the stepped path, ``EFA_EP_PROXY_EARLY_READS=0``
-launches the reading kernel after the round completed (the other arms of the benchmarks'
-comparisons).
+launches the reading kernel after the round completed, ``EFA_EP_PROXY_CPP=0`` keeps the one-call
+path's Python glue (the other arms of the benchmarks' comparisons).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from ..base import DispatchInputError
 from ..core.variables import raw
 from ..native_launch import NativeLaunchError, Program
 from ..native_launch import load as load_launch
-from . import native
+from . import cpp_op, native
 from .native import RC_LOCAL_INPUT, STEP_BEGIN, STEP_POST, STEP_WAIT_READS
 from .window import OP_CACHED, OP_COMBINE, OP_DISPATCH, row_format
 from .wire import Wire
@@ -79,6 +83,8 @@ class _Plan:
     row_bytes: int = 0
     send_area: int = 0       # combine, cached dispatch: bytes of the send area
     keep: tuple = ()         # the host buffers the structs and programs point at
+    cuda: Optional[int] = None          # the CUDA device's index (None: the CPU stand-in)
+    cpp: Optional[cpp_op.CppPlan] = None  # the C++ call's constants, where it runs
 
 
 class PlannedOps:
@@ -86,7 +92,8 @@ class PlannedOps:
     (see the module). ``dispatch`` / ``combine`` / ``cached`` return None when the call is not
     a planned case; ``note_dispatch`` / ``note_combine`` / ``note_cached`` make a plan after the
     stepped path ran one (at most ``MAX_PLANS``: past that, all are dropped and made again as
-    calls need them, as the stepped path's programs are)."""
+    calls need them, as the stepped path's programs are). ``cpp_off``: None where planned
+    dispatches and combines go to the C++ call, else why not; ``cpp_calls`` counts them."""
 
     MAX_PLANS = 256
 
@@ -104,6 +111,16 @@ class PlannedOps:
         from .round_ops import ProxyHandleState
 
         self._state_type, self._reads_grid = ProxyHandleState, reads_grid
+        self.cpp, self.cpp_off = None, "off (EFA_EP_PROXY_CPP=0)"
+        if cpp_op.enabled():
+            try:
+                self.cpp, self.cpp_off = cpp_op.load(), None
+            except RuntimeError as e:
+                self.cpp_off = str(e)
+        # the C++ call's plans by a short key (the call checks the rest of the case)
+        self.cpp_dispatch: dict = {}
+        self.cpp_combine: dict = {}
+        self.cpp_calls = {"dispatch": 0, "combine": 0}
 
     @classmethod
     def create(cls, tr) -> Optional["PlannedOps"]:
@@ -131,7 +148,19 @@ class PlannedOps:
         d.reads_event = event.cuda_event if event is not None else 0
         return _Plan(op=op, dev=d, op_ref=ctypes.byref(op), dev_ref=ctypes.byref(d), pack=pack,
                      reads=reads, event=event, nw=tr.wire._nw, gen=tr.wire.gen, device=dev,
-                     num_programs=tr._num_programs(dev))
+                     num_programs=tr._num_programs(dev),
+                     cuda=dev.index if dev.type == "cuda" else None)
+
+    def _cpp_fields(self, plan: _Plan, dtype) -> dict:
+        """The constants every C++ plan of ``plan`` holds (``dtype``: its rows')."""
+        from .device import _watcher
+
+        return dict(op=ctypes.addressof(plan.op), dev=ctypes.addressof(plan.dev),
+                    pack=plan.pack._addr, reads=plan.reads._addr,
+                    device=-2 if plan.cuda is None else plan.cuda,
+                    programs=plan.num_programs, watcher=_watcher(),
+                    err=ctypes.addressof(self._err), errlen=_ERRLEN,
+                    **{"dtype": self.cpp.scalar_type(torch.empty(0, dtype=dtype))})
 
     def _usable(self, plan: _Plan) -> bool:
         tr = self.tr
@@ -189,13 +218,24 @@ class PlannedOps:
         st.recv_idx, st.recv_w = in_idx.data_ptr(), in_w.data_ptr()
         plan.dev.recv_off, plan.dev.routing_cap = recv_off.data_ptr(), min(in_idx.numel(),
                                                                           in_w.numel())
-        plan.words, plan.o_send, plan.k = words, o_send, k
+        plan.words, plan.o_send, plan.k, plan.row_bytes = words, o_send, k, st.row_bytes
         plan.keep = (meta, counts, progress, in_idx, in_w, recv_off)
         self._add(key, plan)
+        if self.cpp is not None:
+            f = self._cpp_fields(plan, key[3])
+            plan.cpp = cpp_op.CppPlan(
+                cpp_op.DISPATCH_FIELDS, fn=_addr(self._dispatch_fn), finish=_addr(self._finish_fn),
+                tokens=key[1][0], hidden=key[1][1], x_stride=key[2][0], x_dtype=f.pop("dtype"),
+                topk=k, words=words, o_send=o_send, num_local=self.tr.cfg.num_local_experts, **f)
+            self.cpp_dispatch[key[5]] = plan  # by topk_idx's shape
 
     def dispatch(self, x, topk_idx, topk_weights):
         """A dispatch of a planned case in two native calls, or None (nothing ran). Returns
         what the transport's dispatch returns."""
+        if self.cpp is not None:
+            out = self._dispatch_cpp(x, topk_idx, topk_weights)
+            if out is not None:
+                return out
         try:
             plan = self.plans.get(_dispatch_key(x, topk_idx, topk_weights))
         except (AttributeError, TypeError, RuntimeError):
@@ -228,6 +268,53 @@ class PlannedOps:
         send_idx = scratch[plan.o_send:plan.o_send + sum(num_send)]
         return recv_x, recv_idx, recv_w, tpe, tr._handle(t, topk_idx, send_idx, None, num_send,
                                                          num_recv, recv_idx)
+
+    def _dispatch_cpp(self, x, topk_idx, topk_weights):
+        """:meth:`dispatch` through the C++ call, or None (nothing ran)."""
+        try:
+            plan = self.cpp_dispatch.get(topk_idx.shape)
+        except AttributeError:
+            return None  # not a tensor
+        if plan is None or not self._usable(plan):
+            return None
+        tr = self.tr
+        ev = tr._reads_done
+        res = self.cpp.dispatch(x, topk_idx, topk_weights, plan.cpp.address, tr.wire.seq,
+                                self._stream(plan), ev.cuda_event if ev is not None else 0)
+        if res[0] == cpp_op.NOT_PLANNED:
+            return None
+        rc, step, counts, rc_finish, out = res
+        self._settle(plan, step, rc, counts, OP_DISPATCH, topk_idx, topk_weights)
+        if rc_finish:
+            raise Wire.error_of(rc_finish, self._text())
+        tr._reads_done = plan.event
+        self.calls["dispatch"] += 1
+        self.cpp_calls["dispatch"] += 1
+        recv_x, recv_idx, recv_w, tpe, send_idx, num_send, num_recv = out
+        return recv_x, recv_idx, recv_w, tpe, tr._handle(
+            x.shape[0], topk_idx, send_idx, None, num_send, num_recv, recv_idx)
+
+    def _combine_cpp(self, y, handle, t: int):
+        """:meth:`combine` through the C++ call, or None (nothing ran)."""
+        plan = self.cpp_combine.get((t + 1).bit_length())
+        if plan is None or not self._usable(plan):
+            return None
+        tr = self.tr
+        ev = tr._reads_done
+        try:
+            res = self.cpp.combine(y, handle.send_token_idx, handle.num_send_per_rank,
+                                   handle.num_recv_per_rank, t, plan.cpp.address, tr.wire.seq,
+                                   self._stream(plan), ev.cuda_event if ev is not None else 0)
+        except TypeError:
+            return None  # not a tensor
+        if res[0] == cpp_op.NOT_PLANNED:
+            return None
+        rc, step, counts, out = res
+        self._settle(plan, step, rc, counts, OP_COMBINE)
+        tr._reads_done = plan.event
+        self.calls["combine"] += 1
+        self.cpp_calls["combine"] += 1
+        return out
 
     # -------------------------------------------------------------------------------------
     def note_combine(self, yc, handle, pack_key, reduce_key) -> None:
@@ -263,10 +350,21 @@ class PlannedOps:
         lay = tr.layout
         plan.send_area = lay.off_recv - lay.off_data_send
         self._add(key, plan)
+        if combine and self.cpp is not None:
+            from .device_path import _CHUNK_BYTES
+
+            f = self._cpp_fields(plan, rows.dtype)
+            plan.cpp = cpp_op.CppPlan(
+                cpp_op.COMBINE_FIELDS, fn=_addr(self._rows_fn), hidden=rows.shape[1],
+                y_stride=rows.stride(0), y_dtype=f.pop("dtype"), row_bytes=row,
+                send_area=plan.send_area, chunk_bytes=_CHUNK_BYTES, **f)
+            self.cpp_combine[key[-1]] = plan  # by the token count's bit length
 
     def _add(self, key, plan: _Plan) -> None:
         if len(self.plans) >= self.MAX_PLANS:  # shapes that keep changing (inference)
             self.plans.clear()
+            self.cpp_dispatch.clear()
+            self.cpp_combine.clear()
         self.plans[key] = plan
 
     def combine(self, y, handle):
@@ -275,6 +373,10 @@ class PlannedOps:
         if not self._own_handle(handle):
             return None
         t, n = handle.num_tokens, handle.num_recv_tokens
+        if self.cpp is not None:
+            out = self._combine_cpp(y, handle, t)
+            if out is not None:
+                return out
         try:
             plan = self.plans.get(_combine_key(y, t))
             if plan is None or y.shape[0] != n or not n:
@@ -387,35 +489,61 @@ class PlannedOps:
     def _text(self) -> str:
         return self._err.value.decode(errors="replace")
 
+    @staticmethod
+    def _stream(plan: _Plan) -> int:
+        """The current stream of the plan's CUDA device (0: the CPU stand-in)."""
+        return 0 if plan.cuda is None else torch._C._cuda_getCurrentRawStream(plan.cuda)
+
     def _run(self, plan: _Plan, fn, op_code: int, topk_idx=None, topk_weights=None) -> None:
         """Runs a plan's native call on the current stream; accounts the round as the stepped
         path does and raises what it raises."""
         tr, wire, d = self.tr, self.tr.wire, plan.dev
-        dev = plan.device
-        d.stream = torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0
+        d.stream = self._stream(plan)
         ev = tr._reads_done
         d.wait_event = ev.cuda_event if ev is not None else 0
-        st = plan.op
-        st.seq = wire.seq
+        plan.op.seq = wire.seq
         d.step, rc = 0, -1
         try:
             rc = fn(plan.op_ref, plan.dev_ref, self._err, _ERRLEN)
         finally:
-            step = d.step
-            if step > STEP_WAIT_READS:
-                tr._reads_done = None
-            if step >= STEP_POST or (step == STEP_BEGIN and rc != RC_LOCAL_INPUT):
-                wire.seq += 1  # headers may have left: this round's number is spent
-            if step >= STEP_POST:
-                wst, p = wire._nw.st, wire.posted
-                p["writes"] += wst.r_writes
-                p["wire_bytes"] += wst.r_wire_bytes
-                if step > STEP_POST:
-                    p["messages"] += wst.r_messages
-                    p["rows"] += wst.r_rows
-                    p["bytes"] += wst.r_rows * st.row_bytes
-        if rc == 0:
-            return
+            wst = wire._nw.st
+            counts = (wst.r_writes, wst.r_wire_bytes, wst.r_messages, wst.r_rows)
+            self._account(plan, d.step, rc, counts)
+        if rc:
+            self._raise(plan, d.step, rc, op_code, topk_idx, topk_weights)
+
+    def _settle(self, plan: _Plan, step: int, rc: int, counts, op_code: int, topk_idx=None,
+                topk_weights=None) -> None:
+        """After a plan's C++ call whose native call got to ``step`` and returned ``rc``:
+        :meth:`_account`, then what the stepped path raises for a non-zero ``rc``."""
+        self._account(plan, step, rc, counts)
+        if rc:
+            self._raise(plan, step, rc, op_code, topk_idx, topk_weights)
+
+    def _account(self, plan: _Plan, step: int, rc: int, counts) -> None:
+        """The round of a plan's native call that got to ``step`` and returned ``rc``, accounted
+        as the stepped path does (``counts``: the round's writes, wire bytes, messages and
+        rows)."""
+        tr, wire = self.tr, self.tr.wire
+        if step > STEP_WAIT_READS:
+            tr._reads_done = None
+        if step >= STEP_POST or (step == STEP_BEGIN and rc != RC_LOCAL_INPUT):
+            wire.seq += 1  # headers may have left: this round's number is spent
+        if step >= STEP_POST:
+            p = wire.posted
+            p["writes"] += counts[0]
+            p["wire_bytes"] += counts[1]
+            if step > STEP_POST:
+                p["messages"] += counts[2]
+                p["rows"] += counts[3]
+                p["bytes"] += counts[3] * plan.row_bytes
+
+    def _raise(self, plan: _Plan, step: int, rc: int, op_code: int, topk_idx,
+               topk_weights) -> None:
+        """Raises what the stepped path raises for a plan's native call that got to ``step``
+        and returned ``rc`` (non-zero)."""
+        tr, wire = self.tr, self.tr.wire
+        st, dev = plan.op, plan.device
         text = self._text()
         if rc < 0:
             raise Wire.error_of(rc, text)

@@ -407,6 +407,19 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         p = self._planned
         return dict(p.calls) if p else {"dispatch": 0, "combine": 0, "cached": 0}
 
+    @property
+    def cpp_calls(self) -> dict:
+        """``{"dispatch": n, "combine": n}``: the :attr:`one_calls` that went to the C++ call
+        (``cpp_op.py``); zeros where it is off (``cpp_off`` says why)."""
+        p = self._planned
+        return dict(p.cpp_calls) if p else {"dispatch": 0, "combine": 0}
+
+    @property
+    def cpp_off(self) -> Optional[str]:
+        """None where planned dispatches and combines go to the C++ call, else why not."""
+        p = self._planned
+        return p.cpp_off if p else "no planned ops here (no CUDA rows on a host window yet)"
+
     def op_totals(self) -> dict:
         """Per-op sums of :attr:`last_op_counts` over every call since creation (see
         :class:`~efa_ep.kernels.base.NetCounter`); warm-up writes are not in them."""

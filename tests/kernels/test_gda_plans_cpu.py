@@ -532,13 +532,14 @@ def test_backward_check_runs_once_when_the_pass_ends(tr):
 def test_cpp_dispatch_says_why_it_is_off(monkeypatch):
     import torch.utils.cpp_extension as cpp
 
+    from efa_ep.kernels import cpp_ext
     from efa_ep.kernels.gda import cpp_op, phases
 
     def no_ninja():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(cpp_op, "_mod", None)
-    monkeypatch.setattr(cpp_op, "_why", None)
+    monkeypatch.setattr(cpp_ext, "_mods", {})
+    monkeypatch.setattr(cpp_ext, "_why", {})
     monkeypatch.setattr(cpp, "verify_ninja_availability", no_ninja)
     why = cpp_op.availability()
     assert why is not None and "ninja" in why and "pip install ninja" in why

@@ -91,7 +91,7 @@ def _compare_cases(rank, world, cases, options, device):
             bad.append("combine_topk_weights")
         report.append(bad)
     stats = [px.stats() for _, px in transports.values()]
-    one_calls = [px.one_calls for _, px in transports.values()]
+    one_calls = [dict(px.one_calls, cpp=px.cpp_calls) for _, px in transports.values()]
     for _, px in transports.values():
         px.close()
     return report, stats, one_calls
@@ -279,7 +279,9 @@ def test_gpu_host_staged_two_ranks_bit_identical():
     # above compared those outputs too
     for rank, per_config in enumerate(out):
         one_calls = per_config[0][2]
-        assert all(min(c.values()) > 0 for c in one_calls), (rank, one_calls)
+        assert all(min(c[k] for k in ("dispatch", "combine", "cached")) > 0
+                   for c in one_calls), (rank, one_calls)
+        assert all(min(c["cpp"].values()) > 0 for c in one_calls), (rank, one_calls)
 
 
 def _planned_bad_routing(rank, world):
@@ -312,7 +314,7 @@ def _planned_bad_routing(rank, world):
         equal = all(_bits_equal(a, b.cpu()) for a, b in zip(exp[:4], got[:4]))
         equal &= _bits_equal(ref.combine(y, exp[4]), px.combine(y.to(dev), got[4]).cpu())
         out["equal"].append(equal)
-    out["one_calls"] = px.one_calls
+    out["one_calls"], out["cpp_calls"], out["cpp_off"] = px.one_calls, px.cpp_calls, px.cpp_off
     out["broken"] = px.broken
     px.close()
     return out
@@ -329,6 +331,9 @@ def test_gpu_one_call_bad_routing_refused_on_every_rank():
         assert len(o["errors"]) == 1 and "rank 1" in o["errors"][0], (rank, o)
         assert o["broken"] is None
         assert o["one_calls"]["dispatch"] >= 1 and o["one_calls"]["combine"] >= 1, (rank, o)
+        # through the C++ call (the default; built once per install)
+        assert o["cpp_off"] is None, (rank, o["cpp_off"])
+        assert o["cpp_calls"]["dispatch"] >= 1 and o["cpp_calls"]["combine"] >= 1, (rank, o)
 
 
 def _hmem_option_errors(rank, world):

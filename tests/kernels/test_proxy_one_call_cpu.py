@@ -43,17 +43,34 @@ def _at(ptr: int, shape, dtype) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=dtype).view(shape)
 
 
-class _Program:
-    """Stands in for a bound native program: ``set_vars`` keeps the call's values, the native
-    call's launch runs ``device(values)`` (a reading program's at the event recorded after it)."""
+class _ProgramStruct(ctypes.Structure):
+    """The launch library's program record as the C++ calls see it: they write ``vars``."""
 
-    def __init__(self, device, programs, reads=False):
-        self.device, self.values, self.reads = device, None, reads
-        self._addr = 1000 + len(programs)
+    _fields_ = [("recs", ctypes.c_void_p), ("num_recs", ctypes.c_int64),
+                ("uses", ctypes.c_void_p), ("num_uses", ctypes.c_int64),
+                ("vars", ctypes.POINTER(ctypes.c_int64)), ("graph_mode", ctypes.c_int64),
+                ("graph", ctypes.c_void_p)]
+
+
+class _Program:
+    """Stands in for a bound native program of ``num_vars`` variables: ``set_vars`` (the Python
+    path) or the C++ call writes them into its record, the native call's launch runs
+    ``device(values)`` (a reading program's at the event recorded after it)."""
+
+    def __init__(self, device, programs, num_vars, reads=False):
+        self.device, self.reads, self.num_vars = device, reads, num_vars
+        self._vars = (ctypes.c_int64 * num_vars)()
+        self._rec = _ProgramStruct(vars=ctypes.cast(self._vars, ctypes.POINTER(ctypes.c_int64)))
+        self._addr = ctypes.addressof(self._rec)
         programs[self._addr] = self
 
     def set_vars(self, values):
-        self.values = tuple(values)
+        assert len(values) == self.num_vars, values
+        self._vars[:] = list(values)
+
+    @property
+    def values(self):
+        return tuple(self._vars)
 
 
 class _Event:
@@ -171,8 +188,8 @@ def _one_call_rank(rank, world):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g)
     idx, w = contract_route("random", T, E, K, world, seed=rank)
-    planned.plan_dispatch(_dispatch_key(x, idx, w), x.device, _Program(front, programs),
-                          _Program(gather, programs, True), _Event(), counts, meta, progress, 1,
+    planned.plan_dispatch(_dispatch_key(x, idx, w), x.device, _Program(front, programs, 4),
+                          _Program(gather, programs, 9, True), _Event(), counts, meta, progress, 1,
                           words, o_send, in_idx, in_w, recv_off)
 
     def pack(values):  # combine: y's rows back to the ranks they came from, rank order
@@ -212,14 +229,15 @@ def _one_call_rank(rank, world):
         report["dispatch_log"].append([k for k, _ in log])
         y = torch.randn(exp[0].shape[0], H, generator=g)
         if step == 0:  # the combine case's plan, once its shape is known
-            planned.plan_rows(_combine_key(y, T), y, _Program(pack, programs),
-                              _Program(reduce, programs, True), _Event())
+            planned.plan_rows(_combine_key(y, T), y, _Program(pack, programs, 6),
+                              _Program(reduce, programs, 7, True), _Event())
         handle_now["h"] = got[4]
         log.clear()
         equal &= torch.equal(ref.combine(y, exp[4]), px.combine(y, got[4]))
         report["combine_log"].append([k for k, _ in log])
         report["equal"].append(equal)
     report["one_calls"] = px.one_calls
+    report["cpp_calls"], report["cpp_off"] = dict(planned.cpp_calls), planned.cpp_off
     report["marks"] = report_marks
     fail["launch"] = True
     idx, w = contract_route("random", T, E, K, world, seed=99 + rank)
@@ -232,9 +250,23 @@ def _one_call_rank(rank, world):
     return report
 
 
-def test_one_call_path_over_a_stand_in_device():
-    out = run_ranks(_one_call_rank, 2, (), timeout_s=120, pg_timeout_s=60, env=LOOPBACK)
+@pytest.mark.parametrize("cpp", ["cpp", "python"])
+def test_one_call_path_over_a_stand_in_device(cpp):
+    """Both arms of a planned op: the C++ call (the default where it builds) and the Python
+    glue (``EFA_EP_PROXY_CPP=0``) around the same native calls."""
+    if cpp == "cpp":
+        from efa_ep.kernels.proxy import cpp_op
+
+        try:
+            cpp_op.load()  # built here once, before the ranks start
+        except RuntimeError as e:
+            pytest.skip(str(e))
+    env = dict(LOOPBACK, EFA_EP_PROXY_CPP="1" if cpp == "cpp" else "0")
+    out = run_ranks(_one_call_rank, 2, (), timeout_s=240, pg_timeout_s=60, env=env)
     for rank, r in enumerate(out):
+        want = {"dispatch": 3, "combine": 3} if cpp == "cpp" else {"dispatch": 0, "combine": 0}
+        assert r["cpp_calls"] == want, (rank, r)
+        assert (r["cpp_off"] is None) == (cpp == "cpp"), (rank, r)
         assert r["equal"] == [True, True, True], (rank, r)
         assert len(r["errors"]) == 1 and "rank 1" in r["errors"][0], (rank, r)
         assert r["one_calls"] == {"dispatch": 3, "combine": 3, "cached": 0}, (rank, r)
@@ -249,3 +281,26 @@ def test_one_call_path_over_a_stand_in_device():
     # the failing launch: the library's message, the transport refuses further calls
     assert "stand-in launch failed" in out[0]["launch_error"], out[0]
     assert out[0]["broken"] is not None
+
+
+def test_cpp_ops_say_why_they_are_off(monkeypatch):
+    """Without ninja the proxy's C++ ops are not built: loading raises the reason, the same text
+    on every later call, and nothing is cached as built."""
+    import torch.utils.cpp_extension as cpp
+
+    from efa_ep.kernels import cpp_ext
+    from efa_ep.kernels.proxy import cpp_op
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_ext, "_mods", {})
+    monkeypatch.setattr(cpp_ext, "_why", {})
+    monkeypatch.setattr(cpp, "verify_ninja_availability", no_ninja)
+    with pytest.raises(RuntimeError, match="pip install ninja") as first:
+        cpp_op.load()
+    assert "the proxy's C++ ops could not be built" in str(first.value)
+    with pytest.raises(RuntimeError) as again:
+        cpp_op.load()
+    assert str(again.value) == str(first.value) and cpp_ext._mods == {}
+

@@ -3,7 +3,8 @@ proxy's D+C of a DeepSeek-V3-shaped batch in two rank processes, interleaved wit
 floor (the same rows' two wire rounds alone) and gloo, every arm checked bit for bit against
 ``torch`` (``one_call``: whether a case that ran before goes to one native call per op,
 ``EFA_EP_PROXY_ONE_CALL``; ``early_reads``: whether its reading kernel follows the chunks'
-arrival, ``EFA_EP_PROXY_EARLY_READS``); and the helpers the benchmark's parts share (rank
+arrival, ``EFA_EP_PROXY_EARLY_READS``; ``cpp``: whether a planned dispatch or combine goes to
+one C++ call, ``EFA_EP_PROXY_CPP``); and the helpers the benchmark's parts share (rank
 environment, summaries, the engine-wait clock)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 
 import torch
 
+from efa_ep.kernels.proxy.cpp_op import enabled as cpp_enabled
 from efa_ep.kernels.proxy.planned import early_reads
 from efa_ep.kernels.proxy.planned import enabled as one_call_enabled
 
@@ -222,7 +224,7 @@ def bench_a2a(provider: str, profiles, iters: int, num_channels: int, device: st
                "spin_us": "default" if spin_us is None else spin_us,
                "route": "random, fresh per iteration" if fresh_routes else "random",
                "device": device, "hmem": hmem, "one_call": one_call_enabled(),
-               "early_reads": early_reads(),
+               "early_reads": early_reads(), "cpp": cpp_enabled(),
                "starts": starts, "iters_per_start": iters, "torch_timed": time_torch,
                "bit_identical_to_torch": all(r[i]["ok"] for per_rank in runs for r in per_rank)}
         series = {}

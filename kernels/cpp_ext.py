@@ -1,0 +1,63 @@
+"""The package's torch C++ extensions (``kernels/native/*.cpp``), each built once per source.
+
+A transport's planned ops call one C++ function per op instead of a dozen Python steps
+(``kernels/gda/cpp_op.py``, ``kernels/proxy/cpp_op.py``). Each source is built with torch's
+extension builder the first time it is loaded in an install (it needs a C++ compiler and
+``ninja``: ``pip install ninja``) into the package's cache folder, named by its content's hash,
+so a changed source builds again. Where it cannot be built, :func:`load` raises a RuntimeError
+saying why, the same text on every later call (the callers run their Python path instead).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from typing import Dict
+
+NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+
+_lock = threading.Lock()
+_mods: Dict[str, object] = {}
+_why: Dict[str, str] = {}
+
+
+def load(source: str, what: str, constants: Dict[str, int]):
+    """The built module of ``kernels/native/<source>`` (``what``: how messages name it).
+    ``constants``: module attributes that must equal the caller's (its plans' field counts, its
+    status codes), checked once after the build; a source and its Python caller that disagree
+    raise. Raises RuntimeError naming what is missing."""
+    with _lock:
+        mod = _mods.get(source)
+        if mod is not None:
+            return mod
+        if source in _why:
+            raise RuntimeError(_why[source])
+        path = os.path.join(NATIVE, source)
+        try:
+            import torch.utils.cpp_extension as cpp
+
+            from .proxy.native import cache_dir
+
+            cpp.verify_ninja_availability()
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()[:12]
+            name = f"{os.path.splitext(source)[0]}_{digest}"
+            build = os.path.join(cache_dir(), name)
+            os.makedirs(build, exist_ok=True)
+            if not any(f.endswith(".so") for f in os.listdir(build)):  # say why the wait
+                print(f"efa-ep: building {what} once for this install (about 30 s) into {build}",
+                      file=sys.stderr, flush=True)
+            mod = cpp.load(name=name, sources=[path], build_directory=build,
+                           extra_include_paths=[NATIVE], extra_cflags=["-O2"], verbose=False)
+            theirs = {k: getattr(mod, k, None) for k in constants}
+            if theirs != dict(constants):
+                raise RuntimeError(f"{path} has {theirs}, its Python caller {dict(constants)}")
+        except Exception as e:  # noqa: BLE001 (any build failure means: not available)
+            text = str(e).strip()
+            _why[source] = (f"{what} could not be built ({type(e).__name__}: "
+                            f"{text.splitlines()[-1] if text else e}); it needs a C++ compiler "
+                            f"and ninja (pip install ninja)")
+            raise RuntimeError(_why[source]) from e
+        _mods[source] = mod
+        return mod
