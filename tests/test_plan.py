@@ -287,7 +287,7 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert "gda@hbm 2026-12-04" in shipped["gda_fixed_us"].source
     assert all(n in shipped["nccl_fixed_us"].source for n in x2)
     assert shipped["proxy_fixed_us"].tag == "measured"
-    assert ("results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json"
+    assert ("results/h200/bench_proxy_cuda_sizes_cpp_2026-12-04.json"
             in shipped["proxy_fixed_us"].source)
     assert all(n in shipped["gda_link_eff"].source for n in x2)
     # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
