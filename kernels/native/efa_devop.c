@@ -17,6 +17,57 @@
 #include <string.h>
 
 typedef int (*run_fn)(int64_t prog, int64_t stream, char *err, size_t errlen);
+
+/* The step clock (efa_devop_step_clock): nanoseconds of the calling thread in each step of each
+ * kind of call, summed over calls. Off unless a probe turns it on (one branch per step). */
+enum { CLOCK_DISPATCH, CLOCK_FINISH, CLOCK_ROWS, CLOCK_KINDS };
+static int g_clock_on;
+static int64_t g_step_ns[CLOCK_KINDS][EFA_STEP_DONE + 1], g_calls[CLOCK_KINDS];
+static uint64_t g_step_t0;
+static int64_t g_step_now = -1, g_kind_now;
+
+static void clock_step(int64_t step) {
+    const uint64_t t = now_ns();
+    if (g_step_now >= 0) g_step_ns[g_kind_now][g_step_now] += (int64_t)(t - g_step_t0);
+    g_step_t0 = t;
+    g_step_now = step;
+}
+
+/* Sets the call's step (what the caller reads after an error) and clocks it. */
+static void at_step(efa_devop *d, int64_t step) {
+    d->step = step;
+    if (g_clock_on) clock_step(step);
+}
+
+static void clock_call(int kind) {
+    if (!g_clock_on) return;
+    g_kind_now = kind;
+    g_calls[kind]++;
+    clock_step(0);
+}
+
+static int clock_done(int rc) {
+    if (g_clock_on) {
+        clock_step(0);
+        g_step_now = -1;
+    }
+    return rc;
+}
+
+int efa_devop_step_clock(int on, int64_t *out) {
+    if (!out) return CLOCK_KINDS * (EFA_STEP_DONE + 2);
+    int64_t *p = out;
+    for (int k = 0; k < CLOCK_KINDS; k++) {
+        *p++ = g_calls[k];
+        for (int s = 0; s <= EFA_STEP_DONE; s++) *p++ = g_step_ns[k][s];
+    }
+    memset(g_step_ns, 0, sizeof g_step_ns);
+    memset(g_calls, 0, sizeof g_calls);
+    g_step_now = -1;
+    g_clock_on = on;
+    return CLOCK_KINDS * (EFA_STEP_DONE + 2);
+}
+
 typedef int (*record_fn)(int64_t event, int64_t stream, char *err, size_t errlen);
 typedef int (*wait_fn)(int64_t event, char *err, size_t errlen);
 
@@ -32,16 +83,16 @@ static int launch(const efa_devop *d, int64_t prog, char *err, size_t errlen) {
  * the packing kernel launched, the previous op's reads waited for; the round's counters reset. */
 static int front(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     efa_wire *w = o->wire;
-    d->step = EFA_STEP_QUIESCE;
+    at_step(d, EFA_STEP_QUIESCE);
     int rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
     if (rc) return rc;
     memset((void *)(uintptr_t)o->progress, 0, (size_t)(8 * o->progress_words));
     if (d->kind == EFA_DEVOP_DISPATCH)
         ((int64_t *)(uintptr_t)o->dev_counts)[1 + w->world + o->num_experts] = 0; /* ready word */
-    d->step = EFA_STEP_LAUNCH;
+    at_step(d, EFA_STEP_LAUNCH);
     rc = launch(d, d->pack, err, errlen);
     if (rc) return rc;
-    d->step = EFA_STEP_WAIT_READS;
+    at_step(d, EFA_STEP_WAIT_READS);
     if (d->wait_event) {
         rc = ((wait_fn)(uintptr_t)d->event_wait)(d->wait_event, err, errlen);
         if (rc) return rc;
@@ -51,7 +102,7 @@ static int front(efa_op *o, efa_devop *d, char *err, size_t errlen) {
 }
 
 static int launch_reads(efa_devop *d, char *err, size_t errlen) {
-    d->step = EFA_STEP_READS;
+    at_step(d, EFA_STEP_READS);
     return d->reads ? launch(d, d->reads, err, errlen) : 0;
 }
 
@@ -63,23 +114,23 @@ static int reads_and_complete(efa_op *o, efa_devop *d, char *err, size_t errlen)
     efa_wire *w = o->wire;
     int rc = d->early ? launch_reads(d, err, errlen) : 0;
     if (rc) return rc;
-    d->step = EFA_STEP_COMPLETE;
+    at_step(d, EFA_STEP_COMPLETE);
     rc = d->kind == EFA_DEVOP_DISPATCH ? efa_op_dispatch_packed_complete(o, err, errlen)
          : d->kind == EFA_DEVOP_COMBINE ? efa_op_combine_packed_complete(o, err, errlen)
                                          : efa_op_cached_packed_complete(o, err, errlen);
     if (d->early && d->reads) efa_engine_mark_whole(w->engine, (uint64_t)w->seq);
     if (rc) return rc;
     if (!d->early && (rc = launch_reads(d, err, errlen))) return rc;
-    d->step = EFA_STEP_READS;
+    at_step(d, EFA_STEP_READS);
     if (d->reads_event) {
         rc = ((record_fn)(uintptr_t)d->event_record)(d->reads_event, d->stream, err, errlen);
         if (rc) return rc;
     }
-    d->step = EFA_STEP_DONE;
+    at_step(d, EFA_STEP_DONE);
     return 0;
 }
 
-int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+static int dispatch_call(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     efa_wire *w = o->wire;
     const int64_t W = w->world, me = w->rank;
     if (d->kind != EFA_DEVOP_DISPATCH) {
@@ -89,15 +140,15 @@ int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     }
     int rc = front(o, d, err, errlen);
     if (rc) return rc;
-    d->step = EFA_STEP_BEGIN;
+    at_step(d, EFA_STEP_BEGIN);
     rc = efa_op_dispatch_packed_begin(o, err, errlen);
     if (rc) return rc;
-    d->step = EFA_STEP_POST;
+    at_step(d, EFA_STEP_POST);
     rc = efa_op_dispatch_packed_post(o, err, errlen);
     if (rc) return rc;
     int64_t n = 0; /* each source's count is bounded by the checked headers */
     for (int64_t r = 0; r < W; r++) n += o->num_recv[r];
-    d->step = EFA_STEP_COMPLETE;
+    at_step(d, EFA_STEP_COMPLETE);
     if (n * o->topk > d->routing_cap) {
         set_err(err, errlen, "rank %lld: dispatch: %lld routing rows received, the buffer holds "
                 "%lld", (long long)me, (long long)n, (long long)(d->routing_cap / o->topk));
@@ -110,11 +161,17 @@ int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     return 0; /* step stays EFA_STEP_COMPLETE: efa_devop_dispatch_finish's */
 }
 
-int efa_devop_dispatch_finish(efa_op *o, efa_devop *d, char *err, size_t errlen) {
-    return reads_and_complete(o, d, err, errlen);
+int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    clock_call(CLOCK_DISPATCH);
+    return clock_done(dispatch_call(o, d, err, errlen));
 }
 
-int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+int efa_devop_dispatch_finish(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    clock_call(CLOCK_FINISH);
+    return clock_done(reads_and_complete(o, d, err, errlen));
+}
+
+static int rows_call(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     const int combine = d->kind == EFA_DEVOP_COMBINE;
     if (!combine && d->kind != EFA_DEVOP_CACHED) {
         set_err(err, errlen, "rank %lld: efa_devop_rows of kind %lld", (long long)o->wire->rank,
@@ -123,11 +180,11 @@ int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
     }
     int rc = front(o, d, err, errlen);
     if (rc) return rc;
-    d->step = EFA_STEP_BEGIN;
+    at_step(d, EFA_STEP_BEGIN);
     rc = combine ? efa_op_combine_packed_begin(o, err, errlen)
                  : efa_op_cached_packed_begin(o, err, errlen);
     if (rc) return rc;
-    d->step = EFA_STEP_POST;
+    at_step(d, EFA_STEP_POST);
     rc = combine ? efa_op_combine_packed_post(o, err, errlen)
                  : efa_op_cached_packed_post(o, err, errlen);
     if (rc) return rc;
@@ -137,4 +194,9 @@ int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
             d->send_off[r + 1] = d->send_off[r] + o->num_send[r];
     }
     return reads_and_complete(o, d, err, errlen);
+}
+
+int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen) {
+    clock_call(CLOCK_ROWS);
+    return clock_done(rows_call(o, d, err, errlen));
 }

@@ -425,6 +425,12 @@ typedef struct efa_devop {
 int efa_devop_dispatch(efa_op *o, efa_devop *d, char *err, size_t errlen);
 int efa_devop_rows(efa_op *o, efa_devop *d, char *err, size_t errlen);
 int efa_devop_dispatch_finish(efa_op *o, efa_devop *d, char *err, size_t errlen);
+/* The step clock, for probes: with out (CLOCK_KINDS x (1 + EFA_STEP_DONE + 1) int64: per kind of
+ * call (efa_devop_dispatch, efa_devop_dispatch_finish, efa_devop_rows) its calls, then the
+ * nanoseconds spent in each step, step 0 being the time before the first), the sums since the
+ * last call; then resets them and turns the clock on or off (out NULL: none of that). Returns
+ * the number of int64 out holds. One caller thread at a time. */
+int efa_devop_step_clock(int on, int64_t *out);
 /* The text of a routing-rows problem efa_unpack_meta found in source src's n rows m [n, 2K]
  * (hdr_counts: the L counts of its header); returns -EPROTO. */
 int efa_describe_meta(efa_wire *w, int64_t src, const int64_t *m, int64_t n, int64_t K, int64_t L,

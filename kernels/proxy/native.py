@@ -226,6 +226,7 @@ _SIGS = {
     "efa_devop_dispatch": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_devop_rows": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_devop_dispatch_finish": ([_vp, _vp, _cp, ctypes.c_size_t], _i32),
+    "efa_devop_step_clock": ([ctypes.c_int, _vp], _i32),
     "efa_describe_meta": ([_vp, _i64, _vp, _i64, _i64, _i64, _vp, _cp, ctypes.c_size_t], _i32),
     "efa_route_layout": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _vp], _i64),
     "efa_unpack_meta": ([_i64, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp], _i64),

@@ -6,8 +6,10 @@ Two ranks as processes on the GPU (MPS on; ``--device cpu``: CPU rows, no GPU), 
 DeepSeek-V3 decode shape (H 7168 bf16, top-8 of 256, ``--tokens`` per rank). Each step of an
 operation is wrapped with a wall-clock timer (no extra synchronization, so a step's time is what
 the calling thread spends in it: launches, copies, waits); rank 0 prints per D+C the mean time
-of every step, the sum, and the rest (Python between the steps). Then a cProfile of rank 0
-lists the functions with the most own time.
+of every step, the sum, and the rest (Python between the steps), and the packed operations'
+native calls step by step (their step clock: per dispatch, dispatch finish and combine call,
+the calling thread's time in each step). Then a cProfile of rank 0 lists the functions with the
+most own time.
 
     python3 scripts/probes/proxy_host_profile.py [--provider shm] [--iters 200] [--staging kernels|layout|torch]
 """
@@ -37,6 +39,27 @@ def _wrap(owner, name, acc):
         finally:
             acc[f"{getattr(owner, '__name__', owner)}.{name}"] += time.perf_counter() - t0
     setattr(owner, name, staticmethod(timed) if static else timed)
+
+
+STEP_NAMES = ("before", "quiesce", "launch", "wait_reads", "begin", "post", "complete", "reads",
+              "done")  # EFA_STEP_* of efa_proxy.h, 0 first
+CLOCK_CALLS = ("dispatch", "dispatch_finish", "rows")  # efa_devop.c's kinds of call
+
+
+def _step_clock(native, on: bool) -> dict:
+    """efa_devop_step_clock: per kind of native call, its calls and seconds per step, summed since
+    the last read; then reset, on or off."""
+    import ctypes
+
+    lib = native.load()
+    n = lib.efa_devop_step_clock(int(on), None)
+    buf = (ctypes.c_int64 * n)()
+    lib.efa_devop_step_clock(int(on), buf)
+    per, out = len(STEP_NAMES) + 1, {}
+    for i, kind in enumerate(CLOCK_CALLS):
+        row = buf[i * per:(i + 1) * per]
+        out[kind] = {"calls": row[0], **{s: v * 1e-9 for s, v in zip(STEP_NAMES, row[1:])}}
+    return out
 
 
 def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda", programs=True,
@@ -92,13 +115,20 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
 
     dist.barrier()
     w0 = px.wire.wait_seconds()
+    _step_clock(native, True)
     t0 = time.perf_counter()
     for _ in range(iters):
         dc()
     wall = (time.perf_counter() - t0) / iters
+    clock = _step_clock(native, False)
     steps_wait = (px.wire.wait_seconds() - w0) / iters * 1e6
     steps = {k: v / iters * 1e6 for k, v in acc.items()}  # the timed loop's, not cProfile's
     steps["(blocked in the engine's waits, all steps)"] = steps_wait
+    for kind, per in clock.items():  # the native calls' steps, per D+C
+        if per["calls"]:
+            for name in STEP_NAMES[1:]:
+                if per[name]:
+                    steps[f"native {kind}: {name}"] = per[name] / iters * 1e6
     prof = cProfile.Profile()
     dist.barrier()
     prof.enable()

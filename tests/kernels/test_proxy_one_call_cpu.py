@@ -212,6 +212,9 @@ def _one_call_rank(rank, world):
 
     handle_now = {}
     report = {"equal": [], "errors": [], "dispatch_log": [], "combine_log": []}
+    lib = native.load()
+    clock = (ctypes.c_int64 * lib.efa_devop_step_clock(1, None))()
+    lib.efa_devop_step_clock(1, clock)  # on, from zero: the probes' step clock
     for step in range(4):
         idx, w = contract_route("random", T, E, K, world, seed=10 * step + rank)
         if step == 1 and rank == 1:
@@ -236,6 +239,8 @@ def _one_call_rank(rank, world):
         equal &= torch.equal(ref.combine(y, exp[4]), px.combine(y, got[4]))
         report["combine_log"].append([k for k, _ in log])
         report["equal"].append(equal)
+    lib.efa_devop_step_clock(0, clock)
+    report["clock"] = list(clock)
     report["one_calls"] = px.one_calls
     report["cpp_calls"], report["cpp_off"] = dict(planned.cpp_calls), planned.cpp_off
     report["marks"] = report_marks
@@ -278,6 +283,17 @@ def test_one_call_path_over_a_stand_in_device(cpp):
         assert r["dispatch_log"] == [["run", "run", "record"]] * 2 + [
             ["run", "wait", "run", "record"]], (rank, r)
         assert r["combine_log"] == [["run", "wait", "run", "record"]] * 3, (rank, r)
+        # the step clock: per kind of native call (dispatch, its finish, combine) its calls,
+        # then nanoseconds per step; the refused dispatch stopped at its begin
+        per = len(r["clock"]) // 3
+        calls = [r["clock"][i * per] for i in range(3)]
+        steps = [r["clock"][i * per + 1:(i + 1) * per] for i in range(3)]
+        assert calls == [4, 3, 3], (rank, r["clock"])
+        assert all(v >= 0 for row in steps for v in row), (rank, r["clock"])
+        begin, post, complete, reads = 4, 5, 6, 7  # EFA_STEP_*
+        assert steps[0][begin] > 0 and steps[0][post] > 0 and steps[0][reads] == 0, r["clock"]
+        assert steps[1][complete] > 0 and steps[1][begin] == 0, r["clock"]
+        assert steps[2][begin] > 0 and steps[2][complete] > 0, r["clock"]
     # the failing launch: the library's message, the transport refuses further calls
     assert "stand-in launch failed" in out[0]["launch_error"], out[0]
     assert out[0]["broken"] is not None
