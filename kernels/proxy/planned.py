@@ -279,8 +279,11 @@ class PlannedOps:
             return None
         tr = self.tr
         ev = tr._reads_done
-        res = self.cpp.dispatch(x, topk_idx, topk_weights, plan.cpp.address, tr.wire.seq,
-                                self._stream(plan), ev.cuda_event if ev is not None else 0)
+        try:
+            res = self.cpp.dispatch(x, topk_idx, topk_weights, plan.cpp.address, tr.wire.seq,
+                                    self._stream(plan), ev.cuda_event if ev is not None else 0)
+        except TypeError:
+            return None  # not tensors (nothing ran): the checked path names them
         if res[0] == cpp_op.NOT_PLANNED:
             return None
         rc, step, counts, rc_finish, out = res
@@ -306,7 +309,7 @@ class PlannedOps:
                                    handle.num_recv_per_rank, t, plan.cpp.address, tr.wire.seq,
                                    self._stream(plan), ev.cuda_event if ev is not None else 0)
         except TypeError:
-            return None  # not a tensor
+            return None  # not a tensor (nothing ran): the checked path names it
         if res[0] == cpp_op.NOT_PLANNED:
             return None
         rc, step, counts, out = res
