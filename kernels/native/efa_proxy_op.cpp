@@ -16,21 +16,19 @@
 #include <vector>
 
 extern "C" {
+#include "efa_launch.h"
 #include "efa_proxy.h"
 }
 
 namespace {
 
-// efa_program_t of efa_launch.h: only its variables are written here
-struct Program {
-    void *recs;
-    int64_t num_recs;
-    const int64_t *uses;
-    int64_t num_uses;
-    int64_t *vars;
-    int64_t graph_mode;
-    void *graph;
-};
+// Writes a bound program's variables for its next run (the program at `address`, an
+// efa_program_t whose vars the caller owns: the launch library only reads them).
+template <size_t N>
+void set_vars(int64_t address, const int64_t (&values)[N]) {
+    auto *prog = reinterpret_cast<efa_program_t *>(address);
+    std::memcpy(const_cast<int64_t *>(prog->vars), values, sizeof values);
+}
 
 typedef int (*DevopFn)(efa_op *, efa_devop *, char *, size_t);
 
@@ -134,7 +132,7 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx,
     auto tpe = at::empty({p[D_LOCAL]}, at::TensorOptions().dtype(at::kLong));
     const int64_t xp = i64(x.data_ptr()), sp = i64(scratch.data_ptr());
     const int64_t pv[4] = {xp, i64(topk_idx.data_ptr()), i64(topk_weights.data_ptr()), sp};
-    std::memcpy(reinterpret_cast<Program *>(p[D_PACK])->vars, pv, sizeof pv);
+    set_vars(p[D_PACK], pv);
     o->tokens_per_expert = static_cast<int64_t *>(tpe.data_ptr());
     per_call(o, d, seq, stream, wait_event);
     int rc;
@@ -160,7 +158,7 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx,
     const int64_t rv[9] = {xp, sp + 8 * p[D_O_SEND], i64(recv_x.data_ptr()),
                            i64(recv_idx.data_ptr()), i64(recv_w.data_ptr()), d->own_start, n,
                            tag(d, o->seq), reads_grid(n, p[D_PROGRAMS], p[D_WATCHER])};
-    std::memcpy(reinterpret_cast<Program *>(p[D_READS])->vars, rv, sizeof rv);
+    set_vars(p[D_READS], rv);
     {
         py::gil_scoped_release unlocked;
         rc = reinterpret_cast<DevopFn>(p[D_FINISH])(o, d, err, errlen);
@@ -214,11 +212,11 @@ py::tuple combine(const at::Tensor &y, const at::Tensor &send_idx,
     auto out = at::empty({num_tokens, y.size(1)}, y.options());
     const int64_t yp = i64(y.data_ptr());
     const int64_t pv[6] = {yp, s_me, s_me + num_recv[me], n, chunk_rows, grid};
-    std::memcpy(reinterpret_cast<Program *>(p[C_PACK])->vars, pv, sizeof pv);
+    set_vars(p[C_PACK], pv);
     per_call(o, d, seq, stream, wait_event);
     const int64_t rv[7] = {yp, i64(send_idx.data_ptr()), i64(out.data_ptr()), s_me, num_tokens,
                            tag(d, seq), reads_grid(num_tokens, p[C_PROGRAMS], p[C_WATCHER])};
-    std::memcpy(reinterpret_cast<Program *>(p[C_READS])->vars, rv, sizeof rv);
+    set_vars(p[C_READS], rv);
     int rc;
     {
         py::gil_scoped_release unlocked;  // the call waits for peers and our previous writes
