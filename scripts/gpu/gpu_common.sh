@@ -26,6 +26,9 @@ gpu_setup() {
   # A fresh machine compiles every Triton kernel again (minutes): a carried .triton_cache (the
   # previous call's $OUT/triton_cache.tgz unpacked) starts it warm; triton_cache_save packs it.
   export TRITON_CACHE_DIR=$PWD/.triton_cache
+  # (carried packed: .triton_cache.tgz, unpacked here once)
+  [ -f .triton_cache.tgz ] && [ ! -d .triton_cache ] && tar -xzf .triton_cache.tgz
+  return 0
 }
 triton_cache_save() { tar -C "$PWD" -czf "$OUT/triton_cache.tgz" .triton_cache 2>/dev/null; }
 # The device returns at most 8 files from $OUT: out_pack NAME packs every other file there
