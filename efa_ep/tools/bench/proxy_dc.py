@@ -107,6 +107,9 @@ def _a2a_rank(rank, world, provider, profiles, iters, num_channels, seed, device
     from efa_ep.testing.routes import contract_route as make_route
 
     torch.set_num_threads(1)
+    if device == "cuda":  # one GPU per rank where the host has several (ranks share one else)
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     hidden, experts, topk = HIDDEN, EXPERTS, TOPK
     chunk = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     if spin_us is not None:
