@@ -407,6 +407,13 @@ def weight_combine_planned(ph, g, handle):
     return _finished(ph, res, plan[1], st.slot_TW, t, epoch, "weight combine", stream)
 
 
+def rows_key(kind: str, epoch: int, num_tokens: int, x) -> tuple:
+    """The plan key of a cached dispatch (``kind``: ``"cached"`` or ``"cached_fixed"``) of rows
+    like ``x`` for ``num_tokens`` tokens in op ``epoch``'s window parity: the calls that bind a
+    plan and the calls that look it up build it here."""
+    return (kind, epoch & 1, num_tokens, x.shape[1], x.dtype, x.stride(0))
+
+
 def cached_planned(ph, x, handle):
     """A cached dispatch straight to its C++ call, as :func:`combine_planned` (``x``: the
     handle's tokens' rows). Returns the output or None."""
@@ -415,7 +422,7 @@ def cached_planned(ph, x, handle):
         return None
     epoch, st = op
     try:
-        key = ("cached", epoch & 1, handle.num_tokens, x.shape[1], x.dtype, x.stride(0))
+        key = rows_key("cached", epoch, handle.num_tokens, x)
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     plan = ph._plans.get(key)

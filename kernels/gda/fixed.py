@@ -212,7 +212,7 @@ def cached(tr, x, slot, epoch: int) -> None:
         launch(None)
         return
     ph._gated(first, prog, (op["epoch"],), epoch, "cached dispatch")
-    key = ("cached_fixed", epoch & 1, x.shape[0], x.shape[1], x.dtype, x.stride(0))
+    key = cpp_op.rows_key("cached_fixed", epoch, x.shape[0], x)
     if ph.cpp is not None and key not in ph._plans:  # the next such call: one C++ call
         store, gate = first[0], tr._gate
         ph._plans[key] = (prog, cpp_op.CppPlan(
@@ -235,7 +235,7 @@ def cached_planned(tr, x, handle):
         return None
     epoch, st = op
     try:
-        key = ("cached_fixed", epoch & 1, handle.num_tokens, x.shape[1], x.dtype, x.stride(0))
+        key = cpp_op.rows_key("cached_fixed", epoch, handle.num_tokens, x)
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     plan = ph._plans.get(key)

@@ -522,7 +522,7 @@ class GdaPhases:
         tr = self.tr
         parity = epoch & 1
         t, n = x.shape[0], num_rows
-        key = ("cached", parity, t, x.shape[1], x.dtype, x.stride(0))
+        key = cpp_op.rows_key("cached", epoch, t, x)
         plan = self._plans.get(key)
         xp = x.data_ptr()
         if plan is None or xp & 15 or not n:
