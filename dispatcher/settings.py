@@ -43,6 +43,13 @@ from efa_ep.kernels.options import (
 
 
 
+#: Options the dispatcher gives a transport unless the user sets them. ``gda``'s received rows
+#: may be views of its window, valid until its next call (``rows_in_window``): the dispatcher
+#: copies them (its permute) before it calls the transport again, so it lets ``auto`` choose
+#: the window where that pays (large batches).
+DISPATCHER_OPTION_DEFAULTS = {"gda": {"rows_in_window": "auto"}}
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatcherSettings:
     """Settings of the ``efa`` dispatcher, checked against the transport's schema on creation.
@@ -93,13 +100,15 @@ class DispatcherSettings:
     def options_for(self, transport: str) -> tuple:
         """Every option ``transport`` (the name that runs, e.g. :meth:`resolved_transport`) gets,
         as sorted ``(key, value)`` pairs for ``create_transport``: the per-option variables of
-        its schema, overridden by :attr:`transport_options`. This is what the transport uses
-        and what ``create_transport`` compares across the EP group.
+        its schema over :data:`DISPATCHER_OPTION_DEFAULTS`, overridden by
+        :attr:`transport_options`. This is what the transport uses and what
+        ``create_transport`` compares across the EP group.
 
         Raises:
             ConfigError: a per-option variable with a bad value, naming the variable.
         """
-        merged = _convert_option_variables(transport, self.option_variables)
+        merged = dict(DISPATCHER_OPTION_DEFAULTS.get(transport, {}))
+        merged.update(_convert_option_variables(transport, self.option_variables))
         merged.update(dict(self.transport_options))
         return tuple(sorted(merged.items()))
 

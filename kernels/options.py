@@ -149,11 +149,16 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "goes to the GPU as one CUDA graph launch, its nodes' arguments set per call (one "
                "host submission instead of one per kernel); 0 = kernel by kernel",
                choices=(0, 1)),
-        Option("rows_in_window", int, 0, "1 = a regular dispatch exchanges its row counts "
+        Option("rows_in_window", str, "0", "1 = a regular dispatch exchanges its row counts "
                "first (a second op; the counts reach the host before the rows) and stores the "
                "rows compact, so the received rows are views of the window (no copy), valid "
                "until the transport's next call: faster for large batches, slower for small "
-               "ones; 0 = copied out of the window into tensors of their own", choices=(0, 1)),
+               "ones; 0 = copied out of the window into tensors of their own; auto = 1 for a "
+               "dispatch whose previous dispatch was large on some rank (rows_in_window_bytes), "
+               "else 0 (the Megatron dispatcher's default)", choices=("0", "1", "auto")),
+        Option("rows_in_window_bytes", int, 32 << 20, "rows_in_window=auto: compact when the "
+               "previous dispatch's largest input over the ranks, as rows to send (tokens x "
+               "min(ranks, top-k)) x row bytes, reached this many bytes", min=1),
     ),
     "proxy": _schema(
         Option("provider", str, None, "libfabric provider (default efa where usable, else tcp)",

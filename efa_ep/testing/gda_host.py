@@ -203,6 +203,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     ph.layout_in_store = tr.layout_in_store = 1
     tr.wait_in_reduce, tr.wait_programs, tr.gather_early = 0, 66, 1
     tr.rows_in_window, tr._fixed_regions = False, {}
+    tr._rows_mode, tr.compact_dispatches = "0", 0
     ph.wait_in_kernel, ph.read_programs, ph._read_step = False, tr.num_programs, 1
     tr.fast_launch = 4 if cpp else 3
     n_info = 1 + W * (2 + L) + W + L

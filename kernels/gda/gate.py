@@ -73,7 +73,14 @@ class LaunchGate:
     text slot ``[stamp int64 | length int64 | utf-8 bytes]`` stamped with the op. Parity
     suffices because no rank gets two ops ahead of a peer: passing the gate of ``e + 1`` needs
     every peer to have published ``e + 1``, which each does only after reading op ``e``'s board.
-    Layout: int64 ``[issued W | failed W | bad 2]``, then ``2 W`` text slots of
+    Dispatch sizes travel on it too, for option ``rows_in_window=auto``: before publishing
+    regular dispatch ``c`` (counted from 1 on every rank, the same everywhere) a rank posts
+    ``[c, rows it sends at most]`` into its slot ``c % 2``; at dispatch ``c + 1`` every rank
+    reads the slots of ``c`` (every rank published ``c``'s op before this rank passed its gate,
+    and none can post ``c + 2`` before this rank publishes ``c + 1``), so all take the same
+    largest size, and so the same way of storing the rows.
+    Layout: int64 ``[issued W | failed W | bad 2]``, then from the next 64-byte boundary per
+    parity ``[stamp, size] x W`` (each parity 64-byte aligned), then ``2 W`` text slots of
     :data:`TEXT_SLOT_BYTES`.
     """
 
@@ -83,7 +90,13 @@ class LaunchGate:
             token[0] = f"/dev/shm/efa_ep_gda_{os.getpid()}_{secrets.token_hex(8)}"
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         path = token[0]
-        self._text_off = 8 * (2 * world + 2)
+        # the sizes of one parity together, on cache lines of their own: a dispatch reads every
+        # rank's (a line a peer wrote) and writes its own, away from the spun-on issued slots
+        sizes = -(-(2 * world + 2) // 8) * 8  # (int64 words, 64-byte aligned)
+        block = -(-(2 * world) // 8) * 8
+        self._size_base = (sizes, sizes + block)  # per parity
+        self._count = 0  # regular dispatches posted (next_dispatch)
+        self._text_off = 8 * (sizes + 2 * block)
         size = self._text_off + 2 * world * TEXT_SLOT_BYTES
         if rank == 0:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -136,6 +149,24 @@ class LaunchGate:
     def bad_at(self, epoch: int) -> bool:
         """Some rank refused op ``epoch`` (valid once past the gate of ``epoch``)."""
         return self._slots[2 * self.world + epoch % 2] == epoch
+
+    def next_dispatch(self, rows: int) -> int:
+        """Posts ``rows``, this rank's size for its next regular dispatch (counted from 1 on
+        every rank), and returns the largest size the ranks posted for the previous one, or -1
+        (the first dispatch, or a slot that holds another dispatch's size: the ranks did not
+        make the same calls). Call before publishing that dispatch's first op. (Hot path:
+        Python ints and one read of the slots' line.)"""
+        count = self._count = self._count + 1
+        slots, largest = self._slots, -1
+        if count > 1:
+            base = self._size_base[(count - 1) & 1]
+            words = slots[base:base + 2 * self.world].tolist()
+            if words[0::2].count(count - 1) == self.world:
+                largest = max(words[1::2])
+        i = self._size_base[count & 1] + 2 * self.rank
+        slots[i + 1] = rows
+        slots[i] = count  # the stamp last
+        return largest
 
     def post_text(self, epoch: int, text: str) -> None:
         """Posts this rank's error text for op ``epoch`` (cut to fit the slot)."""

@@ -52,7 +52,13 @@ class GdaTransport(Transport):
     with their defaults and meanings, in ``SCHEMAS["gda"]`` of :mod:`efa_ep.kernels.options`
     (``max_topk``, ``timeout_s``, ``num_programs``, ``check_every_call``, ``check_backward``,
     ``launch_gate``, ``fast_launch``, ``layout_in_store``, ``wait_in_reduce``,
-    ``gather_early``, ``graph_launch``). Where they need more than a line: ``check_backward`` makes
+    ``gather_early``, ``graph_launch``, ``rows_in_window``, ``rows_in_window_bytes``). Where they
+    need more than a line: ``rows_in_window`` 1 returns a regular dispatch's received rows and
+    weights as views of the window (:mod:`.compact`), valid until the transport's next call;
+    ``auto`` does so for a dispatch whose previous dispatch was large on some rank (every rank
+    decides alike from the sizes posted on the launch gate; ``compact_dispatches`` counts
+    them), so a caller that keeps received rows past its next call copies them;
+    ``check_backward`` makes
     :meth:`after_backward` raise deferred deadline errors before the gradients are used (one host
     sync at the end of each backward pass, however many layers it crosses); ``launch_gate`` (default
     on) launches a waiting kernel only once every source has issued its stores
@@ -107,8 +113,15 @@ class GdaTransport(Transport):
         self.wait_in_reduce = int(opts.get("wait_in_reduce", 0))
         self.gather_early = int(opts.get("gather_early", 1))
         self.graph_launch = int(opts.get("graph_launch", 1))
-        # a regular dispatch stores its rows compact and returns them as views (module compact)
-        self.rows_in_window = bool(int(opts.get("rows_in_window", 0)))
+        # a regular dispatch stores its rows compact and returns them as views (module compact):
+        # always (1), never (0), or (auto) when the previous dispatch was large on some rank
+        self._rows_mode = str(opts.get("rows_in_window", "0")).strip().lower()
+        if self._rows_mode not in ("0", "1", "auto"):
+            raise TransportError(f"rank {self.rank}: gda option rows_in_window must be 0, 1 or "
+                                 f"auto, got {self._rows_mode!r}")
+        compact_bytes = int(opts.get("rows_in_window_bytes", 32 << 20))
+        self.rows_in_window = self._rows_mode == "1"  # this dispatch's way (auto: per call)
+        self.compact_dispatches = 0  # regular dispatches that stored their rows compact
         self.blocked_s = 0.0
         gate = str(opts.get("launch_gate", "auto")).lower()
         if gate not in ("auto", "0", "1", "on", "off"):
@@ -145,6 +158,7 @@ class GdaTransport(Transport):
                                    row_bytes=align_up(cfg.hidden * self._elem, 16),
                                    k_cap=self.max_topk, num_local=cfg.num_local_experts)
         self._offs = (self.layout.offsets(0), self.layout.offsets(1))
+        self._compact_rows = -(-compact_bytes // self.layout.row_bytes)  # auto: from this size
         self._buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._hdl = symm_mem.rendezvous(self._buf, group)
         # Peers' windows at the same offset inside their allocations as ours inside ours.
@@ -369,6 +383,9 @@ class GdaTransport(Transport):
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
         phases = self._phases
+        if self._rows_mode == "auto":
+            self.rows_in_window = self._compact_now(topk_idx)
+        self.compact_dispatches += self.rows_in_window
         # a shape seen before, its inputs as then: one C++ call that checks them, runs it all and
         # returns the outputs (None: not that case, nothing ran)
         if phases.cpp is not None:
@@ -398,6 +415,23 @@ class GdaTransport(Transport):
         head = phases.dispatch_head(x, topk_idx, topk_weights, epoch,
                                     None if error is None else STATUS_BAD_INPUT)
         return self.dispatch_tail(x, topk_idx, topk_weights, epoch, head, error)
+
+    def _compact_now(self, topk_idx) -> bool:
+        """``rows_in_window=auto``: whether this regular dispatch stores its rows compact, the
+        same answer on every rank: posts this dispatch's size on the launch gate, then answers
+        from the largest size the ranks posted for the previous one (see :class:`LaunchGate`;
+        without the gate: never). Size = rows to send at most, ``T * min(W, K)``."""
+        gate = self._gate
+        if gate is None:
+            return False
+        try:
+            t, k = topk_idx.shape
+        except (AttributeError, TypeError, ValueError):  # refused input: it sends no rows
+            t = k = 0
+        w = self.world_size
+        # (a rank that finds another dispatch's size stores as usual; if its peers do not,
+        # the gate raises the disagreement as a ProtocolError on every rank)
+        return gate.next_dispatch(t * (k if k < w else w)) >= self._compact_rows
 
     def dispatch_tail(self, x, topk_idx, topk_weights, epoch: int, head, error=None):
         """The rest of dispatch op ``epoch`` after its header ran (``head``: what

@@ -254,7 +254,7 @@ def _bench_mode(rank, world, routes, mode, options):
                 dispatch_us=statistics.median(disp), combine_us=statistics.median(comb),
                 total_us=statistics.median(both), total_p10_us=_pct(both, 0.1),
                 total_p90_us=_pct(both, 0.9), floor_us=statistics.median(fl), iters=n,
-                steady_us=steady, mode=mode,
+                steady_us=steady, mode=mode, compact_dispatches=tr.compact_dispatches,
                 host_dispatch_us=statistics.median(host_d), host_combine_us=statistics.median(host_c),
                 host_cached_us=statistics.median(host_cd) if host_cd else 0.0,
                 host_wcombine_us=statistics.median(host_wc) if host_wc else 0.0,
@@ -348,6 +348,7 @@ def main():
                 **{h: max(p.get(h, 0.0) for p in per) for h in (
                     "host_dispatch_us", "host_combine_us", "host_cached_us", "host_wcombine_us")},
                 launch=per[0].get("launch"), native_off=per[0].get("native_off"),
+                compact_dispatches=per[0].get("compact_dispatches"),
                 per_rank=per, seconds=round(time.time() - t0, 1)))
     report["cells"] = cells
     with open(os.path.join(out_dir, f"gda_gpu_check{args.tag}.json"), "w") as f:

@@ -10,7 +10,8 @@
 #                layers: PEROP_STARTS fresh starts of it),
 #                profile (cProfile of eager decode D+C), stress (randomized rounds),
 #                contract (the conformance suite's gda cases; PEROP_CONTRACT_S),
-#                window (the bench with rows_in_window=1), ab_window (it against the default in
+#                window (the bench with rows_in_window=1), auto (with rows_in_window=auto, the
+#                Megatron dispatcher's default), ab_window (it against the default in
 #                the same processes at 128, 512, 1024 and 4096 tokens per rank), layer_window
 #                (the layer with it), timeline (the GPU's idle gaps of an eager EP 2 prefill)
 #   PEROP_STARTS starts per bench (default 3); PEROP_TESTS_K the tests step's -k expression;
@@ -66,6 +67,9 @@ want stress && TAILN=8 step stress 300 python3 scripts/gpu/gda_stress.py --world
 want window && TAILN=12 step window "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py \
   --skip-tests --worlds 2,4 --routes random --modes regular,graph ${PEROP_BENCH_ARGS:-} \
   --starts "$N" --options rows_in_window=1 --tag _window
+want auto && TAILN=12 step auto "${PEROP_BENCH_S:-300}" python3 scripts/gpu/gda_gpu_check.py \
+  --skip-tests --worlds 2,4 --routes random --modes regular,graph ${PEROP_BENCH_ARGS:-} \
+  --starts "$N" --options rows_in_window=auto --tag _auto
 want ab_window && TAILN=16 step ab_window 300 python3 scripts/probes/gda_ab.py --b rows_in_window=1 \
   --worlds 2,4 --profiles decode,512,1024,prefill --iters 100 --starts 1 --out "$OUT/gda_ab_window.json"
 want layer_window && TAILN=6 step layer_window 240 python3 scripts/gpu/gda_layer_host.py --world 4 \

@@ -139,6 +139,32 @@ def test_configure_does_not_carry_options_to_another_transport(monkeypatch):
         settings.reset()
 
 
+def test_the_dispatcher_lets_gda_pick_rows_in_window_unless_the_user_sets_it(monkeypatch):
+    """The dispatcher copies received rows before its next transport call, so it runs gda with
+    ``rows_in_window=auto`` by default; a user's value (any source) wins, and no other
+    transport gets the option."""
+    from efa_ep.dispatcher import settings
+
+    monkeypatch.delenv("EFA_EP_TRANSPORT_OPTIONS", raising=False)
+    settings.reset()
+    try:
+        s = settings.configure(transport="gda")
+        assert dict(s.options_for("gda")) == {"rows_in_window": "auto"}
+        assert dict(settings.configure(transport="gda", rows_in_window=0)
+                    .options_for("gda")) == {"rows_in_window": "0"}
+        assert "rows_in_window" not in dict(s.options_for("torch"))
+        assert "rows_in_window" not in dict(s.options_for("hier"))
+    finally:
+        settings.reset()
+    monkeypatch.setenv("EFA_EP_TRANSPORT", "gda")
+    monkeypatch.setenv("EFA_EP_TRANSPORT_OPTIONS", "rows_in_window=1")
+    settings.reset()
+    try:
+        assert dict(settings.current_settings().options_for("gda")) == {"rows_in_window": "1"}
+    finally:
+        settings.reset()
+
+
 def test_option_variables_are_read_by_the_settings_only(monkeypatch):
     """EFA_EP_PROXY_* / EFA_EP_NODE_SIZE reach a transport only as options the settings resolve:
     under every explicit option, validated (naming the variable), for the transport that runs."""

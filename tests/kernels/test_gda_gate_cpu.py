@@ -98,3 +98,54 @@ def test_a_peer_length_beyond_the_slot_is_bounded():
     for text in outs:
         assert text is not None and text.startswith("short words"), text
         assert len(text.encode("utf-8", "replace")) <= TEXT_SLOT_BYTES - 16
+
+
+#: tokens each of 3 ranks passes to regular dispatches 1..6 (None: a refused input, no ids)
+SIZES = [(5, 5, 5), (30, 1, 1), (1, 1, 1), (None, 1, 25), (1, 1, 1), (2, 2, 2)]
+#: rows_in_window=auto compact from 40 rows (rows = T * min(W, K), K = 2):
+#: dispatch c is compact when dispatch c - 1 sent 40 rows or more on some rank
+COMPACT = [False, False, True, False, True, False]
+
+
+def _sizes_worker(rank, world):
+    import random
+    import types
+
+    import torch
+
+    from efa_ep.kernels.gda.transport import GdaTransport
+
+    gate = LaunchGate(dist.group.WORLD, rank, world)
+    tr = types.SimpleNamespace(_gate=gate, world_size=world, _compact_rows=40)
+    rng = random.Random(rank)
+    out = []
+    for c, sizes in enumerate(SIZES, start=1):
+        time.sleep(rng.random() * 0.02)  # ranks out of step: a peer may post the next size first
+        t = sizes[rank]
+        idx = None if t is None else torch.zeros(t, 2, dtype=torch.int64)
+        out.append(GdaTransport._compact_now(tr, idx))
+        # the op itself: published, then the gate (every rank issued it)
+        gate.publish(wait_record(c, "dispatch"))
+        gate.wait(wait_record(c, "dispatch"), 30.0, "dispatch")
+    out.append(gate.next_dispatch(3))  # dispatch 7: 6's largest, 2 tokens x min(3, 2)
+    gate.publish(wait_record(7, "dispatch"))
+    gate.wait(wait_record(7, "dispatch"), 30.0, "dispatch")
+    if rank == 1:  # a slot holding another dispatch's size (a rank that made other calls)
+        gate._slots[gate._size_base[1] + 2] = 99
+    dist.barrier()
+    out.append(gate.next_dispatch(3))  # dispatch 8: no answer on any rank
+    dist.barrier()
+    gate.close()
+    return out
+
+
+def test_rows_in_window_auto_picks_the_same_way_on_every_rank():
+    """``rows_in_window=auto``: each regular dispatch stores compact when the previous one was
+    large on some rank, and every rank reaches the same answer from the sizes the ranks posted
+    on the board, with ranks out of step (a peer already posting the next size), a rank whose
+    input is refused, and a rank large alone; a slot stamped with another dispatch gives no
+    size."""
+    outs = run_ranks(_sizes_worker, 3, timeout_s=120, pg_timeout_s=30)
+    for r, o in enumerate(outs):
+        assert o[:len(SIZES)] == COMPACT, (r, o)
+        assert o[len(SIZES):] == [4, -1], (r, o)

@@ -62,7 +62,9 @@ def _equal_to_torch(rank, world, cases, options=None):
                                    **{"timeout_s": 60, **(options or {})})
         refs[h] = create_transport("torch", None, NUM_EXPERTS, h, T_MAX, torch.bfloat16)
     planned = [0]  # compact dispatches of repeated shapes that went to the C++ call
-    counting = bool((options or {}).get("rows_in_window")) and options.get("fast_launch", 4) == 4
+    window = str((options or {}).get("rows_in_window", 0))
+    counting = window == "1" and options.get("fast_launch", 4) == 4
+    compact = []  # per case: whether the dispatch stored its rows compact
     if counting:
         for tr in gdas.values():
             tr._phases.cpp = _Counting(tr._phases.cpp, planned)
@@ -74,13 +76,16 @@ def _equal_to_torch(rank, world, cases, options=None):
         idx, w = contract_route(kind, t, NUM_EXPERTS, k, world, seed=77 * ci + rank)
         x = torch.randn(t, h, generator=g).to(torch.bfloat16)
         ref = refs[h].dispatch(x, idx, w)
+        before = gdas[h].compact_dispatches
         got = gdas[h].dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        compact.append(gdas[h].compact_dispatches > before)
+        assert compact[-1] == (window == "1") or window == "auto", case
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got[:3], ref[:3]):
             _same(a, b, name, case)
-        if (options or {}).get("rows_in_window") and got[0].numel():  # read in place, no copy
+        if got[0].numel():  # compact: read in place, no copy; else tensors of their own
             win = gdas[h]._buf.untyped_storage().data_ptr()
-            assert got[0].untyped_storage().data_ptr() == win, case
-            assert got[2].untyped_storage().data_ptr() == win, case
+            assert (got[0].untyped_storage().data_ptr() == win) == compact[-1], case
+            assert (got[2].untyped_storage().data_ptr() == win) == compact[-1], case
         assert got[3].device.type == "cpu" and got[3].dtype == torch.int64, got[3]
         _same(got[3], ref[3], "tokens_per_expert", case)
         hg, hr = got[4], ref[4]
@@ -117,7 +122,7 @@ def _equal_to_torch(rank, world, cases, options=None):
     if counting:
         assert planned[0] > 0, "no compact dispatch went to its C++ call"
     dist.barrier()
-    return len(done)
+    return compact if window == "auto" else len(done)
 
 
 class _Counting:
@@ -169,6 +174,31 @@ def test_gda_rows_in_window_bit_identical_to_torch(world):
     counts = run_ranks(_equal_to_torch, world, (cases, {"rows_in_window": 1}), timeout_s=240,
                        pg_timeout_s=200, env=ENV)
     assert counts == [len(cases)] * world
+
+
+# one width (one transport): large and small batches in turn, shapes repeated (C++ calls)
+AUTO_CASES = [("random", 1000, 7168, 3), ("hot_experts", 128, 7168, 8),
+              ("random", 4096, 7168, 8), ("random", 4096, 7168, 8), ("random", 4096, 7168, 8),
+              ("dropped", 777, 7168, 6), ("random", 1, 7168, 1), ("hot_experts", 4096, 7168, 8),
+              ("random", 0, 7168, 8), ("hot_experts", 128, 7168, 8), ("hot_experts", 128, 7168, 8)]
+AUTO_BYTES = 16 << 20
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gda_rows_in_window_auto_switches_per_call_bit_identical(world):
+    """Option rows_in_window=auto: a dispatch stores its rows compact exactly when the previous
+    dispatch's largest input over the ranks (rank 0's here), as rows to send times the row
+    bytes, reached rows_in_window_bytes, on every rank alike; every call, either way and across
+    the switches, gives torch's outputs (combine, cached dispatch and weight combine on its
+    handle included), the compact ones as views of the window, the others as copies."""
+    compact = run_ranks(_equal_to_torch, world,
+                        (AUTO_CASES, {"rows_in_window": "auto",
+                                      "rows_in_window_bytes": AUTO_BYTES}),
+                        timeout_s=240, pg_timeout_s=200, env=ENV)
+    row_bytes = 7168 * 2
+    want = [False] + [c[1] * min(world, c[3]) * row_bytes >= AUTO_BYTES for c in AUTO_CASES[:-1]]
+    assert compact == [want] * world, (compact, want)
+    assert any(want) and not all(want)
 
 
 def _peer_never_arrives(rank, world):
