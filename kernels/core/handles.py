@@ -104,20 +104,40 @@ class NetCounter:
     _FIELDS = ("messages", "rows", "bytes", "writes", "wire_bytes")
 
     def __init__(self):
-        self.last: dict = {}
-        self._totals: dict = {}
+        self._last: dict = {}    # op -> NetOpCounts, or the five counts add() took (built late)
+        self._totals: dict = {}  # op -> [calls, then the five sums (None: never counted)]
+
+    @property
+    def last(self) -> dict:
+        """``{op: NetOpCounts}`` of the most recent call of each op."""
+        out = {}
+        for op, c in self._last.items():
+            out[op] = c if isinstance(c, NetOpCounts) else NetOpCounts(op, *c)
+        return out
 
     def record(self, counts: NetOpCounts) -> None:
-        self.last[counts.op] = counts
-        tot = self._totals.setdefault(counts.op, {"calls": 0, **{f: None for f in self._FIELDS}})
-        tot["calls"] += 1
-        for f in self._FIELDS:
-            v = getattr(counts, f)
+        self._last[counts.op] = counts
+        self._sum(counts.op, tuple(getattr(counts, f) for f in self._FIELDS))
+
+    def add(self, op: str, messages: int, rows: int, nbytes: int, writes: int,
+            wire_bytes: int) -> None:
+        """:meth:`record` of ``NetOpCounts(op, messages, rows, nbytes, writes, wire_bytes)``
+        without building it (the per-op hot path: Python ints only)."""
+        counts = (messages, rows, nbytes, writes, wire_bytes)
+        self._last[op] = counts
+        self._sum(op, counts)
+
+    def _sum(self, op: str, counts) -> None:
+        tot = self._totals.get(op)
+        if tot is None:
+            tot = self._totals[op] = [0, None, None, None, None, None]
+        tot[0] += 1
+        for i, v in enumerate(counts, 1):
             if v is not None:
-                tot[f] = (tot[f] or 0) + int(v)
+                tot[i] = (tot[i] or 0) + int(v)
 
     def totals(self) -> dict:
-        return {op: dict(t) for op, t in self._totals.items()}
+        return {op: dict(zip(("calls",) + self._FIELDS, t)) for op, t in self._totals.items()}
 
 
 @dataclasses.dataclass(frozen=True)

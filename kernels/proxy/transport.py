@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import (
-    DispatchInputError, NetCounter, NetOpCounts, Transport, TransportBroken, TransportConfig,
+    DispatchInputError, NetCounter, Transport, TransportBroken, TransportConfig,
     TransportError, check_group_agreement, align_up, nbytes_of, rows_input_error,
     validate_dispatch_inputs,
 )
@@ -455,7 +455,8 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         """Runs one operation; anything but a group's input error (refused by every rank in
         step) breaks the transport (peers' writes for this round may still land). Records what
         the operation handed to the wire (:attr:`last_op_counts`), also when it raised."""
-        before = dict(self.wire.posted)
+        p = self.wire.posted
+        m, r, b, w, wb = p["messages"], p["rows"], p["bytes"], p["writes"], p["wire_bytes"]
         try:
             return fn(*args)  # (each op waits for the previous op's reads before its header)
         except DispatchInputError:
@@ -465,8 +466,8 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
                 self._broken = f"{type(e).__name__}: {e}"
             raise
         finally:
-            d = {k: v - before[k] for k, v in self.wire.posted.items()}
-            self._net.record(NetOpCounts(fn.__name__.lstrip("_"), **d))
+            self._net.add(fn.__name__.lstrip("_"), p["messages"] - m, p["rows"] - r,
+                          p["bytes"] - b, p["writes"] - w, p["wire_bytes"] - wb)
 
     # Input checks (local; their result travels in the header) ---------------------------------
     def _device_error(self, **tensors) -> Optional[str]:

@@ -315,3 +315,26 @@ def test_auto_choice_uses_hier_across_hosts_and_the_calibration_for_k():
     assert auto_choice(16, 8, {}, None) == ("hier", {}, "EP group spans 2 hosts: hier")
     one = auto_choice(8, 8, {}, cal)
     assert one[0] == resolve_transport_name("auto") and one[1] == {}
+
+
+def test_net_counter_add_equals_record():
+    """The proxy's per-op accounting (``NetCounter.add``, plain ints) keeps what ``record`` of
+    the same ``NetOpCounts`` keeps: the last counts per op, and totals that stay None for a
+    field never counted."""
+    from efa_ep.kernels.base import NetCounter, NetOpCounts
+
+    a, b = NetCounter(), NetCounter()
+    ops = [("dispatch", 2, 10, 640, 7, 900), ("combine", 1, 4, 256, 3, 300),
+           ("dispatch", 0, 0, 0, 2, 32)]
+    for op, *counts in ops:
+        a.add(op, *counts)
+        b.record(NetOpCounts(op, *counts))
+    assert a.last == b.last and a.last["dispatch"] == NetOpCounts("dispatch", 0, 0, 0, 2, 32)
+    assert a.totals() == b.totals() == {
+        "dispatch": {"calls": 2, "messages": 2, "rows": 10, "bytes": 640, "writes": 9,
+                     "wire_bytes": 932},
+        "combine": {"calls": 1, "messages": 1, "rows": 4, "bytes": 256, "writes": 3,
+                    "wire_bytes": 300}}
+    c = NetCounter()
+    c.record(NetOpCounts("dispatch", 1, 2, 3))  # no proxy engine: writes never counted
+    assert c.totals()["dispatch"]["writes"] is None and c.last["dispatch"].writes is None
