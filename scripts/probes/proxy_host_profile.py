@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where does the time of a decode dispatch + combine over ``proxy`` (CUDA inputs) go?
 
-Two ranks as processes on the GPU (MPS on; ``--device cpu``: CPU rows, no GPU), the proxy over
+Two ranks as processes on the GPU (MPS on; rank r on GPU r where the host has several;
+``--device cpu``: CPU rows, no GPU), the proxy over
 ``--provider`` with a host window,
 DeepSeek-V3 decode shape (H 7168 bf16, top-8 of 256, ``--tokens`` per rank). Each step of an
 operation is wrapped with a wall-clock timer (no extra synchronization, so a step's time is what
@@ -70,7 +71,11 @@ def _rank(rank, world, provider, tokens, iters, staging, channels, device="cuda"
     from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
-    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":  # one GPU per rank where the host has several (ranks share one else)
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
     px = create_transport("proxy", None, 256, 7168, tokens, torch.bfloat16, provider=provider,
                           num_channels=channels, timeout_s=60)
     px.device_kernels = staging != "torch"
