@@ -146,8 +146,6 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     native calls go to ``lib`` (:func:`stand_in_library`); every dispatch's header reads
     ``info`` (:func:`header_info`). bf16 rows, the launch gate on, ``fast_launch=3``, or with
     ``cpp`` 4 (the C++ dispatch, :mod:`efa_ep.kernels.gda.cpp_op`, must build here)."""
-    import numpy as np
-
     from efa_ep.kernels import native_launch as nl
     from efa_ep.kernels.base import TransportConfig, align_up
     from efa_ep.kernels.gda import compact, cpp_op, launches, phases, transport
@@ -171,12 +169,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     tr._check_queued = False
     tr.device, tr.ranks_per_device, tr.launch_gate = torch.device("cpu"), W, True
     gate = object.__new__(LaunchGate)  # a board in private memory; the peers are always ahead
-    gate._text_off = 8 * (2 * W + 2)
-    gate._mm = mmap.mmap(-1, gate._text_off + 2 * W * 1024)
-    arr = np.frombuffer(gate._mm, dtype=np.int64, count=2 * W + 2)
-    gate.issued, gate.failed = arr[:W], arr[W:2 * W]
-    gate._address, gate._slots = gate.issued.ctypes.data, memoryview(gate._mm).cast("q")
-    gate.rank, gate.world = 0, W
+    gate._attach(mmap.mmap(-1, LaunchGate.board_bytes(W)), 0, W)
     gate.issued[1:] = 2**60
     tr._gate = gate
     tr.num_programs, tr._elem = 132, 2
@@ -203,7 +196,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     ph.layout_in_store = tr.layout_in_store = 1
     tr.wait_in_reduce, tr.wait_programs, tr.gather_early = 0, 66, 1
     tr.rows_in_window, tr._fixed_regions = False, {}
-    tr._rows_mode, tr.compact_dispatches = "0", 0
+    tr._rows_mode, tr.compact_dispatches, tr._choice = "0", 0, 0
     ph.wait_in_kernel, ph.read_programs, ph._read_step = False, tr.num_programs, 1
     tr.fast_launch = 4 if cpp else 3
     n_info = 1 + W * (2 + L) + W + L

@@ -1,5 +1,8 @@
 """A ``gda`` regular dispatch that stores its rows compact in the receivers' windows (option
 ``rows_in_window``): no gather copy; the received rows are returned as views of the window.
+With ``rows_in_window=auto`` every regular dispatch starts here (:func:`planned_dispatch`):
+the way is chosen per call from the sizes the ranks posted on the launch gate, inside the C++
+call once the way is planned for the shape.
 
 Two ops (kernels and protocol: :mod:`.compact_kernels`): the counts op (routing layout, every
 rank's row counts and the headers its stores will carry into every rank's board, the launch
@@ -30,7 +33,8 @@ import torch
 
 from ..base import STATUS_BAD_INPUT
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
-from .cpp_op import CppPlan, planned_result
+from . import cpp_op
+from .cpp_op import OTHER_WAY, OTHER_WAY_STATUS, CppPlan, planned_result
 from .gate import GATE_SPIN_NS, wait_record
 from .phases import MAX_PROGRAMS, _aligned, _stream
 
@@ -180,11 +184,12 @@ def _record_plan(tr, parity: int, shape, prog_c, prog_r) -> None:
     ph._plans[key] = (plan, block, rows_out, prog_c, prog_r, header)
 
 
-def dispatch_planned(tr, x, topk_idx, topk_weights):
+def dispatch_planned(tr, x, topk_idx, topk_weights, choice: int = 0):
     """A compact dispatch of a shape seen before (its C++ plan recorded) in one C++ call, before
     the transport's own input checks (the call checks that the inputs are the plan's case).
     Returns what ``GdaTransport.dispatch`` returns, or None when not that case (nothing ran;
-    the checked path takes it)."""
+    the checked path takes it). ``choice``: see ``cpp_op.dispatch_planned`` (here
+    ``OTHER_WAY`` when the C++ call chose the regular way)."""
     ph = tr._phases
     if tr._capturing or tr._broken is not None or ph.cpp is None:
         return None
@@ -203,10 +208,12 @@ def dispatch_planned(tr, x, topk_idx, topk_weights):
                                   epoch_c - base, epoch - base, wait_record(epoch_c,
                                                                            "dispatch counts"),
                                   wait_record(epoch, "dispatch"), _stream(ph._dev),
-                                  ph._cpp_device)
+                                  ph._cpp_device, choice)
     status = res[0]
     if status == _NOT_PLANNED:
         return None
+    if status == OTHER_WAY_STATUS:
+        return OTHER_WAY
     tr._epoch = epoch_c
     if status == _COUNTS_GATE_LATE:  # the counts are out: wait for the peers', then go on
         tr.blocked_s += res[1] * 1e-9
@@ -239,3 +246,56 @@ def dispatch_planned(tr, x, topk_idx, topk_weights):
     head = (scratch, scratch.as_strided((t, w), (w, 1), o_slot), o_send, view.tolist(),
             tokens_per_expert, scratch.as_strided((w + 1,), (1,), o_offsets), None)
     return tr.dispatch_tail(x, topk_idx, topk_weights, epoch, head)
+
+
+def compact_now(tr, topk_idx) -> bool:
+    """``rows_in_window=auto`` in Python: whether this regular dispatch of transport ``tr``
+    stores its rows compact, the same answer on every rank: posts this dispatch's size on the
+    launch gate, then answers from the largest size the ranks posted for the previous one (see
+    :class:`~efa_ep.kernels.gda.gate.LaunchGate`; without the gate: never). Size = rows to send
+    at most, ``T * min(W, K)``."""
+    gate = tr._gate
+    if gate is None:
+        return False
+    try:
+        t, k = topk_idx.shape
+    except (AttributeError, TypeError, ValueError):  # refused input: it sends no rows
+        t = k = 0
+    w = tr.world_size
+    # (a rank that finds another dispatch's size stores as usual; if its peers do not,
+    # the gate raises the disagreement as a ProtocolError on every rank)
+    return gate.next_dispatch(t * (k if k < w else w)) >= tr._compact_rows
+
+
+def _planned(tr, x, topk_idx, topk_weights, choice: int):
+    """The C++ call of transport ``tr``'s way (``rows_in_window``) for this dispatch when its
+    shape is planned (``choice``: the gate's choice block, or 0); see :func:`planned_dispatch`."""
+    if tr.rows_in_window:
+        return dispatch_planned(tr, x, topk_idx, topk_weights, choice)
+    return cpp_op.dispatch_planned(tr._phases, x, topk_idx, topk_weights, choice)
+
+
+def planned_dispatch(tr, x, topk_idx, topk_weights):
+    """The start of every regular dispatch of transport ``tr``: with ``rows_in_window=auto``
+    the way is chosen (``tr.rows_in_window`` set: compact or not) and, for a shape seen before
+    with its inputs as then, the dispatch runs whole in that way's C++ call. Returns what
+    ``GdaTransport.dispatch`` returns, or None (nothing ran: the checked path takes the call).
+
+    The size is posted once per dispatch: by the C++ call of the way the last dispatch took
+    when it is planned (it chooses first; ``OTHER_WAY``: nothing ran, then the other way's
+    call runs as chosen), else here (:func:`compact_now`), then the chosen way's C++ call."""
+    choice = tr._choice
+    posted = tr._gate.dispatches_posted if choice else 0
+    out = None
+    if tr._phases.cpp is not None:
+        out = _planned(tr, x, topk_idx, topk_weights, choice)
+        if out is OTHER_WAY:
+            tr.rows_in_window = not tr.rows_in_window
+            out = _planned(tr, x, topk_idx, topk_weights, 0)
+    if choice and tr._gate.dispatches_posted == posted:  # no C++ call chose: choose here
+        way = compact_now(tr, topk_idx)
+        if way != tr.rows_in_window:
+            tr.rows_in_window = way
+            if tr._phases.cpp is not None:
+                out = _planned(tr, x, topk_idx, topk_weights, 0)
+    return out

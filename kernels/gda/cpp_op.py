@@ -55,6 +55,10 @@ def _stream(device_index: int) -> int:
 _warned = False
 # efa_gda_op.cpp's status of a dispatch whose inputs are not its plan's case (nothing ran)
 NOT_PLANNED = 100
+# its status of a dispatch for which rows_in_window=auto chose the other way than the plan's
+# (nothing ran, the size posted); the planned calls then return OTHER_WAY
+OTHER_WAY_STATUS = 102
+OTHER_WAY = object()
 
 
 def load():
@@ -63,7 +67,7 @@ def load():
     return cpp_ext.load("efa_gda_op.cpp", "gda's C++ dispatch", {
         "PLAN_FIELDS": len(PLAN_FIELDS), "COMBINE_FIELDS": len(COMBINE_FIELDS),
         "FIXED_FIELDS": len(FIXED_FIELDS), "FIXED_CACHED_FIELDS": len(FIXED_CACHED_FIELDS),
-        "NOT_PLANNED": NOT_PLANNED})
+        "NOT_PLANNED": NOT_PLANNED, "OTHER_WAY": OTHER_WAY_STATUS})
 
 
 def warn_off(why: str) -> None:
@@ -199,7 +203,7 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
             hidden=tr.cfg.hidden, topk=ahead.k, tokens=t,
             run=ctypes.cast(front._lib["efa_launch_run"], ctypes.c_void_p).value)
     res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, epoch - tr._dev_base,
-                          wait_record(epoch, "dispatch"), stream, device)
+                          wait_record(epoch, "dispatch"), stream, device, 0)
     status = _began(tr, res, epoch)
     if status is None:
         return None
@@ -258,14 +262,15 @@ def _handle(x, topk_idx, recv_x, recv_idx, send_idx, num_send, num_recv, owner, 
     return h
 
 
-def dispatch_planned(ph, x, topk_idx, topk_weights):
+def dispatch_planned(ph, x, topk_idx, topk_weights, choice: int = 0):
     """A regular dispatch of ``GdaPhases`` ``ph`` straight to the C++ call, before the
     transport's own input checks: when its shape has a plan that gathers ahead and the C++
     call finds the inputs the plan's case (see :func:`dispatch`). Returns what
     ``GdaTransport.dispatch`` returns (the outputs and the handle; when the call did not gather,
     the transport's :meth:`~GdaTransport.dispatch_tail` checked the counts and gathered), or
     None when the call is not that case (nothing ran; the transport's checked path takes it
-    and names any problem)."""
+    and names any problem). ``choice``: with ``rows_in_window=auto`` the launch gate's choice
+    block, and then :data:`OTHER_WAY` when the C++ call chose compact rows (nothing ran)."""
     tr = ph.tr
     if tr._capturing or tr._broken is not None:
         return None
@@ -281,11 +286,13 @@ def dispatch_planned(ph, x, topk_idx, topk_weights):
     if ahead.cpp is None or epoch >= 2**31 - 1 or torch.cuda.is_current_stream_capturing():
         return None  # (while capturing the checked path raises, naming the capture)
     res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, epoch - tr._dev_base,
-                          epoch * 8 + _DISPATCH_KIND, _stream(ph._dev), ph._cpp_device)
+                          epoch * 8 + _DISPATCH_KIND, _stream(ph._dev), ph._cpp_device, choice)
     status = res[0]
     if status != RAN:
         if status == NOT_PLANNED:
             return None
+        if status == OTHER_WAY_STATUS:
+            return OTHER_WAY
         tr._epoch = epoch
         if status < 0:
             raise NativeLaunchError(res[4])

@@ -2,6 +2,7 @@
 stores."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -78,7 +79,8 @@ class LaunchGate:
     ``[c, rows it sends at most]`` into its slot ``c % 2``; at dispatch ``c + 1`` every rank
     reads the slots of ``c`` (every rank published ``c``'s op before this rank passed its gate,
     and none can post ``c + 2`` before this rank publishes ``c + 1``), so all take the same
-    largest size, and so the same way of storing the rows.
+    largest size, and so the same way of storing the rows. The C++ dispatch makes the same
+    choice with the same count (:meth:`choice_block`), so either may post a dispatch's size.
     Layout: int64 ``[issued W | failed W | bad 2]``, then from the next 64-byte boundary per
     parity ``[stamp, size] x W`` (each parity 64-byte aligned), then ``2 W`` text slots of
     :data:`TEXT_SLOT_BYTES`.
@@ -90,14 +92,7 @@ class LaunchGate:
             token[0] = f"/dev/shm/efa_ep_gda_{os.getpid()}_{secrets.token_hex(8)}"
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         path = token[0]
-        # the sizes of one parity together, on cache lines of their own: a dispatch reads every
-        # rank's (a line a peer wrote) and writes its own, away from the spun-on issued slots
-        sizes = -(-(2 * world + 2) // 8) * 8  # (int64 words, 64-byte aligned)
-        block = -(-(2 * world) // 8) * 8
-        self._size_base = (sizes, sizes + block)  # per parity
-        self._count = 0  # regular dispatches posted (next_dispatch)
-        self._text_off = 8 * (sizes + 2 * block)
-        size = self._text_off + 2 * world * TEXT_SLOT_BYTES
+        size = self.board_bytes(world)
         if rank == 0:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)
@@ -109,17 +104,44 @@ class LaunchGate:
                 raise TransportError(
                     f"rank {rank}: gda launch gate: cannot open {path} made by rank 0 ({e}); "
                     f"ranks sharing a GPU must share /dev/shm (same host and IPC namespace)")
-        self._mm = mmap.mmap(fd, size)
+        mm = mmap.mmap(fd, size)
         os.close(fd)
         dist.barrier(group=group)
         if rank == 0:
             os.unlink(path)  # nothing left behind, even after a crash
-        arr = np.frombuffer(self._mm, dtype=np.int64, count=2 * world + 2)
+        self._attach(mm, rank, world)
+
+    @staticmethod
+    def _sizes_words(world: int):
+        """(first int64 word of the parity 0 sizes, words per parity): the sizes of one parity
+        together, on cache lines of their own: a dispatch reads every rank's (a line a peer
+        wrote) and writes its own, away from the spun-on issued slots."""
+        return -(-(2 * world + 2) // 8) * 8, -(-(2 * world) // 8) * 8
+
+    @classmethod
+    def board_bytes(cls, world: int) -> int:
+        """Bytes of the board of ``world`` ranks (see the class)."""
+        sizes, block = cls._sizes_words(world)
+        return 8 * (sizes + 2 * block) + 2 * world * TEXT_SLOT_BYTES
+
+    def _attach(self, mm, rank: int, world: int) -> None:
+        """Takes ``mm`` (:meth:`board_bytes`, shared by the ranks) as this rank's board."""
+        sizes, block = self._sizes_words(world)
+        self._size_base = (sizes, sizes + block)  # per parity
+        self._text_off = 8 * (sizes + 2 * block)
+        self._mm = mm
+        arr = np.frombuffer(mm, dtype=np.int64, count=2 * world + 2)
         self.issued, self.failed = arr[:world], arr[world:2 * world]
         self._address = self.issued.ctypes.data  # read per op: numpy's .ctypes costs microseconds
         # the hot path reads and writes through a memoryview: Python ints, no numpy per call
-        self._slots = memoryview(self._mm).cast("q")
+        self._slots = memoryview(mm).cast("q")
         self.rank, self.world = rank, world
+        # regular dispatches posted (next_dispatch), then what the C++ dispatch's choice reads
+        # (choice_block): the sizes' addresses per parity (from the board's first byte), world,
+        # rank, threshold
+        base = self._address
+        self._choice = (ctypes.c_int64 * 6)(0, base + 8 * sizes, base + 8 * (sizes + block),
+                                            world, rank, 0)
 
     @property
     def address(self) -> int:
@@ -156,7 +178,8 @@ class LaunchGate:
         (the first dispatch, or a slot that holds another dispatch's size: the ranks did not
         make the same calls). Call before publishing that dispatch's first op. (Hot path:
         Python ints and one read of the slots' line.)"""
-        count = self._count = self._count + 1
+        count = self._choice[0] + 1
+        self._choice[0] = count
         slots, largest = self._slots, -1
         if count > 1:
             base = self._size_base[(count - 1) & 1]
@@ -167,6 +190,19 @@ class LaunchGate:
         slots[i + 1] = rows
         slots[i] = count  # the stamp last
         return largest
+
+    def choice_block(self, threshold_rows: int) -> int:
+        """Address of the int64 block ``[count, address of the parity 0 sizes, of parity 1,
+        world, rank, threshold_rows]`` with which the C++ dispatch makes :meth:`next_dispatch`'s
+        post and choice itself (compact when the largest size reaches ``threshold_rows``)
+        sharing this gate's count of dispatches. Kept alive by the gate."""
+        self._choice[5] = threshold_rows
+        return ctypes.addressof(self._choice)
+
+    @property
+    def dispatches_posted(self) -> int:
+        """Regular dispatches whose size this rank posted (from Python or the C++ dispatch)."""
+        return self._choice[0]
 
     def post_text(self, epoch: int, text: str) -> None:
         """Posts this rank's error text for op ``epoch`` (cut to fit the slot)."""
@@ -248,6 +284,7 @@ class LaunchGate:
 
     def close(self) -> None:
         if getattr(self, "_mm", None) is not None:
+            self._choice[1] = self._choice[2] = 0  # (the C++ choice then reads no board)
             self.issued = self.failed = None
             self._slots.release()
             try:

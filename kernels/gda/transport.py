@@ -159,6 +159,9 @@ class GdaTransport(Transport):
                                    k_cap=self.max_topk, num_local=cfg.num_local_experts)
         self._offs = (self.layout.offsets(0), self.layout.offsets(1))
         self._compact_rows = -(-compact_bytes // self.layout.row_bytes)  # auto: from this size
+        # auto: the block with which the C++ dispatch posts the size and makes the choice
+        self._choice = (self._gate.choice_block(self._compact_rows)
+                        if self._rows_mode == "auto" and self._gate is not None else 0)
         self._buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._hdl = symm_mem.rendezvous(self._buf, group)
         # Peers' windows at the same offset inside their allocations as ours inside ours.
@@ -382,18 +385,12 @@ class GdaTransport(Transport):
             recv_x ``[N, H]``, recv_topk_idx ``[N, K]`` int64 (local ids, -1 elsewhere),
             recv_topk_weights ``[N, K]`` float32, tokens_per_expert ``[L]`` int64 CPU, handle.
         """
-        phases = self._phases
-        if self._rows_mode == "auto":
-            self.rows_in_window = self._compact_now(topk_idx)
+        # the way (rows_in_window=auto: chosen here) and, for a shape seen before with its
+        # inputs as then, the whole dispatch in one C++ call (None: not that case, nothing ran)
+        out = compact.planned_dispatch(self, x, topk_idx, topk_weights)
         self.compact_dispatches += self.rows_in_window
-        # a shape seen before, its inputs as then: one C++ call that checks them, runs it all and
-        # returns the outputs (None: not that case, nothing ran)
-        if phases.cpp is not None:
-            out = (compact.dispatch_planned(self, x, topk_idx, topk_weights)
-                   if self.rows_in_window else
-                   cpp_op.dispatch_planned(phases, x, topk_idx, topk_weights))
-            if out is not None:
-                return out
+        if out is not None:
+            return out
         cfg = self.cfg
         if self._capturing:
             raise TransportError(
@@ -412,26 +409,9 @@ class GdaTransport(Transport):
         if error is not None and self._gate is not None:
             self._gate.post_text(epoch, error)  # before publishing: peers read it later
         # layout, stores, the launch gate, then the one host sync per dispatch
-        head = phases.dispatch_head(x, topk_idx, topk_weights, epoch,
-                                    None if error is None else STATUS_BAD_INPUT)
+        head = self._phases.dispatch_head(x, topk_idx, topk_weights, epoch,
+                                          None if error is None else STATUS_BAD_INPUT)
         return self.dispatch_tail(x, topk_idx, topk_weights, epoch, head, error)
-
-    def _compact_now(self, topk_idx) -> bool:
-        """``rows_in_window=auto``: whether this regular dispatch stores its rows compact, the
-        same answer on every rank: posts this dispatch's size on the launch gate, then answers
-        from the largest size the ranks posted for the previous one (see :class:`LaunchGate`;
-        without the gate: never). Size = rows to send at most, ``T * min(W, K)``."""
-        gate = self._gate
-        if gate is None:
-            return False
-        try:
-            t, k = topk_idx.shape
-        except (AttributeError, TypeError, ValueError):  # refused input: it sends no rows
-            t = k = 0
-        w = self.world_size
-        # (a rank that finds another dispatch's size stores as usual; if its peers do not,
-        # the gate raises the disagreement as a ProtocolError on every rank)
-        return gate.next_dispatch(t * (k if k < w else w)) >= self._compact_rows
 
     def dispatch_tail(self, x, topk_idx, topk_weights, epoch: int, head, error=None):
         """The rest of dispatch op ``epoch`` after its header ran (``head``: what
@@ -591,4 +571,4 @@ class GdaTransport(Transport):
         if getattr(self, "_gate", None) is not None:
             self._gate.fail(-1)
             self._gate.close()
-            self._gate = None
+            self._gate, self._choice = None, 0

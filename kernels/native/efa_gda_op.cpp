@@ -106,6 +106,38 @@ py::tuple trace(bool on) {
 // ran, the caller takes the checked path.
 constexpr int NOT_PLANNED = 100;
 
+// Status of a dispatch with rows_in_window=auto whose choice is the other way than its plan's
+// (regular or compact): nothing ran, its size is posted; the caller runs the other way.
+constexpr int OTHER_WAY = 102;
+
+// The choice of option rows_in_window=auto (kernels/gda/gate.py, LaunchGate.next_dispatch: the
+// same steps, the same count), from `block` (LaunchGate.choice_block: [count, address of the
+// parity 0 sizes, of parity 1, world, rank, threshold rows]): posts this dispatch's size (rows
+// it sends at most, T x min(W, K); 0 for ids that are not [T, K]) and returns whether the
+// largest size every rank posted for the previous dispatch reaches the threshold (no answer,
+// false: the first dispatch, or a slot stamped with another dispatch).
+static bool compact_chosen(int64_t block, const at::Tensor &topk_idx) {
+    int64_t *a = reinterpret_cast<int64_t *>(block);
+    if (a[1] == 0) return false;  // the gate is closed
+    const int64_t count = ++a[0], w = a[3];
+    int64_t largest = -1;
+    if (count > 1) {
+        const int64_t *s = reinterpret_cast<const int64_t *>(a[1 + ((count - 1) & 1)]);
+        int64_t most = -1, r = 0;
+        for (; r < w; r++) {  // a peer writes its size, then its stamp
+            if (__atomic_load_n(&s[2 * r], __ATOMIC_ACQUIRE) != count - 1) break;
+            most = std::max(most, __atomic_load_n(&s[2 * r + 1], __ATOMIC_RELAXED));
+        }
+        if (r == w) largest = most;
+    }
+    const bool ids = topk_idx.dim() == 2;
+    const int64_t rows = ids ? topk_idx.size(0) * std::min(w, topk_idx.size(1)) : 0;
+    int64_t *mine = reinterpret_cast<int64_t *>(a[1 + (count & 1)]) + 2 * a[4];
+    __atomic_store_n(&mine[1], rows, __ATOMIC_RELAXED);
+    __atomic_store_n(&mine[0], count, __ATOMIC_RELEASE);
+    return largest >= a[5];
+}
+
 // Whether a dispatch's inputs are the case the plan was bound for, as the caller found it by
 // (top-k shape, x's dtype, x's row stride, x's width): x [T, H] rows dense, topk_idx [T, K]
 // int64 and topk_weights [T, K] float32 contiguous, all on CUDA device `device`, each 16-byte
@@ -208,11 +240,13 @@ static py::tuple clean_result(int rc, int64_t sync_ns, int64_t gate_ns, const at
 // rows sent per destination, rows received per source; when negative: the library's error
 // text). The GIL is released during the native call (it waits for peers and the device).
 // With `device` >= 0 (or -2) the inputs are checked first (inputs_fit): (NOT_PLANNED,) when
-// they are not the plan's case.
+// they are not the plan's case. With `choice` (rows_in_window=auto's block, see
+// compact_chosen) the choice is made before anything else: (OTHER_WAY,) when it is compact.
 py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Tensor &topk_weights,
                    int64_t plan_address, int64_t delta, int64_t record, int64_t stream,
-                   int64_t device) {
+                   int64_t device, int64_t choice) {
     stamp(0);
+    if (choice && compact_chosen(choice, topk_idx)) return py::make_tuple(OTHER_WAY);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     const int64_t *shape = reinterpret_cast<const int64_t *>(p[P_SHAPE]);
     const int64_t w = p[P_WORLD], cap = shape[5], k = p[P_TOPK], t = p[P_TOKENS];
@@ -293,12 +327,15 @@ constexpr int COUNTS_GATE_LATE = 101;
 // `window` (this rank's window, uint8) at the plan's row offsets, recv_topk_idx [N, K] a copy,
 // slot, offsets, send_token_idx, tokens_per_expert, rows sent, rows received) as dispatch
 // returns. (COUNTS_GATE_LATE, gate_ns, scratch): a peer late at the counts gate. Otherwise
-// (status, sync_ns, gate_ns, scratch[, error text]) as dispatch: the caller takes over.
+// (status, sync_ns, gate_ns, scratch[, error text]) as dispatch: the caller takes over. With
+// `choice`: (OTHER_WAY,) when rows_in_window=auto chooses the regular way (see dispatch).
 py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
                            const at::Tensor &topk_weights, const at::Tensor &window,
                            int64_t plan_address, int64_t delta_counts, int64_t delta,
-                           int64_t record_counts, int64_t record, int64_t stream, int64_t device) {
+                           int64_t record_counts, int64_t record, int64_t stream, int64_t device,
+                           int64_t choice) {
     stamp(0);
+    if (choice && !compact_chosen(choice, topk_idx)) return py::make_tuple(OTHER_WAY);
     const int64_t *p = reinterpret_cast<const int64_t *>(plan_address);
     const int64_t w = p[K_WORLD], k = p[K_TOPK], t = p[K_TOKENS];
     if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
@@ -555,4 +592,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("FIXED_CACHED_FIELDS") = static_cast<int64_t>(FC_NUM_FIELDS);
     m.attr("COUNTS_GATE_LATE") = static_cast<int64_t>(COUNTS_GATE_LATE);
     m.attr("NOT_PLANNED") = static_cast<int64_t>(NOT_PLANNED);
+    m.attr("OTHER_WAY") = static_cast<int64_t>(OTHER_WAY);
 }

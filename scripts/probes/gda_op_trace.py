@@ -79,8 +79,28 @@ def _rank(rank, world, iters, tokens, options):
     cpp.trace(False)
     torch.cuda.synchronize()
     dist.barrier()
-    return {op: {s: statistics.median(c[s] for c in calls) for s in STEPS}
-            for op, calls in (("dispatch", disp), ("combine", comb))}
+    out = {op: {s: statistics.median(c[s] for c in calls) for s in STEPS}
+           for op, calls in (("dispatch", disp), ("combine", comb))}
+    out["copies"] = _copy_costs(r[2], iters, clock)
+    return out
+
+
+def _copy_costs(rows, iters: int, clock):
+    """Host time (us, median, no device wait) of copying ``rows`` (a dispatch output: with
+    ``rows_in_window`` a view of the window) with ``clone``, against the same for a tensor of
+    the caching allocator and for an empty allocation alone."""
+    plain = torch.empty_like(rows)
+    res = {}
+    for name, fn in (("clone_output", rows.clone), ("clone_plain", plain.clone),
+                     ("empty_like", lambda: torch.empty_like(plain))):
+        ts = []
+        for _ in range(iters):
+            t0 = clock()
+            fn()
+            ts.append((clock() - t0) / 1e3)
+        res[name] = statistics.median(ts)
+    torch.cuda.synchronize()
+    return res
 
 
 def main():
@@ -108,6 +128,8 @@ def main():
             slow = max(res, key=lambda r: r[op]["wall"])[op]
             print(f"EP {world} {op:8s} (slowest rank, median us): " +
                   ", ".join(f"{s} {slow[s]:.1f}" for s in STEPS), flush=True)
+        print(f"EP {world} copies of recv_topk_weights {res[0]['copies']} (rank 0, host us)",
+              flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(record, f, indent=1)

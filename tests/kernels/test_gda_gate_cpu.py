@@ -113,7 +113,7 @@ def _sizes_worker(rank, world):
 
     import torch
 
-    from efa_ep.kernels.gda.transport import GdaTransport
+    from efa_ep.kernels.gda.compact import compact_now
 
     gate = LaunchGate(dist.group.WORLD, rank, world)
     tr = types.SimpleNamespace(_gate=gate, world_size=world, _compact_rows=40)
@@ -123,7 +123,7 @@ def _sizes_worker(rank, world):
         time.sleep(rng.random() * 0.02)  # ranks out of step: a peer may post the next size first
         t = sizes[rank]
         idx = None if t is None else torch.zeros(t, 2, dtype=torch.int64)
-        out.append(GdaTransport._compact_now(tr, idx))
+        out.append(compact_now(tr, idx))
         # the op itself: published, then the gate (every rank issued it)
         gate.publish(wait_record(c, "dispatch"))
         gate.wait(wait_record(c, "dispatch"), 30.0, "dispatch")

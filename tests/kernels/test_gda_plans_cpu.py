@@ -651,3 +651,52 @@ def test_compact_rows_not_as_announced_raise_at_the_next_count_read(tr_any):
         tr.dispatch(x, idx, w)
     with pytest.raises(TransportBroken):
         tr.dispatch(x, idx, w)
+
+
+def test_auto_way_chosen_once_per_dispatch_in_the_cpp_call_or_python(tmp_path, monkeypatch):
+    """Option rows_in_window=auto with the C++ dispatch: every dispatch posts its size exactly
+    once on the launch gate's board (in the C++ call of the way the last dispatch took once
+    that way is planned for the shape, else in Python) and takes the way the previous
+    dispatch's sizes choose: compact (rows as views of the window) after a dispatch in which
+    some rank sent at least the threshold, regular otherwise, switching either way, planned or
+    not; no choice is made twice."""
+    tr = _compact(_transport(tmp_path, monkeypatch, cpp=True))
+    tr.rows_in_window, tr._rows_mode = False, "auto"
+    gate, real = tr._gate, tr._phases.cpp
+    tr._compact_rows = 20  # this rank sends T x min(W, K) = 16 at most: the peer's size decides
+    tr._choice = gate.choice_block(20)
+    made = []  # per dispatch: which C++ calls it made, with a choice block or without
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def dispatch(self, *args):
+            made[-1].append(("regular", args[-1] != 0))
+            return real.dispatch(*args)
+
+        def dispatch_compact(self, *args):
+            made[-1].append(("compact", args[-1] != 0))
+            return real.dispatch_compact(*args)
+
+    tr._phases.cpp = Counting()
+    _, x, idx, w = _inputs(3)
+    win = tr._buf.untyped_storage().data_ptr()
+    peer = [0, 30, 1, 1, 30, 30, 30, 1, 1, 30, 1]  # rank 1's size in dispatch 1, 2, ...
+    for c, size in enumerate(peer, start=1):
+        made.append([])
+        recv_x = tr.dispatch(x, idx, w)[0]
+        compact_way = c > 1 and peer[c - 2] >= 20
+        assert (recv_x.untyped_storage().data_ptr() == win) == compact_way, (c, made)
+        assert gate.dispatches_posted == c, c  # posted once, by Python or C++
+        mine = gate._size_base[c & 1]
+        assert gate._slots[mine:mine + 2].tolist() == [c, T * min(W, K)], c
+        # as the peer: its size for dispatch c, then its stamp
+        gate._slots[mine + 3], gate._slots[mine + 2] = size, c
+    assert tr.compact_dispatches == sum(s >= 20 for s in peer[:-1])
+    # at most one C++ call with a choice per dispatch; once both ways are planned, a repeat of
+    # the way is one C++ call that chose (none in Python), a switch the other way's call next
+    assert all(sum(ch for _, ch in m) <= 1 for m in made), made
+    assert made[6] == made[7] == [("compact", True)] and made[9] == [("regular", True)], made
+    assert made[8] == [("compact", True), ("regular", False)], made
+    assert made[10] == [("regular", True), ("compact", False)], made
