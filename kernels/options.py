@@ -141,10 +141,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                "sources runs inside its reduce/gather kernel (one launch instead of two; that "
                "kernel's grid capped at SMs / ranks sharing the GPU); 0 = a one-program wait "
                "kernel first", choices=(0, 1)),
-        Option("gather_early", int, 1, "1 = a repeated regular dispatch launches its gather "
+        Option("gather_early", int, 2, "1 = a repeated regular dispatch launches its gather "
                "right after its header kernel, before the host reads the counts (the kernel "
-               "copies only counts that are clean and fit the outputs allocated ahead); 0 = "
-               "after the count read", choices=(0, 1)),
+               "copies only counts that are clean and fit the outputs allocated ahead); 2 = "
+               "the same, in the C++ dispatch as a kernel of the header's program (one launch "
+               "less); 0 = after the count read", choices=(0, 1, 2)),
         Option("graph_launch", int, 1, "1 = each bound kernel program (an op phase's kernels) "
                "goes to the GPU as one CUDA graph launch, its nodes' arguments set per call (one "
                "host submission instead of one per kernel); 0 = kernel by kernel",

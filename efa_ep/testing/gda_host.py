@@ -86,7 +86,7 @@ int efa_launch_dispatch(const prog_t *a, const prog_t *b, const prog_t *c, int64
   const int early = shape[10] != 0 && shape[5] > 0;
   int rc = efa_launch_run_gated(a, b, s, gate, w, r, rec, spin, flag, value, wait, sync, gns, e, l);
   if (rc) return rc;
-  if (early) bind(c);
+  if (early && c) bind(c);  /* (NULL: b holds the early gather) */
   int64_t rows = rows_received(flag - shape[9], shape);
   *rows_out = rows;
   if (rows <= 0 || rows > shape[5]) return 3;
@@ -194,7 +194,7 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
     ph._ahead, ph.cpp, ph.cpp_off = None, (cpp_op.load() if cpp else None), None
     ph._cpp_device = -2  # the C++ input check takes CPU tensors
     ph.layout_in_store = tr.layout_in_store = 1
-    tr.wait_in_reduce, tr.wait_programs, tr.gather_early = 0, 66, 1
+    tr.wait_in_reduce, tr.wait_programs, tr.gather_early = 0, 66, 2
     tr.rows_in_window, tr._fixed_regions = False, {}
     tr._rows_mode, tr.compact_dispatches, tr._choice = "0", 0, 0
     ph.wait_in_kernel, ph.read_programs, ph._read_step = False, tr.num_programs, 1

@@ -38,7 +38,7 @@ from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
 # The plan's constants, in the order of the P_* fields of efa_gda_op.cpp.
 PLAN_FIELDS = ("fn", "front", "header", "gather", "gate", "world", "rank", "spin_ns", "flag",
                "wait_ns", "shape", "rows", "words", "o_slot", "o_send", "o_rank", "o_out",
-               "o_offsets", "n_info", "num_local", "hidden", "topk", "tokens", "run")
+               "o_offsets", "n_info", "num_local", "hidden", "topk", "tokens", "run", "merged")
 # A combine plan's constants, in the order of the C_* fields of efa_gda_op.cpp.
 COMBINE_FIELDS = ("fn", "store", "reduce", "gate", "world", "rank", "spin_ns", "max_grid",
                   "fixed_rows")
@@ -192,6 +192,7 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
     flag = ph._host[0] + 8 * n_info
     if ahead.cpp is None:
         gather = gather_ahead.program(ph, ahead)
+        merged = gather_ahead.merged_program(ph, ahead) if ahead.shape[10] == 2 else None
         gate = tr._gate
         ahead.cpp = CppPlan(
             PLAN_FIELDS, fn=ctypes.cast(front._lib.efa_launch_dispatch, ctypes.c_void_p).value,
@@ -201,7 +202,8 @@ def dispatch(ph, x, topk_idx, topk_weights, plan, epoch: int, stream: int, devic
             rows=ahead.rows_addr, words=words, o_slot=o_slot, o_send=o_send, o_rank=o_rank,
             o_out=o_out, o_offsets=o_offsets, n_info=n_info, num_local=num_local,
             hidden=tr.cfg.hidden, topk=ahead.k, tokens=t,
-            run=ctypes.cast(front._lib["efa_launch_run"], ctypes.c_void_p).value)
+            run=ctypes.cast(front._lib["efa_launch_run"], ctypes.c_void_p).value,
+            merged=merged._addr if merged is not None else 0)
     res = ph.cpp.dispatch(x, topk_idx, topk_weights, ahead.cpp.address, epoch - tr._dev_base,
                           wait_record(epoch, "dispatch"), stream, device, 0)
     status = _began(tr, res, epoch)

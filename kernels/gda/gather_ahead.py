@@ -75,6 +75,55 @@ def program(ph, ahead: GatherAhead):
     return ahead.prog
 
 
+def header_kernel(ph, scratch, parity: int, op: dict, plan, host=None, board=None):
+    """Launches (``plan``: records) the header read of a dispatch of ``parity`` (``ph``: its
+    ``GdaPhases``; ``scratch``: the dispatch's, the header's output region at its end; ``op``:
+    ``GdaPhases._op``'s arguments; ``host``: the page-locked counts buffer; ``board``: the
+    count board of a compact dispatch). Returns what ``launches.recv_header`` returns."""
+    tr = ph.tr
+    w = tr.world_size
+    o_rank = kern._layout_offsets(0, tr.cfg.num_experts, w, 1)[3]
+    return kern.recv_header(tr._my_sig, tr._hdr[parity], tr._err, scratch[o_rank:o_rank + w],
+                            tr._hw[parity], num_local=tr.cfg.num_local_experts,
+                            t_max=tr.cfg.max_tokens_per_rank, **op, kind="dispatch",
+                            **tr._wait_kw, out=scratch[scratch.numel() - ph.header_words():],
+                            host=host, plan=plan, board=board)
+
+
+def merged_program(ph, ahead: GatherAhead):
+    """The header read and the early gather of ``ahead`` as one program (``gather_early=2``:
+    one launch less per dispatch; the C++ dispatch runs it when it allocates outputs ahead),
+    bound once per parity and row shape from placeholder tensors. Its variables, in order: the
+    header's two scratch regions (the source ranks' words, the output region), the gather's
+    offsets and three outputs, the op number, the gather's rows and grid. None when not bound
+    (the two programs run apart)."""
+    tr = ph.tr
+    dev, k, parity, w = tr.device, ahead.k, ahead.key[1], tr.world_size
+    key = ("header_gather",) + ahead.key[1:]
+    if key in ph._progs or ph._host is None:
+        return ph._progs.get(key)
+    o_rank = kern._layout_offsets(0, tr.cfg.num_experts, w, 1)[3]
+    scratch = torch.zeros(o_rank + w + ph.header_words(), dtype=torch.int64, device=dev)
+    offsets = torch.zeros(w + 2, dtype=torch.int64, device=dev)
+    outs = (torch.empty(1, tr.cfg.hidden, dtype=tr.cfg.dtype, device=dev),
+            torch.empty(1, k, dtype=torch.int64, device=dev),
+            torch.empty(1, k, dtype=torch.float32, device=dev))
+    offs, op = tr._offs[parity], ph._op(0)
+    header_steps = []
+    header_kernel(ph, scratch, parity, op, header_steps, ph._pinned)
+
+    def launch(plan):
+        header_kernel(ph, scratch, parity, op, plan, ph._pinned)
+        kern.gather_rows(tr._win_ptr, offsets, *outs, tr._my_sig, tr._err,
+                         data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"],
+                         t_max=tr.cfg.max_tokens_per_rank, **op, wait=False,
+                         num_programs=tr.num_programs, plan=plan, **tr._wait_kw, early=True)
+
+    regions = (scratch[o_rank:o_rank + w], scratch[o_rank + w:])
+    return ph._program(key, launch, regions + (offsets,) + outs, ("epoch_delta", "cap"),
+                       (len(header_steps),))
+
+
 def dispatch_gather(ph, front, values, header, values2, ahead: GatherAhead, offsets: int,
                     epoch: int, flag: int, stream: int):
     """Front, gate, header, count read and gather of a planned dispatch of ``ph`` (its

@@ -259,11 +259,7 @@ class GdaPhases:
         op = self._op(epoch)
 
         def launch(plan, host=None):
-            return kern.recv_header(tr._my_sig, tr._hdr[parity], tr._err,
-                                    scratch[o_rank:o_rank + w], tr._hw[parity],
-                                    num_local=num_local, t_max=tr.cfg.max_tokens_per_rank, **op,
-                                    kind="dispatch", **tr._wait_kw, out=scratch[o_out:],
-                                    host=host, plan=plan, board=board)
+            return gather_ahead.header_kernel(self, scratch, parity, op, plan, host, board)
 
         key = ("header" if board is None else "header_compact", parity)
         prog = self._progs.get(key)

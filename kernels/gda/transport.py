@@ -111,7 +111,7 @@ class GdaTransport(Transport):
         self.fast_launch = int(opts.get("fast_launch", 4))
         self.layout_in_store = int(opts.get("layout_in_store", 1))
         self.wait_in_reduce = int(opts.get("wait_in_reduce", 0))
-        self.gather_early = int(opts.get("gather_early", 1))
+        self.gather_early = int(opts.get("gather_early", 2))
         self.graph_launch = int(opts.get("graph_launch", 1))
         # a regular dispatch stores its rows compact and returns them as views (module compact):
         # always (1), never (0), or (auto) when the previous dispatch was large on some rank

@@ -43,7 +43,7 @@ typedef int (*DispatchFn)(const void *, const void *, const void *, int64_t, int
 enum {
     P_FN, P_FRONT, P_HEADER, P_GATHER, P_GATE, P_WORLD, P_RANK, P_SPIN_NS, P_FLAG, P_WAIT_NS,
     P_SHAPE, P_ROWS, P_WORDS, P_O_SLOT, P_O_SEND, P_O_RANK, P_O_OUT, P_O_OFFSETS, P_N_INFO,
-    P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_RUN, P_NUM_FIELDS
+    P_LOCAL, P_HIDDEN, P_TOPK, P_TOKENS, P_RUN, P_MERGED, P_NUM_FIELDS
 };
 
 // A compact dispatch plan's constants (kernels/gda/compact.py, COMPACT_FIELDS).
@@ -269,12 +269,21 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
                            reinterpret_cast<int64_t>(topk_weights.data_ptr()), sp, delta};
     std::memcpy(front->vars, fv, sizeof fv);
     const int64_t hv[3] = {sp + 8 * p[P_O_RANK], sp + 8 * p[P_O_OUT], delta};
-    std::memcpy(header->vars, hv, sizeof hv);
     const int64_t gv[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(out.x.data_ptr()),
                            reinterpret_cast<int64_t>(out.idx.data_ptr()),
                            reinterpret_cast<int64_t>(out.w.data_ptr()), cap,
                            cap < shape[6] ? cap : shape[6]};
-    std::memcpy(gather->vars, gv, sizeof gv);
+    // the header and the early gather as one program (gather_early=2): one launch less; its
+    // variables are the header's tensors, the gather's, then the op number, the rows, the grid
+    auto *merged = reinterpret_cast<Program *>(p[P_MERGED]);
+    const bool merge = merged != nullptr && cap > 0;
+    if (merge) {
+        const int64_t mv[9] = {hv[0], hv[1], gv[0], gv[1], gv[2], gv[3], delta, gv[4], gv[5]};
+        std::memcpy(merged->vars, mv, sizeof mv);
+    } else {
+        std::memcpy(header->vars, hv, sizeof hv);
+        std::memcpy(gather->vars, gv, sizeof gv);
+    }
     int64_t sync_ns = 0, gate_ns = 0;
     char err[512] = {0};
     auto fn = reinterpret_cast<DispatchFn>(p[P_FN]);
@@ -283,7 +292,8 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     stamp(1);
     {
         py::gil_scoped_release unlocked;  // the call waits for peers and the device
-        rc = fn(front, header, gather, stream, reinterpret_cast<int64_t *>(p[P_GATE]),
+        rc = fn(front, merge ? merged : header, merge ? nullptr : gather, stream,
+                reinterpret_cast<int64_t *>(p[P_GATE]),
                 static_cast<int>(w), static_cast<int>(p[P_RANK]), record, p[P_SPIN_NS],
                 reinterpret_cast<const int64_t *>(p[P_FLAG]), record, p[P_WAIT_NS], shape,
                 rows_out, &sync_ns, &gate_ns, err, sizeof err);

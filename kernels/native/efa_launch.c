@@ -314,7 +314,7 @@ int64_t efa_gda_rows_received(const int64_t *info, const int64_t *shape) {
  * and var_grid = min(rows, max_grid). shape = [world, hdr_len, L, t_max, top-k, cap, max_grid,
  * var_rows, var_grid, n_info, early]. With early (and cap > 0) third is the early gather,
  * launched as the caller bound it (var_rows = cap, var_grid = min(cap, max_grid)) right after
- * second, before the wait for flag: it reads the row count the header kernel left on the device
+ * second (third NULL: second holds it, after the header's kernel), before the wait for flag: it reads the row count the header kernel left on the device
  * and copies only when the counts were clean and fit, which this check then confirms (its
  * conditions include the kernel's). Returns 0 when the gather ran (*rows_out = rows); 3 when it
  * did not (counts not clean: *rows_out = -1; no rows or more than cap: *rows_out = rows), the
@@ -331,8 +331,10 @@ int efa_launch_dispatch(const efa_program_t *first, const efa_program_t *second,
         rc = efa_launch_run_gated(first, second, stream, gate, world, rank, record, spin_ns,
                                   NULL, 0, 0, sync_ns, gate_ns, err, errlen);
         if (rc) return rc;
-        rc = run(third, (void *)(uintptr_t)stream, err, errlen);
-        if (rc) return rc;
+        if (third) { /* (NULL: the early gather is a kernel of second, already launched) */
+            rc = run(third, (void *)(uintptr_t)stream, err, errlen);
+            if (rc) return rc;
+        }
         if (!efa_launch_wait_flag(flag, value, wait_ns, sync_ns)) {
             set_err(err, errlen, "the program's completion word was not written within %lld ns",
                     (long long)wait_ns);

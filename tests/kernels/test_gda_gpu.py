@@ -119,6 +119,9 @@ def _equal_to_torch(rank, world, cases, options=None):
         else:
             assert not any(p.graphed for p in progs.values()), \
                 [key for key, p in progs.items() if p.graphed]
+        if (options or {}).get("gather_early") == 2:  # the header and gather ran as one graph
+            assert any(key[0] == "header_gather" and p.graphed for key, p in progs.items()), \
+                list(progs)
     if counting:
         assert planned[0] > 0, "no compact dispatch went to its C++ call"
     dist.barrier()
@@ -157,8 +160,9 @@ REPEATED = [("random", 128, 7168, 8), ("hot_experts", 128, 7168, 8), ("random", 
 
 
 @pytest.mark.parametrize("options", [{"fast_launch": 3}, {"fast_launch": 4},
-                                     {"fast_launch": 4, "graph_launch": 0}],
-                         ids=["fast3", "fast4", "fast4-no-graphs"])
+                                     {"fast_launch": 4, "graph_launch": 0},
+                                     {"fast_launch": 4, "gather_early": 2}],
+                         ids=["fast3", "fast4", "fast4-no-graphs", "fast4-header-gather"])
 def test_gda_repeated_shapes_bit_identical_to_torch(options):
     counts = run_ranks(_equal_to_torch, 2, (REPEATED, options),
                        timeout_s=240, pg_timeout_s=200, env=ENV)

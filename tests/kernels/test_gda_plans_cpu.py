@@ -700,3 +700,36 @@ def test_auto_way_chosen_once_per_dispatch_in_the_cpp_call_or_python(tmp_path, m
     assert made[6] == made[7] == [("compact", True)] and made[9] == [("regular", True)], made
     assert made[8] == [("compact", True), ("regular", False)], made
     assert made[10] == [("regular", True), ("compact", False)], made
+
+
+def test_gather_early_2_runs_header_and_gather_as_one_program(tmp_path, monkeypatch):
+    """``gather_early=2`` with the C++ dispatch: once a shape's outputs are allocated ahead, the
+    header read and the early gather run as one bound program (one launch), its variables the
+    header's (the call's scratch regions, the op number) and the gather's (the offsets, the
+    outputs, the rows they hold, the grid) in its order; the gather's own program is not
+    launched, and the results are those of the two programs (gather_early=1)."""
+    tr = _transport(tmp_path, monkeypatch, cpp=True)
+    tr.gather_early = 2
+    _, x, idx, w = _inputs(6)
+    n = T + 5
+    cap = n + n // 8
+    _, _, o_rank, o_slot, _, _, words = kern._layout_offsets(T, E, W, K)[1:]
+    for call in range(8):
+        parity = (tr._epoch + 1) % 2
+        merged = tr._phases._progs.get(("header_gather", parity, K, H, torch.bfloat16))
+        gather = _next_gather_prog(tr, True)
+        if merged is not None:
+            merged._vars[7] = -7  # the call must write the rows itself
+            gather._vars[4] = -7
+        recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
+        assert recv_x.shape == (n, H) and recv_idx.shape == recv_w.shape == (n, K), call
+        assert h.num_recv_per_rank == (T, 5) and tpe.tolist() == [2] * L
+        if call >= 4:
+            base = h.state.slot_TW.data_ptr() - 8 * o_slot  # the call's scratch
+            assert _vars(merged) == [base + 8 * o_rank, base + 8 * words,
+                                     h.state.recv_offsets.data_ptr(), recv_x.data_ptr(),
+                                     recv_idx.data_ptr(), recv_w.data_ptr(), tr._epoch, cap,
+                                     min(cap, tr.num_programs)], call
+            assert gather._vars[4] == -7, call  # the gather's own program was not launched
+            assert recv_x.untyped_storage().nbytes() >= cap * H * 2 > n * H * 2
+    assert merged is not None
