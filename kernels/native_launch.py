@@ -54,7 +54,7 @@ _NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 #: what both share (hashed with them, so an edit of any rebuilds)
 SOURCES = tuple(os.path.join(_NATIVE_DIR, f) for f in ("efa_launch.c", "efa_launch_graph.c"))
 HEADERS = tuple(os.path.join(_NATIVE_DIR, f) for f in ("efa_launch.h", "efa_util.h"))
-ABI_VERSION = 8
+ABI_VERSION = 9
 MAX_PARAMS = 40     # EFA_LAUNCH_MAX_PARAMS
 _HEAD = 8           # int64 fields before params[] in efa_launch_t
 _F_FUNCTION, _F_GRID_X, _F_GRID_Y, _F_GRID_Z, _F_BLOCK, _F_SHARED, _F_NPARAMS = range(7)

@@ -42,7 +42,7 @@ from .phases import MAX_PROGRAMS, _aligned, _stream
 COMPACT_FIELDS = ("fn", "counts", "rows", "header", "gate", "gate_fn", "run", "world", "rank",
                   "spin_ns", "flag", "wait_ns", "shape", "rows_out", "words", "o_slot", "o_send",
                   "o_rank", "o_out", "o_offsets", "n_info", "num_local", "hidden", "topk",
-                  "tokens", "data_off", "idx_off", "w_off")
+                  "tokens", "data_off", "idx_off", "w_off", "copy")
 _NOT_PLANNED, _COUNTS_GATE_LATE = 100, 101  # (efa_gda_op.cpp's statuses)
 
 
@@ -180,7 +180,8 @@ def _record_plan(tr, parity: int, shape, prog_c, prog_r) -> None:
         shape=ctypes.addressof(block), rows_out=ctypes.addressof(rows_out), words=words,
         o_slot=o_slot, o_send=o_send, o_rank=o_rank, o_out=o_out, o_offsets=o_offsets,
         n_info=n_info, num_local=num_local, hidden=tr.cfg.hidden, topk=k, tokens=t,
-        data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"])
+        data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"],
+        copy=ctypes.cast(lib.efa_launch_copy, ctypes.c_void_p).value)
     ph._plans[key] = (plan, block, rows_out, prog_c, prog_r, header)
 
 

@@ -35,6 +35,8 @@ typedef int (*GatedFn)(const void *, const void *, int64_t, int64_t *, int, int,
 
 typedef int (*RunFn)(const void *, int64_t, char *, size_t);
 
+typedef int (*CopyFn)(int64_t, int64_t, int64_t, int64_t, char *, size_t);
+
 typedef int (*DispatchFn)(const void *, const void *, const void *, int64_t, int64_t *, int, int,
                           int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
                           int64_t *, int64_t *, int64_t *, char *, size_t);
@@ -51,7 +53,7 @@ enum {
     K_FN, K_COUNTS, K_ROWS, K_HEADER, K_GATE, K_GATE_FN, K_RUN, K_WORLD, K_RANK, K_SPIN_NS,
     K_FLAG, K_WAIT_NS, K_SHAPE, K_ROWS_OUT, K_WORDS, K_O_SLOT, K_O_SEND, K_O_RANK, K_O_OUT,
     K_O_OFFSETS, K_N_INFO, K_LOCAL, K_HIDDEN, K_TOPK, K_TOKENS, K_DATA_OFF, K_IDX_OFF, K_W_OFF,
-    K_NUM_FIELDS
+    K_COPY, K_NUM_FIELDS
 };
 
 typedef int (*GateFn)(int64_t *, int, int, int64_t, int64_t, int64_t *);
@@ -397,7 +399,14 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     if (rc != 3 || n < 0) return py::make_tuple(rc == 3 ? 3 : rc, sync_ns, gate_ns, scratch);
     const int64_t n_info = p[K_N_INFO], hidden = p[K_HIDDEN];
     auto rx = carve(window, x.scalar_type(), {n, hidden}, {hidden, 1}, p[K_DATA_OFF]);
-    auto ri = carve(window, at::kLong, {n, k}, {k, 1}, p[K_IDX_OFF]).clone();
+    // the ids copied out (the handle keeps them) by the driver: a tensor copy costs more host
+    auto ri = at::empty({n, k}, topk_idx.options());
+    if (n > 0) {
+        const int64_t src = reinterpret_cast<int64_t>(window.data_ptr()) + p[K_IDX_OFF];
+        rc = reinterpret_cast<CopyFn>(p[K_COPY])(reinterpret_cast<int64_t>(ri.data_ptr()), src,
+                                                 8 * n * k, stream, err, sizeof err);
+        if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+    }
     auto rw = carve(window, at::kFloat, {n, k}, {k, 1}, p[K_W_OFF]);
     return clean_result(0, sync_ns, gate_ns, scratch, rx, ri, rw,
                         reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info, n_info, w,

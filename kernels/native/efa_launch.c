@@ -63,10 +63,12 @@ int efa_launch_init(char *err, size_t errlen) {
     cu.launch = (cu_launch_t)dlsym(h, "cuLaunchKernel");
     cu.param_info = (cu_param_info_t)dlsym(h, "cuFuncGetParamInfo");
     cu.memset = (cu_memset_t)dlsym(h, "cuMemsetD8Async");
+    cu.copy = (cu_copy_t)dlsym(h, "cuMemcpyDtoDAsync_v2");
     cu.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
     cu.event_record = (cu_event_record_t)dlsym(h, "cuEventRecord");
     cu.event_sync = (cu_event_sync_t)dlsym(h, "cuEventSynchronize");
-    if (!cu.launch || !cu.param_info || !cu.memset || !cu.event_record || !cu.event_sync) {
+    if (!cu.launch || !cu.param_info || !cu.memset || !cu.copy || !cu.event_record ||
+        !cu.event_sync) {
         snprintf(cu.why, sizeof cu.why,
                  "the NVIDIA driver lacks %s (CUDA 12.4 or newer driver needed)",
                  !cu.param_info ? "cuFuncGetParamInfo" : "a launch entry point");
@@ -161,6 +163,20 @@ static int run(const efa_program_t *p, void *stream, char *err, size_t errlen) {
 int efa_launch_run(const efa_program_t *prog, int64_t stream, char *err, size_t errlen) {
     if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
     return run(prog, (void *)(uintptr_t)stream, err, errlen);
+}
+
+/* Copies `bytes` of device memory from src to dst on stream (the copy engine; no tensor
+ * machinery: a dispatch's C++ call copies its received ids this way). 0 or -EIO. */
+int efa_launch_copy(int64_t dst, int64_t src, int64_t bytes, int64_t stream, char *err,
+                    size_t errlen) {
+    if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    int rc = cu.copy((uint64_t)dst, (uint64_t)src, (size_t)bytes, (void *)(uintptr_t)stream);
+    if (rc) {
+        set_err(err, errlen, "cuMemcpyDtoDAsync (%lld bytes) failed: %s", (long long)bytes,
+                cu_name(rc));
+        return -EIO;
+    }
+    return 0;
 }
 
 /* Records event (a CUevent, e.g. torch.cuda.Event.cuda_event) on stream. 0 or -EIO. */

@@ -13,7 +13,7 @@
 
 #include "efa_util.h" /* now_ns, set_err */
 
-#define EFA_LAUNCH_ABI 8
+#define EFA_LAUNCH_ABI 9
 #define EFA_LAUNCH_MAX_PARAMS 40
 
 /* One kernel launch (function != 0) or memset (function == 0: values[0] = device address,
@@ -36,6 +36,7 @@ typedef int (*cu_launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsig
                            unsigned, void *, void **, void **);
 typedef int (*cu_param_info_t)(void *, size_t, size_t *, size_t *);
 typedef int (*cu_memset_t)(uint64_t, unsigned char, size_t, void *);
+typedef int (*cu_copy_t)(uint64_t, uint64_t, size_t, void *);
 typedef int (*cu_errstr_t)(int, const char **);
 typedef int (*cu_event_record_t)(void *, void *);
 typedef int (*cu_event_sync_t)(void *);
@@ -76,6 +77,7 @@ typedef struct {
     cu_launch_t launch;
     cu_param_info_t param_info;
     cu_memset_t memset;
+    cu_copy_t copy; /* cuMemcpyDtoDAsync_v2 (efa_launch_copy) */
     cu_errstr_t errstr;
     cu_event_record_t event_record;
     cu_event_sync_t event_sync;

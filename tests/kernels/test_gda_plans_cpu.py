@@ -611,8 +611,11 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     n = T + 5
     words, _, _, o_rank, _, o_out, _, _ = compact._scratch_layout(tr, T, K)
     shape = (T, K, x.dtype, x.stride(0), H)
+    ids = tr._buf[tr._offs[0]["idx_off"]:].view(torch.int64)[:n * K].view(n, K)
     for call in range(2):  # ops 1, 2 then 3, 4: the rows op on parity 0 both times
+        ids.copy_(torch.arange(n * K).view(n, K) + 1000 * call)  # what the sources stored
         recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
+        assert torch.equal(recv_idx, ids), call  # a copy of the window's ids
         counts, rows, header = (_vars(ph._progs[key]) for key in (
             ("compact_counts", 1) + shape, ("compact_rows", 0) + shape, ("header_compact", 0)))
         sp = h.state.slot_TW.untyped_storage().data_ptr()  # the dispatch's scratch
