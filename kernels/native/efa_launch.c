@@ -67,8 +67,7 @@ int efa_launch_init(char *err, size_t errlen) {
     cu.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
     cu.event_record = (cu_event_record_t)dlsym(h, "cuEventRecord");
     cu.event_sync = (cu_event_sync_t)dlsym(h, "cuEventSynchronize");
-    if (!cu.launch || !cu.param_info || !cu.memset || !cu.copy || !cu.event_record ||
-        !cu.event_sync) {
+    if (!cu.launch || !cu.param_info || !cu.memset || !cu.event_record || !cu.event_sync) {
         snprintf(cu.why, sizeof cu.why,
                  "the NVIDIA driver lacks %s (CUDA 12.4 or newer driver needed)",
                  !cu.param_info ? "cuFuncGetParamInfo" : "a launch entry point");
@@ -170,6 +169,10 @@ int efa_launch_run(const efa_program_t *prog, int64_t stream, char *err, size_t 
 int efa_launch_copy(int64_t dst, int64_t src, int64_t bytes, int64_t stream, char *err,
                     size_t errlen) {
     if (cu.state != 1 && efa_launch_init(err, errlen)) return -ENOSYS;
+    if (!cu.copy) {
+        set_err(err, errlen, "the NVIDIA driver lacks cuMemcpyDtoDAsync_v2");
+        return -ENOSYS;
+    }
     int rc = cu.copy((uint64_t)dst, (uint64_t)src, (size_t)bytes, (void *)(uintptr_t)stream);
     if (rc) {
         set_err(err, errlen, "cuMemcpyDtoDAsync (%lld bytes) failed: %s", (long long)bytes,
