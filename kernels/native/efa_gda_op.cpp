@@ -192,26 +192,47 @@ struct Outputs {
     at::Tensor x, idx, w;
 };
 
-static Outputs carve_outputs(const at::Tensor &buf, int64_t at, int64_t rows, int64_t hidden,
-                             int64_t k, at::ScalarType x_type, int64_t elem) {
-    Outputs o;
-    o.x = carve(buf, x_type, {rows, hidden}, {hidden, 1}, at);
-    at += up256(rows * hidden * elem);
-    o.idx = carve(buf, at::kLong, {rows, k}, {k, 1}, at);
-    at += up256(rows * k * 8);
-    o.w = carve(buf, at::kFloat, {rows, k}, {k, 1}, at);
-    return o;
+// The addresses of the outputs [rows, H] in x's dtype, [rows, K] int64, [rows, K] float32 laid
+// out from byte `at` of `buf` on (256-byte aligned each: the gather's kernel was bound for 16-byte
+// aligned outputs), for the kernels' variables before any view of them is made.
+struct OutputAddrs {
+    int64_t at_x, at_idx, at_w;  // byte offsets in buf
+    int64_t x, idx, w;           // addresses
+};
+
+static OutputAddrs output_addrs(const at::Tensor &buf, int64_t at, int64_t rows, int64_t hidden,
+                                int64_t k, int64_t elem) {
+    OutputAddrs a;
+    a.at_x = at;
+    a.at_idx = a.at_x + up256(rows * hidden * elem);
+    a.at_w = a.at_idx + up256(rows * k * 8);
+    const int64_t base = reinterpret_cast<int64_t>(buf.data_ptr());
+    a.x = base + a.at_x;
+    a.idx = base + a.at_idx;
+    a.w = base + a.at_w;
+    return a;
+}
+
+// The outputs' views of their first n rows, laid out by output_addrs in buf.
+static Outputs carve_outputs(const at::Tensor &buf, const OutputAddrs &a, int64_t n,
+                             int64_t hidden, int64_t k, at::ScalarType x_type) {
+    return Outputs{carve(buf, x_type, {n, hidden}, {hidden, 1}, a.at_x),
+                   carve(buf, at::kLong, {n, k}, {k, 1}, a.at_idx),
+                   carve(buf, at::kFloat, {n, k}, {k, 1}, a.at_w)};
 }
 
 // The result of a dispatch whose counts were read clean (see dispatch): the row counts from the
 // header's `info` (n_info int64 before the completion word: tokens_per_expert is its last
 // num_local, the rows received per source and sent per destination are read there), the
-// received rows rx / ri / rw, and the handle's layout carved from `scratch` (slot [t, w] at word
-// o_slot, offsets [w + 1] at o_offsets, send_token_idx [rows sent] at o_send).
-static py::tuple clean_result(int rc, int64_t sync_ns, int64_t gate_ns, const at::Tensor &scratch,
-                              const at::Tensor &rx, const at::Tensor &ri, const at::Tensor &rw,
-                              const int64_t *info, int64_t n_info, int64_t w, int64_t num_local,
-                              int64_t t, int64_t o_slot, int64_t o_offsets, int64_t o_send) {
+// received rows rx / ri / rw, and the handle's layout carved from the scratch, which starts at
+// byte 0 of `base` (slot [t, w] at word o_slot, offsets [w + 1] at o_offsets, send_token_idx
+// [rows sent] at o_send). `scratch` goes in the result as it is (None where no caller reads it:
+// one Python object less per call).
+static py::tuple clean_result(int rc, int64_t sync_ns, int64_t gate_ns, const at::Tensor &base,
+                              const py::object &scratch, const at::Tensor &rx,
+                              const at::Tensor &ri, const at::Tensor &rw, const int64_t *info,
+                              int64_t n_info, int64_t w, int64_t num_local, int64_t t,
+                              int64_t o_slot, int64_t o_offsets, int64_t o_send) {
     auto tokens_per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(tokens_per_expert.data_ptr(), info + n_info - num_local, 8 * num_local);
     const int64_t end = 1 + w * (2 + num_local);
@@ -222,9 +243,9 @@ static py::tuple clean_result(int rc, int64_t sync_ns, int64_t gate_ns, const at
         num_send[s] = py::int_(info[end + s]);
         sent += info[end + s];
     }
-    auto slot = carve(scratch, at::kLong, {t, w}, {w, 1}, 8 * o_slot);
-    auto offsets = carve(scratch, at::kLong, {w + 1}, {1}, 8 * o_offsets);
-    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * o_send);
+    auto slot = carve(base, at::kLong, {t, w}, {w, 1}, 8 * o_slot);
+    auto offsets = carve(base, at::kLong, {w + 1}, {1}, 8 * o_offsets);
+    auto send_idx = carve(base, at::kLong, {sent}, {1}, 8 * o_send);
     stamp(3);
     return py::make_tuple(rc, sync_ns, gate_ns, scratch, rx, ri, rw, slot, offsets, send_idx,
                           tokens_per_expert, num_send, num_recv);
@@ -236,7 +257,8 @@ static py::tuple clean_result(int rc, int64_t sync_ns, int64_t gate_ns, const at
 // (outputs larger than the caller allocates ahead) gets them allocated here after the call read
 // clean counts (at most world x t_max rows: the peers' counts are bounded there), then its gather
 // launched (p[P_RUN], efa_launch_run).
-// Returns (status, sync_ns, gate_ns, scratch, then when status is 0: recv_x, recv_topk_idx,
+// Returns (status, sync_ns, gate_ns, scratch (None when status is 0 and `device` is not -1: the
+// transport's planned calls read the views), then when status is 0: recv_x, recv_topk_idx,
 // recv_topk_weights [rows, ...] (views of the outputs), slot [T, W],
 // offsets [W + 1], send_token_idx [S] (views of scratch), tokens_per_expert [L] int64 CPU,
 // rows sent per destination, rows received per source; when negative: the library's error
@@ -254,15 +276,18 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     const int64_t w = p[P_WORLD], cap = shape[5], k = p[P_TOPK], t = p[P_TOKENS];
     if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
         return py::make_tuple(NOT_PLANNED);
-    // one allocation: the scratch (layout, counts: the handle's), then the outputs ahead
-    const int64_t elem = x.element_size(), hidden = p[P_HIDDEN];
-    const int64_t scratch_bytes = up256(8 * p[P_WORDS]);
+    // one allocation: the scratch (layout, counts: the handle's), then the outputs ahead; the
+    // tensors over it are made once the rows are known (each is a Python object to make and
+    // free per call)
+    const int64_t elem = x.element_size(), hidden = p[P_HIDDEN], words = p[P_WORDS];
+    const int64_t scratch_bytes = up256(8 * words);
     auto buf = at::empty({scratch_bytes + outputs_bytes(cap, hidden, k, elem)},
                          x.options().dtype(at::kByte));
-    auto scratch = carve(buf, at::kLong, {p[P_WORDS]}, {1}, 0);
     const bool after = cap == 0;  // the outputs once the counts are read
-    Outputs out = carve_outputs(buf, scratch_bytes, cap, hidden, k, x.scalar_type(), elem);
-    const int64_t sp = reinterpret_cast<int64_t>(scratch.data_ptr());
+    const OutputAddrs oa = output_addrs(buf, scratch_bytes, cap, hidden, k, elem);
+    const int64_t sp = reinterpret_cast<int64_t>(buf.data_ptr());
+    // the scratch as a tensor, for the results that hand it to the caller
+    auto scratch = [&]() { return carve(buf, at::kLong, {words}, {1}, 0); };
     auto *front = reinterpret_cast<Program *>(p[P_FRONT]);
     auto *header = reinterpret_cast<Program *>(p[P_HEADER]);
     auto *gather = reinterpret_cast<Program *>(p[P_GATHER]);
@@ -271,9 +296,7 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
                            reinterpret_cast<int64_t>(topk_weights.data_ptr()), sp, delta};
     std::memcpy(front->vars, fv, sizeof fv);
     const int64_t hv[3] = {sp + 8 * p[P_O_RANK], sp + 8 * p[P_O_OUT], delta};
-    const int64_t gv[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(out.x.data_ptr()),
-                           reinterpret_cast<int64_t>(out.idx.data_ptr()),
-                           reinterpret_cast<int64_t>(out.w.data_ptr()), cap,
+    const int64_t gv[6] = {sp + 8 * p[P_O_OFFSETS], oa.x, oa.idx, oa.w, cap,
                            cap < shape[6] ? cap : shape[6]};
     // the header and the early gather as one program (gather_early=2): one launch less; its
     // variables are the header's tensors, the gather's, then the op number, the rows, the grid
@@ -302,27 +325,30 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx, const at::Te
     }
     stamp(2);
     waits(sync_ns, gate_ns);
-    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
-    if (after && rc == 3 && *rows_out > 0) {  // clean counts, rows > 0: gather them now
-        const int64_t rows = *rows_out;
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch(), std::string(err));
+    const int64_t n = *rows_out;
+    Outputs out;
+    if (after && rc == 3 && n > 0) {  // clean counts, rows > 0: gather them now
         // (outputs of their own: large, and each may be freed without the others)
-        out = Outputs{at::empty({rows, hidden}, x.options()),
-                      at::empty({rows, k}, topk_idx.options()),
-                      at::empty({rows, k}, topk_weights.options())};
+        out = Outputs{at::empty({n, hidden}, x.options()),
+                      at::empty({n, k}, topk_idx.options()),
+                      at::empty({n, k}, topk_weights.options())};
         const int64_t av[6] = {sp + 8 * p[P_O_OFFSETS], reinterpret_cast<int64_t>(out.x.data_ptr()),
                                reinterpret_cast<int64_t>(out.idx.data_ptr()),
-                               reinterpret_cast<int64_t>(out.w.data_ptr()), rows,
-                               rows < shape[6] ? rows : shape[6]};
+                               reinterpret_cast<int64_t>(out.w.data_ptr()), n,
+                               n < shape[6] ? n : shape[6]};
         std::memcpy(gather->vars, av, sizeof av);
         rc = reinterpret_cast<RunFn>(p[P_RUN])(gather, stream, err, sizeof err);
-        if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+        if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch(), std::string(err));
+    } else if (rc == 0) {
+        out = carve_outputs(buf, oa, n, hidden, k, x.scalar_type());
     }
-    if (rc != 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch);
-    const int64_t n = *rows_out, n_info = p[P_N_INFO];
-    auto rx = n == cap ? out.x : carve(out.x, x.scalar_type(), {n, hidden}, {hidden, 1}, 0);
-    auto ri = n == cap ? out.idx : carve(out.idx, at::kLong, {n, k}, {k, 1}, 0);
-    auto rw = n == cap ? out.w : carve(out.w, at::kFloat, {n, k}, {k, 1}, 0);
-    return clean_result(rc, sync_ns, gate_ns, scratch, rx, ri, rw,
+    if (rc != 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch());
+    const int64_t n_info = p[P_N_INFO];
+    // (the planned calls from the transport's methods, device != -1, read no scratch here)
+    return clean_result(rc, sync_ns, gate_ns, buf, device == -1 ? py::object(py::cast(scratch()))
+                                                               : py::object(py::none()),
+                        out.x, out.idx, out.w,
                         reinterpret_cast<const int64_t *>(p[P_FLAG]) - n_info, n_info, w,
                         p[P_LOCAL], t, p[P_O_SLOT], p[P_O_OFFSETS], p[P_O_SEND]);
 }
@@ -335,7 +361,7 @@ constexpr int COUNTS_GATE_LATE = 101;
 // scratch allocated, the counts op's program run (layout, counts published), its launch gate,
 // then the rows op's program (count wait, compact stores), gate and header with the count read
 // (efa_launch_dispatch with capacity 0: the check of the counts, no gather). Clean counts:
-// (0, sync_ns, gate_ns, scratch, recv_x [N, H] and recv_topk_weights [N, K] as views of
+// (0, sync_ns, gate_ns, None, recv_x [N, H] and recv_topk_weights [N, K] as views of
 // `window` (this rank's window, uint8) at the plan's row offsets, recv_topk_idx [N, K] a copy,
 // slot, offsets, send_token_idx, tokens_per_expert, rows sent, rows received) as dispatch
 // returns. (COUNTS_GATE_LATE, gate_ns, scratch): a peer late at the counts gate. Otherwise
@@ -408,7 +434,7 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
         if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
     }
     auto rw = carve(window, at::kFloat, {n, k}, {k, 1}, p[K_W_OFF]);
-    return clean_result(0, sync_ns, gate_ns, scratch, rx, ri, rw,
+    return clean_result(0, sync_ns, gate_ns, scratch, py::none(), rx, ri, rw,
                         reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info, n_info, w,
                         p[K_LOCAL], t, p[K_O_SLOT], p[K_O_OFFSETS], p[K_O_SEND]);
 }
