@@ -3,9 +3,10 @@
 A transport's planned ops call one C++ function per op instead of a dozen Python steps
 (``kernels/gda/cpp_op.py``, ``kernels/proxy/cpp_op.py``). Each source is built with torch's
 extension builder the first time it is loaded in an install (it needs a C++ compiler and
-``ninja``: ``pip install ninja``) into the package's cache folder, named by its content's hash,
-so a changed source builds again. Where it cannot be built, :func:`load` raises a RuntimeError
-saying why, the same text on every later call (the callers run their Python path instead).
+``ninja``: ``pip install ninja``) into the package's cache folder, named by the hash of its
+content and of the native headers it may include, so a changed source or header builds again.
+Where it cannot be built, :func:`load` raises a RuntimeError saying why, the same text on every
+later call (the callers run their Python path instead).
 """
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 _lock = threading.Lock()
 _mods: Dict[str, object] = {}
 _why: Dict[str, str] = {}
+
+
+def _digest(path: str) -> str:
+    """The build's name: the hash of the source and of every header next to it (a source
+    includes the native library's headers, whose structs it reads: a changed header must build
+    again too)."""
+    h = hashlib.sha256()
+    headers = sorted(f for f in os.listdir(NATIVE) if f.endswith(".h"))
+    for p in [path] + [os.path.join(NATIVE, f) for f in headers]:
+        with open(p, "rb") as f:
+            h.update(os.path.basename(p).encode() + b"\0" + f.read())
+    return h.hexdigest()[:12]
 
 
 def load(source: str, what: str, constants: Dict[str, int]):
@@ -40,8 +53,7 @@ def load(source: str, what: str, constants: Dict[str, int]):
             from .proxy.native import cache_dir
 
             cpp.verify_ninja_availability()
-            with open(path, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()[:12]
+            digest = _digest(path)
             name = f"{os.path.splitext(source)[0]}_{digest}"
             build = os.path.join(cache_dir(), name)
             os.makedirs(build, exist_ok=True)
