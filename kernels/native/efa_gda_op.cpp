@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "efa_tensor_views.h"
+
 namespace {
 
 // efa_program_t of efa_launch.h: only its variables are written here
@@ -165,21 +167,8 @@ static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Ten
            w.is_contiguous() && on(w, device);
 }
 
-// A tensor of `dtype` (sizes, strides) over the bytes of `buf`'s storage from `byte_off` on, made
-// as one TensorImpl: no allocation and no dispatcher call, which several at::empty and views cost
-// per call. The tensors carved out of one allocation keep all of it alive; a dispatch's are used
-// together (its outputs, its handle's layout). `byte_off` is a multiple of dtype's size.
-static at::Tensor carve(const at::Tensor &buf, at::ScalarType dtype, at::IntArrayRef sizes,
-                        at::IntArrayRef strides, int64_t byte_off) {
-    auto impl = c10::make_intrusive<c10::TensorImpl>(
-        c10::Storage(buf.storage()), buf.key_set(), caffe2::TypeMeta::fromScalarType(dtype));
-    impl->set_sizes_and_strides(sizes, strides,
-                                (buf.storage_offset() * buf.element_size() + byte_off) /
-                                    static_cast<int64_t>(c10::elementSize(dtype)));
-    return at::Tensor(std::move(impl));
-}
-
-static int64_t up256(int64_t n) { return (n + 255) & ~int64_t(255); }
+using efa_views::carve;
+using efa_views::up256;
 
 // The dispatch's outputs [rows, H] in x's dtype, [rows, K] int64, [rows, K] float32 carved from
 // `buf` at `at` bytes on (256-byte aligned each: the gather's kernel was bound for 16-byte

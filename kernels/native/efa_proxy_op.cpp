@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "efa_tensor_views.h"
+
 extern "C" {
 #include "efa_launch.h"
 #include "efa_proxy.h"
@@ -152,9 +154,15 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx,
         num_recv[r] = py::int_(o->num_recv[r]);
         num_send[r] = py::int_(o->num_send[r]);
     }
+    // the received ids and weights carved out of one allocation (small; the handle keeps the
+    // ids); the rows get their own, which the caller may free while the handle lives
+    using efa_views::carve;
+    using efa_views::up256;
     auto recv_x = at::empty({n, p[D_HIDDEN]}, x.options());
-    auto recv_idx = at::empty({n, k}, on_device(at::kLong, device));
-    auto recv_w = at::empty({n, k}, on_device(at::kFloat, device));
+    const int64_t idx_bytes = up256(n * k * 8);
+    auto routing = at::empty({idx_bytes + n * k * 4}, x.options().dtype(at::kByte));
+    auto recv_idx = carve(routing, at::kLong, {n, k}, {k, 1}, 0);
+    auto recv_w = carve(routing, at::kFloat, {n, k}, {k, 1}, idx_bytes);
     const int64_t rv[9] = {xp, sp + 8 * p[D_O_SEND], i64(recv_x.data_ptr()),
                            i64(recv_idx.data_ptr()), i64(recv_w.data_ptr()), d->own_start, n,
                            tag(d, o->seq), reads_grid(n, p[D_PROGRAMS], p[D_WATCHER])};
@@ -164,7 +172,7 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx,
         rc = reinterpret_cast<DevopFn>(p[D_FINISH])(o, d, err, errlen);
     }
     if (rc) return py::make_tuple(0, step, round, rc, py::none());
-    auto send_idx = scratch.narrow(0, p[D_O_SEND], sent);
+    auto send_idx = carve(scratch, at::kLong, {sent}, {1}, 8 * p[D_O_SEND]);
     return py::make_tuple(0, step, round, 0,
                           py::make_tuple(recv_x, recv_idx, recv_w, tpe, send_idx, num_send,
                                          num_recv));
