@@ -34,7 +34,9 @@ import torch
 from ..base import STATUS_BAD_INPUT
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
 from . import cpp_op
-from .cpp_op import OTHER_WAY, OTHER_WAY_STATUS, CppPlan, planned_result
+from .cpp_op import (
+    COUNTS_GATE_LATE, NOT_PLANNED, OTHER_WAY, OTHER_WAY_STATUS, CppPlan, planned_result,
+)
 from .gate import GATE_SPIN_NS, wait_record
 from .phases import MAX_PROGRAMS, _aligned, _stream
 
@@ -42,8 +44,7 @@ from .phases import MAX_PROGRAMS, _aligned, _stream
 COMPACT_FIELDS = ("fn", "counts", "rows", "header", "gate", "gate_fn", "run", "world", "rank",
                   "spin_ns", "flag", "wait_ns", "shape", "rows_out", "words", "o_slot", "o_send",
                   "o_rank", "o_out", "o_offsets", "n_info", "num_local", "hidden", "topk",
-                  "tokens", "data_off", "idx_off", "w_off", "copy")
-_NOT_PLANNED, _COUNTS_GATE_LATE = 100, 101  # (efa_gda_op.cpp's statuses)
+                  "tokens", "data_off", "idx_off", "w_off", "copy", "ids_rows")
 
 
 def _scratch_layout(tr, t: int, k: int):
@@ -181,7 +182,8 @@ def _record_plan(tr, parity: int, shape, prog_c, prog_r) -> None:
         o_slot=o_slot, o_send=o_send, o_rank=o_rank, o_out=o_out, o_offsets=o_offsets,
         n_info=n_info, num_local=num_local, hidden=tr.cfg.hidden, topk=k, tokens=t,
         data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"],
-        copy=ctypes.cast(lib.efa_launch_copy, ctypes.c_void_p).value)
+        copy=ctypes.cast(lib.efa_launch_copy, ctypes.c_void_p).value,
+        ids_rows=0)  # (the C++ call sizes the room for the received ids from then on)
     ph._plans[key] = (plan, block, rows_out, prog_c, prog_r, header)
 
 
@@ -211,12 +213,12 @@ def dispatch_planned(tr, x, topk_idx, topk_weights, choice: int = 0):
                                   wait_record(epoch, "dispatch"), _stream(ph._dev),
                                   ph._cpp_device, choice)
     status = res[0]
-    if status == _NOT_PLANNED:
+    if status == NOT_PLANNED:
         return None
     if status == OTHER_WAY_STATUS:
         return OTHER_WAY
     tr._epoch = epoch_c
-    if status == _COUNTS_GATE_LATE:  # the counts are out: wait for the peers', then go on
+    if status == COUNTS_GATE_LATE:  # the counts are out: wait for the peers', then go on
         tr.blocked_s += res[1] * 1e-9
         tr._await_peers(epoch_c, "dispatch counts")
         tr._begin_op("dispatch")  # (the rows op's number, epoch)

@@ -59,6 +59,9 @@ NOT_PLANNED = 100
 # (nothing ran, the size posted); the planned calls then return OTHER_WAY
 OTHER_WAY_STATUS = 102
 OTHER_WAY = object()
+# its status of a compact dispatch whose counts op ran but whose peers were late at its launch
+# gate (the caller waits for them, then runs the rows op)
+COUNTS_GATE_LATE = 101
 
 
 def load():
@@ -67,7 +70,8 @@ def load():
     return cpp_ext.load("efa_gda_op.cpp", "gda's C++ dispatch", {
         "PLAN_FIELDS": len(PLAN_FIELDS), "COMBINE_FIELDS": len(COMBINE_FIELDS),
         "FIXED_FIELDS": len(FIXED_FIELDS), "FIXED_CACHED_FIELDS": len(FIXED_CACHED_FIELDS),
-        "NOT_PLANNED": NOT_PLANNED, "OTHER_WAY": OTHER_WAY_STATUS})
+        "NOT_PLANNED": NOT_PLANNED, "OTHER_WAY": OTHER_WAY_STATUS,
+        "COUNTS_GATE_LATE": COUNTS_GATE_LATE})
 
 
 def warn_off(why: str) -> None:

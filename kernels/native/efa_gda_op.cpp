@@ -55,7 +55,7 @@ enum {
     K_FN, K_COUNTS, K_ROWS, K_HEADER, K_GATE, K_GATE_FN, K_RUN, K_WORLD, K_RANK, K_SPIN_NS,
     K_FLAG, K_WAIT_NS, K_SHAPE, K_ROWS_OUT, K_WORDS, K_O_SLOT, K_O_SEND, K_O_RANK, K_O_OUT,
     K_O_OFFSETS, K_N_INFO, K_LOCAL, K_HIDDEN, K_TOPK, K_TOKENS, K_DATA_OFF, K_IDX_OFF, K_W_OFF,
-    K_COPY, K_NUM_FIELDS
+    K_COPY, K_IDS_ROWS, K_NUM_FIELDS
 };
 
 typedef int (*GateFn)(int64_t *, int, int, int64_t, int64_t, int64_t *);
@@ -367,8 +367,14 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     const int64_t w = p[K_WORLD], k = p[K_TOPK], t = p[K_TOKENS];
     if (device != -1 && !inputs_fit(x, topk_idx, topk_weights, t, k, device))
         return py::make_tuple(NOT_PLANNED);
-    auto scratch = at::empty({p[K_WORDS]}, x.options().dtype(at::kLong));
-    const int64_t sp = reinterpret_cast<int64_t>(scratch.data_ptr());
+    // one allocation: the scratch, then room for the received ids of as many rows as the plan's
+    // recent calls received (its field K_IDS_ROWS, which this call updates): no allocation of
+    // their own when they fit
+    const int64_t words = p[K_WORDS], ids_rows = p[K_IDS_ROWS];
+    const int64_t scratch_bytes = up256(8 * words);
+    auto buf = at::empty({scratch_bytes + ids_rows * k * 8}, x.options().dtype(at::kByte));
+    auto scratch = [&]() { return carve(buf, at::kLong, {words}, {1}, 0); };
+    const int64_t sp = reinterpret_cast<int64_t>(buf.data_ptr());
     const int64_t xp = reinterpret_cast<int64_t>(x.data_ptr());
     const int64_t ip = reinterpret_cast<int64_t>(topk_idx.data_ptr());
     const int64_t wp = reinterpret_cast<int64_t>(topk_weights.data_ptr());
@@ -408,22 +414,25 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     }
     stamp(2);
     waits(sync_ns, gate_ns);
-    if (rc == COUNTS_GATE_LATE) return py::make_tuple(rc, gate_ns, scratch);
-    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+    if (rc == COUNTS_GATE_LATE) return py::make_tuple(rc, gate_ns, scratch());
+    if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch(), std::string(err));
     const int64_t n = *reinterpret_cast<int64_t *>(p[K_ROWS_OUT]);
-    if (rc != 3 || n < 0) return py::make_tuple(rc == 3 ? 3 : rc, sync_ns, gate_ns, scratch);
+    if (rc != 3 || n < 0) return py::make_tuple(rc == 3 ? 3 : rc, sync_ns, gate_ns, scratch());
     const int64_t n_info = p[K_N_INFO], hidden = p[K_HIDDEN];
     auto rx = carve(window, x.scalar_type(), {n, hidden}, {hidden, 1}, p[K_DATA_OFF]);
     // the ids copied out (the handle keeps them) by the driver: a tensor copy costs more host
-    auto ri = at::empty({n, k}, topk_idx.options());
+    auto ri = n <= ids_rows ? carve(buf, at::kLong, {n, k}, {k, 1}, scratch_bytes)
+                            : at::empty({n, k}, topk_idx.options());
+    if (n > ids_rows || 4 * n < 3 * ids_rows)  // the next calls' room: these rows and 1/8 more
+        const_cast<int64_t *>(p)[K_IDS_ROWS] = n + n / 8;
     if (n > 0) {
         const int64_t src = reinterpret_cast<int64_t>(window.data_ptr()) + p[K_IDX_OFF];
         rc = reinterpret_cast<CopyFn>(p[K_COPY])(reinterpret_cast<int64_t>(ri.data_ptr()), src,
                                                  8 * n * k, stream, err, sizeof err);
-        if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch, std::string(err));
+        if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch(), std::string(err));
     }
     auto rw = carve(window, at::kFloat, {n, k}, {k, 1}, p[K_W_OFF]);
-    return clean_result(0, sync_ns, gate_ns, scratch, py::none(), rx, ri, rw,
+    return clean_result(0, sync_ns, gate_ns, buf, py::none(), rx, ri, rw,
                         reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info, n_info, w,
                         p[K_LOCAL], t, p[K_O_SLOT], p[K_O_OFFSETS], p[K_O_SEND]);
 }

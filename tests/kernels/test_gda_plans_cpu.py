@@ -590,7 +590,8 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     runs whole in the C++ call; both hand the library the same variables at the same offsets of
     their scratch (the counts op's number, then the rows op's, one apart), and both return the
     rows and weights as views of the window at the parity's regions, the ids as a copy, and the
-    same counts and handle."""
+    same counts and handle. From the C++ call's second run on, the ids' copy lies in the
+    scratch's allocation (room sized by the calls before), not in an allocation of its own."""
     from efa_ep.kernels.gda import compact
 
     tr = _compact(_transport(tmp_path, monkeypatch, cpp=True))
@@ -612,7 +613,7 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     words, _, _, o_rank, _, o_out, _, _ = compact._scratch_layout(tr, T, K)
     shape = (T, K, x.dtype, x.stride(0), H)
     ids = tr._buf[tr._offs[0]["idx_off"]:].view(torch.int64)[:n * K].view(n, K)
-    for call in range(2):  # ops 1, 2 then 3, 4: the rows op on parity 0 both times
+    for call in range(3):  # ops 1, 2 then 3, 4, then 5, 6: the rows op on parity 0 each time
         ids.copy_(torch.arange(n * K).view(n, K) + 1000 * call)  # what the sources stored
         recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
         assert torch.equal(recv_idx, ids), call  # a copy of the window's ids
@@ -628,6 +629,8 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
         assert recv_x.shape == (n, H) and recv_x.data_ptr() == win + offs["data_off"]
         assert recv_w.shape == (n, K) and recv_w.data_ptr() == win + offs["w_off"]
         assert recv_idx.shape == (n, K) and recv_idx.untyped_storage().data_ptr() != win
+        # (the first C++ call learns the rows; the next carves the ids after the scratch)
+        assert (recv_idx.untyped_storage().data_ptr() == sp) == (call == 2), call
         assert h.recv_topk_idx is recv_idx and tr._epoch == op
         assert tpe.tolist() == [2] * L and h.num_recv_tokens == n
         assert h.num_recv_per_rank == (T, 5) and h.num_send_per_rank == (T, 6)
