@@ -140,6 +140,19 @@ class NetCounter:
         return {op: dict(zip(("calls",) + self._FIELDS, t)) for op, t in self._totals.items()}
 
 
+_new, _set = object.__new__, object.__setattr__
+
+
+def frozen_with(cls, fields: dict):
+    """An instance of the frozen dataclass ``cls`` whose fields are ``fields`` (every field by
+    name, defaults included), set at once: the per-op hot path's handle and state. A frozen
+    dataclass's own ``__init__`` sets each field through ``object.__setattr__``, about 2 us for a
+    handle and its state on a fast host. No ``__post_init__`` runs: for classes without one."""
+    obj = _new(cls)
+    _set(obj, "__dict__", fields)
+    return obj
+
+
 @dataclasses.dataclass(frozen=True)
 class HandleState:
     """Base of every transport's ``DispatchHandle.state`` (each transport subclasses it with the

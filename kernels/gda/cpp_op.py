@@ -33,6 +33,7 @@ from .gate import GATE_SPIN_NS, KIND_OF, wait_record
 from .window import GdaDispatchState
 from .. import cpp_ext
 from ..base import DispatchHandle
+from ..core.handles import frozen_with
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
 
 # The plan's constants, in the order of the P_* fields of efa_gda_op.cpp.
@@ -248,24 +249,18 @@ def _not_gathered(ph, res, plan, epoch: int, t: int):
 # ---- straight from the transport's methods ----------------------------------------------
 _DISPATCH_KIND, _COMBINE_KIND = KIND_OF["dispatch"], KIND_OF["combine"]
 _CACHED_KIND, _WEIGHT_KIND = KIND_OF["cached dispatch"], KIND_OF["weight combine"]
-_new = object.__new__
-_set = object.__setattr__
 
 
 def _handle(x, topk_idx, recv_x, recv_idx, send_idx, num_send, num_recv, owner, slot, offsets,
             epoch):
     """The :class:`DispatchHandle` of a dispatch that gathered in its C++ call: the same frozen
-    objects the transport makes, their fields set at once (a frozen dataclass's own ``__init__``
-    sets each field through ``object.__setattr__``: several microseconds per dispatch)."""
-    st = _new(GdaDispatchState)
-    _set(st, "__dict__", {"owner": owner, "slot_TW": slot, "recv_offsets": offsets,
-                          "epoch": epoch, "fixed": False, "num_recv_W": None})
-    h = _new(DispatchHandle)
-    _set(h, "__dict__", {"num_tokens": x.shape[0], "num_recv_tokens": recv_x.shape[0],
-                         "topk_idx": topk_idx, "send_token_idx": send_idx,
-                         "num_send_per_rank": num_send, "num_recv_per_rank": num_recv,
-                         "recv_topk_idx": recv_idx, "state": st})
-    return h
+    objects the transport makes, their fields set at once (:func:`frozen_with`)."""
+    st = frozen_with(GdaDispatchState, {"owner": owner, "slot_TW": slot, "recv_offsets": offsets,
+                                        "epoch": epoch, "fixed": False, "num_recv_W": None})
+    return frozen_with(DispatchHandle, {
+        "num_tokens": x.shape[0], "num_recv_tokens": recv_x.shape[0], "topk_idx": topk_idx,
+        "send_token_idx": send_idx, "num_send_per_rank": num_send, "num_recv_per_rank": num_recv,
+        "recv_topk_idx": recv_idx, "state": st})
 
 
 def dispatch_planned(ph, x, topk_idx, topk_weights, choice: int = 0):

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..base import STATUS_BAD_INPUT, DispatchHandle, DispatchInputError
+from ..core.handles import frozen_with
 from ..native_launch import GATE_LATE, NativeLaunchError
 from . import cpp_op, refusal
 from . import phases as _phases
@@ -182,12 +183,13 @@ def dispatch_planned(tr, x, topk_idx, topk_weights):
         tr._await_peers(epoch, "dispatch")
         header.run((num_recv.data_ptr(), tokens_per_expert.data_ptr(), delta, full),
                    _phases._stream(ph._dev))
-    handle = DispatchHandle(
-        num_tokens=x.shape[0], num_recv_tokens=recv_x.shape[0], topk_idx=topk_idx,
-        send_token_idx=send_idx, num_send_per_rank=(), num_recv_per_rank=(),
-        recv_topk_idx=recv_idx,
-        state=GdaDispatchState(owner=tr.uid, slot_TW=slot, recv_offsets=None, epoch=epoch,
-                               fixed=True, num_recv_W=num_recv))
+    # (the frozen handle and state made at once: the per-op hot path)
+    st = frozen_with(GdaDispatchState, {"owner": tr.uid, "slot_TW": slot, "recv_offsets": None,
+                                        "epoch": epoch, "fixed": True, "num_recv_W": num_recv})
+    handle = frozen_with(DispatchHandle, {
+        "num_tokens": x.shape[0], "num_recv_tokens": recv_x.shape[0], "topk_idx": topk_idx,
+        "send_token_idx": send_idx, "num_send_per_rank": (), "num_recv_per_rank": (),
+        "recv_topk_idx": recv_idx, "state": st})
     return recv_x, recv_idx, recv_w, num_recv, tokens_per_expert, handle
 
 

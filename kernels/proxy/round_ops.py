@@ -18,6 +18,7 @@ from ..base import (
     DispatchHandle, HandleState, TransportError, describe_value_errors, local_weight_grads,
     reduce_rows_by_rank,
 )
+from ..core.handles import frozen_with
 from . import native
 from .hostop import HostOps
 from .options import PY_TAMPER
@@ -153,11 +154,12 @@ class RoundOps:
         """The dispatch's handle: rows sent per destination ``num_send [W]`` in ``send_idx``
         order (``send_idx_cpu``: its host copy, or None), rows received per source
         ``num_recv [W]``."""
-        return DispatchHandle(
-            num_tokens=num_tokens, num_recv_tokens=sum(num_recv), topk_idx=topk_idx,
-            send_token_idx=send_idx, num_send_per_rank=tuple(num_send),
-            num_recv_per_rank=tuple(num_recv), recv_topk_idx=recv_topk_idx,
-            state=ProxyHandleState(owner=self.uid, send_token_idx_cpu=send_idx_cpu))
+        st = frozen_with(ProxyHandleState,
+                         {"owner": self.uid, "send_token_idx_cpu": send_idx_cpu})
+        return frozen_with(DispatchHandle, {
+            "num_tokens": num_tokens, "num_recv_tokens": sum(num_recv), "topk_idx": topk_idx,
+            "send_token_idx": send_idx, "num_send_per_rank": tuple(num_send),
+            "num_recv_per_rank": tuple(num_recv), "recv_topk_idx": recv_topk_idx, "state": st})
 
     def _route(self, topk_idx, topk_weights):
         """The routing layout (native, on the host: one D2H of the routing for a GPU input, never
