@@ -51,8 +51,12 @@ rows that cross nodes (:class:`~efa_ep.kernels.base.NetOpCounts`: messages, rows
 bytes; with a ``proxy`` network also the libfabric writes and bytes its wire queued, headers
 included) in :attr:`HierTransport.last_op_counts`; :meth:`HierTransport.op_totals` sums them.
 
-Every operation starts with one small status exchange over the whole group, so a bad input on
-any rank raises on every rank (each stage's own exchange covers only its rail or node).
+Every operation makes one small status exchange over the whole group, so a bad input on any
+rank raises on every rank (each stage's own exchange covers only its rail or node). It is
+started without waiting and runs under the op's stages: a rank with bad input takes part in
+them (a dispatch with no rows; an op along a handle with none, which the stage refuses on its
+group's ranks, who then refuse their next stage too: :mod:`.refusing`), and every rank raises
+once the exchange is in.
 
 Options (explicit; the dispatcher's settings fill them from ``EFA_EP_NODE_SIZE`` and the
 ``EFA_EP_PROXY_*`` variables): ``node_size`` (G; default: ranks grouped by host name,
@@ -78,12 +82,13 @@ import torch
 import torch.distributed as dist
 
 from ..core.hosts import gather_hosts, gather_processes, host_id, pid_exited
+from .refusing import RefusingStages
 from ..options import SCHEMAS
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
     ProtocolError,
-    Transport, TransportBroken, TransportError, agree_on_input, collective_device,
-    describe_value_errors, finish_agreement, rows_input_error, start_agreement,
+    Transport, TransportBroken, TransportError, collective_device,
+    describe_value_errors, finish_agreement, rows_input_error,
     validate_dispatch_inputs,
 )
 
@@ -255,11 +260,6 @@ class HierTransport(Transport):
             wire_bytes=None if wire is None else wire.wire_bytes))
 
     # ------------------------------------------------------------------------------------
-    def _agree(self, op: str, error: Optional[str]) -> None:
-        """The group-wide status exchange: every rank raises if any rank's input is bad."""
-        self._begin(op)
-        self._stage(agree_on_input, self.group, self.rank, f"hier {op}", error, self._ctl)
-
     def _begin(self, op: str) -> None:
         if self._broken is not None:
             raise TransportBroken(f"rank {self.rank}: hier transport unusable after an earlier "
@@ -273,7 +273,7 @@ class HierTransport(Transport):
             return f"the network stage's {fn.__name__}", self._net_ranks
         if owner is self.local:
             return f"the local stage's {fn.__name__}", self._node_ranks
-        if fn is agree_on_input or fn is finish_agreement:
+        if fn is finish_agreement:
             return "the status exchange", list(range(self.world_size))
         return "the forward count exchange", self._node_ranks
 
@@ -369,17 +369,12 @@ class HierTransport(Transport):
         # the rail and the node): a rank with bad input takes part in them with no rows, and
         # every rank raises once the exchange is in. Saves the exchange's latency (gloo: ~0.5
         # ms a call on one host) per dispatch.
-        self._begin("dispatch")
-        pending = start_agreement(self.group, error, self._ctl)
+        stages = RefusingStages(self, "dispatch", error)
         if error is not None:
             x, topk_idx, topk_weights, idx_h = self._no_rows(x, topk_idx)
-        try:
-            out = (self._dispatch_direct(x, topk_idx, topk_weights, idx_h) if self._direct
-                   else self._dispatch_rail(x, topk_idx, topk_weights, idx_h))
-        finally:
-            # (after a stage's failure too: the exchange is collective and already started)
-            self._stage(finish_agreement, pending, "hier dispatch")
-        return out
+        return stages.complete(
+            lambda: (self._dispatch_direct if self._direct else self._dispatch_rail)(
+                x, topk_idx, topk_weights, idx_h))
 
     def _no_rows(self, x, topk_idx):
         """Empty dispatch inputs (``[0, H]``, ``[0, K]``) that every stage accepts, for a rank
@@ -478,22 +473,28 @@ class HierTransport(Transport):
         return recv
 
     def dispatch_cached(self, x, handle):
-        """Replays ``handle``'s route for ``x`` ``[T, D]`` (any float dtype): returns ``[N, D]``."""
+        """Replays ``handle``'s route for ``x`` ``[T, D]`` (any float dtype): returns ``[N, D]``.
+        Its status exchange runs under its stages (:mod:`.refusing`)."""
         err = self.handle_error(handle) or rows_input_error(
             self.rank, "cached dispatch input x", x, handle.num_tokens,
             device=handle.topk_idx.device)
-        self._agree("dispatch_cached", err)
-        st = handle.state
-        if st.split is not None:
-            x1 = self._stage(self.network.dispatch_cached, x, st.net)
+        stages = RefusingStages(self, "dispatch_cached", err)
+        return stages.complete(lambda: self._cached_stages(stages, x, handle))
+
+    def _cached_stages(self, stages, x, handle):
+        """The stages of :meth:`dispatch_cached` (None when refused: see :mod:`.refusing`)."""
+        st = None if stages.refused else handle.state
+        x1 = stages.run(self.network.dispatch_cached, x, st and st.net)
+        if not stages.refused:
             self._count("dispatch_cached", st.net.num_send_per_rank, x.shape[1] * x.element_size())
-            x2 = self._stage(self.local.dispatch_cached, x, st.local)
+        if self._direct:  # aggregate=0: both stages take x, merged in source order
+            x2 = stages.run(self.local.dispatch_cached, x, st and st.local)
+            if stages.refused:
+                return None
             a = st.split[0]
             return torch.cat([x1[:a], x2, x1[a:]], 0)
-        x1 = self._stage(self.network.dispatch_cached, x, st.net)
-        self._count("dispatch_cached", st.net.num_send_per_rank, x.shape[1] * x.element_size())
-        x2 = self._stage(self.local.dispatch_cached, x1, st.local)
-        return x2.index_select(0, st.perm)
+        x2 = stages.run(self.local.dispatch_cached, x1, st and st.local)
+        return None if stages.refused else x2.index_select(0, st.perm)
 
     def _unpermute(self, y, st):
         y2 = torch.empty_like(y)
@@ -505,25 +506,41 @@ class HierTransport(Transport):
         a, b = st.split
         return torch.cat([y[:a], y[a + b:]], 0), y[a:a + b]
 
+    def _combine_stages(self, op: str, stages, y, st, network, local):
+        """The stages of a combine-like op ``op`` of dense rows ``y`` ``[N, D]`` along handle
+        state ``st`` (None when this rank refused): ``network`` and ``local`` the stages' ops.
+        Returns ``[T, D]`` (float32 sums for aggregate=0, the caller converts), or None when
+        refused."""
+        row_bytes = 0 if st is None else y.shape[1] * y.element_size()
+        if self._direct:  # aggregate=0: both stages, sums added
+            y_net, y_loc = (None, None) if st is None else self._split_rows(y, st)
+            z1 = stages.run(network, None if y_net is None else y_net.contiguous(),
+                            st and st.net)
+            if not stages.refused:
+                self._count(op, st.net.num_recv_per_rank, row_bytes)
+            z2 = stages.run(local, None if y_loc is None else y_loc.contiguous(),
+                            st and st.local)
+            # float32 from +0.0: 0 + z1 == z1 exactly (a stage's sum is never -0.0), + z2
+            return None if stages.refused else z1.float() + z2.float()
+        z1 = stages.run(local, None if st is None else self._unpermute(y, st), st and st.local)
+        out = stages.run(network, z1, st and st.net)
+        if not stages.refused:
+            self._count(op, st.net.num_recv_per_rank, row_bytes)
+        return out
+
     def combine(self, y, handle):
-        """``y`` ``[N, D]`` -> ``[T, D]`` in y's dtype; sums grouped (module docstring)."""
+        """``y`` ``[N, D]`` -> ``[T, D]`` in y's dtype; sums grouped (module docstring). Its
+        status exchange runs under its stages (:mod:`.refusing`)."""
         err = self.handle_error(handle) or rows_input_error(
             self.rank, "combine input y", y, handle.num_recv_tokens, device=handle.topk_idx.device)
-        self._agree("combine", err)
-        st = handle.state
-        row_bytes = y.shape[1] * y.element_size()
-        if st.split is not None:
-            y_net, y_loc = self._split_rows(y.contiguous(), st)
-            z1 = self._stage(self.network.combine, y_net, st.net)
-            self._count("combine", st.net.num_recv_per_rank, row_bytes)
-            z2 = self._stage(self.local.combine, y_loc.contiguous(), st.local)
-            # float32 from +0.0: 0 + z1 == z1 exactly (a stage's sum is never -0.0), + z2,
-            # converted once to y's dtype
-            return (z1.float() + z2.float()).to(y.dtype)
-        z1 = self._stage(self.local.combine, self._unpermute(y.contiguous(), st), st.local)
-        out = self._stage(self.network.combine, z1, st.net)
-        self._count("combine", st.net.num_recv_per_rank, row_bytes)
-        return out
+        stages = RefusingStages(self, "combine", err)
+
+        def body():
+            st = None if stages.refused else handle.state
+            out = self._combine_stages("combine", stages, None if st is None else y.contiguous(),
+                                       st, self.network.combine, self.local.combine)
+            return out.to(y.dtype) if out is not None and self._direct else out  # converted once
+        return stages.complete(body)
 
     def combine_topk_weights(self, grad_recv_topk_weights, handle):
         """``[N, K]`` float32 -> ``[T, K]`` float32 (exact: one non-zero source per slot)."""
@@ -531,20 +548,15 @@ class HierTransport(Transport):
         err = self.handle_error(handle) or rows_input_error(
             self.rank, "combine_topk_weights input", g, handle.num_recv_tokens,
             width=handle.recv_topk_idx.shape[1], device=handle.topk_idx.device)
-        self._agree("combine_topk_weights", err)
-        st = handle.state
-        row_bytes = 4 * g.shape[1]
-        if st.split is not None:
-            g_net, g_loc = self._split_rows(g.float().contiguous(), st)
-            z1 = self._stage(self.network.combine_topk_weights, g_net.contiguous(), st.net)
-            self._count("combine_topk_weights", st.net.num_recv_per_rank, row_bytes)
-            z2 = self._stage(self.local.combine_topk_weights, g_loc.contiguous(), st.local)
-            return z1 + z2  # every slot is non-zero in at most one of them: exact
-        z1 = self._stage(self.local.combine_topk_weights,
-                         self._unpermute(g.float().contiguous(), st), st.local)
-        out = self._stage(self.network.combine_topk_weights, z1, st.net)
-        self._count("combine_topk_weights", st.net.num_recv_per_rank, row_bytes)
-        return out
+        stages = RefusingStages(self, "combine_topk_weights", err)
+
+        def body():
+            st = None if stages.refused else handle.state
+            # (aggregate=0: every slot is non-zero in at most one stage's sum: exact)
+            return self._combine_stages(
+                "combine_topk_weights", stages, None if st is None else g.float().contiguous(),
+                st, self.network.combine_topk_weights, self.local.combine_topk_weights)
+        return stages.complete(body)
 
     def after_backward(self) -> None:
         self.network.after_backward()

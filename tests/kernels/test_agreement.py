@@ -42,3 +42,55 @@ def test_every_rank_raises_the_same_words_or_none():
     assert run_ranks(_split, 3, args=([],)) == [(None, None)] * 3
     res = run_ranks(_split, 3, args=([0, 2],))
     assert all(r == res[0] for r in res) and "[0, 2]" in res[0][0]
+
+
+def _refusing(rank, world, case):
+    """hier's ops along a handle (``RefusingStages``) over a stand-in hier whose two stages
+    record their calls; ``case`` says what goes wrong on rank 1."""
+    from efa_ep.kernels.base import PeerFailure
+    from efa_ep.kernels.hier.refusing import RefusingStages
+
+    calls = []
+    fake = type("Hier", (), {"group": None, "_ctl": None, "_begin": lambda self, op: None,
+                             "_stage": lambda self, fn, *a: fn(*a)})()
+
+    def stage(name, fails):
+        def fn(rows, handle):
+            calls.append((name, handle))
+            if handle is None:  # a stage refuses a call without handle on its group's ranks
+                raise DispatchInputError(f"{name}: rank {rank} passed no handle")
+            if fails:
+                raise fails
+            return rows + 1
+        return fn
+
+    bad = rank == 1
+    error = f"rank {rank}: combine input y is wrong" if bad and case == "own" else None
+    first = stage("local", DispatchInputError("local: refused") if bad and case == "stage"
+                  else PeerFailure("local: peer gone") if bad and case == "peer" else None)
+    second = stage("network", None)
+    stages = RefusingStages(fake, "combine", error)
+    try:
+        out = stages.complete(lambda: stages.run(second, stages.run(first, 1, "h1"), "h2"))
+    except (DispatchInputError, PeerFailure) as e:
+        out = f"{type(e).__name__}: {e}"
+    return out, calls
+
+
+def test_refusing_stages_call_every_stage_and_raise_together():
+    """Every rank calls both stages once; after its own input's refusal or a stage's, later
+    stages get no handle (they refuse); the group's error wins on every rank; a stage's other
+    failure is the one raised (not the exchange's)."""
+    ok = run_ranks(_refusing, 2, args=("none",))
+    assert ok == [(3, [("local", "h1"), ("network", "h2")])] * 2
+    own = run_ranks(_refusing, 2, args=("own",))
+    for out, calls in own:
+        assert "invalid input on rank(s) [1]" in out and "combine input y is wrong" in out, out
+    assert own[1][1] == [("local", None), ("network", None)]  # the bad rank refuses both
+    assert own[0][1] == [("local", "h1"), ("network", "h2")]  # (stand-in stages: no spread)
+    stage = run_ranks(_refusing, 2, args=("stage",))
+    assert stage[1] == ("DispatchInputError: local: refused", [("local", "h1"),
+                                                              ("network", None)])
+    assert stage[0] == (3, [("local", "h1"), ("network", "h2")])
+    peer = run_ranks(_refusing, 2, args=("peer",))
+    assert peer[1] == ("PeerFailure: local: peer gone", [("local", "h1")])

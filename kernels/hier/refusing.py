@@ -1,0 +1,67 @@
+"""``hier``'s ops along a handle (combine, weight combine, cached dispatch) under the group's
+status exchange, without waiting for it first.
+
+Every rank of the EP group must raise together when one rank's input is bad, and no rank may
+wait in a stage for a peer that will never come. The exchange (an all-gather on the EP group:
+gloo takes ~0.5 ms a call on one host) is started without waiting, the op's two stages run on
+the rail and the node, then the exchange's result decides. A rank whose own input was refused
+still calls both stages, with no handle: each stage's own checks then refuse that call on every
+rank of the stage's group (its status exchange), and those ranks call their next stage with no
+handle too. In two steps (node then rail, or rail then node) every rank has called each stage
+once, so no stage waits for a missing peer, and the exchange names the rank and its input on
+every rank. A stage that refused for a reason of its own (the exchange then finds every input
+good) raises its own error on the ranks it reached.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..base import DispatchInputError, finish_agreement, start_agreement
+
+
+class RefusingStages:
+    """The stage calls of one op of ``hier`` (a :class:`~efa_ep.kernels.hier.transport.
+    HierTransport`) under its started status exchange (see the module); ``error``: this rank's
+    refusal of its own input, or None. :meth:`complete` runs the op's stages, each through
+    :meth:`run`, then waits for the exchange."""
+
+    def __init__(self, hier, op: str, error: Optional[str]):
+        hier._begin(op)
+        self.hier, self.op = hier, op
+        self.refused = error is not None  # from here on every stage is called to refuse
+        self.stage_error: Optional[DispatchInputError] = None
+        self._pending = start_agreement(hier.group, error, hier._ctl)
+
+    def run(self, fn, rows, handle):
+        """``fn(rows, handle)`` through ``hier._stage``, or, once this op was refused on this
+        rank, ``fn`` with no rows and no handle (the stage refuses it on every rank of its
+        group). Returns the stage's output, or None when it refused."""
+        if self.refused:
+            rows, handle = torch.empty(0), None
+        try:
+            return self.hier._stage(fn, rows, handle)
+        except DispatchInputError as e:
+            self.refused = True
+            self.stage_error = self.stage_error or e
+            return None
+
+    def complete(self, body):
+        """``body()`` (the op's stages through :meth:`run`), then the exchange: raises the
+        group's input error on every rank when a rank's input was bad, else a stage's own
+        refusal where one was raised; returns ``body``'s result. When a stage failed otherwise
+        (a peer missing its deadline: hier is broken by it), that failure is raised, after the
+        exchange's wait (collective and started), whose own failure it would only repeat."""
+        try:
+            out = body()
+        except BaseException:
+            try:
+                self.hier._stage(finish_agreement, self._pending, f"hier {self.op}")
+            except Exception:  # noqa: BLE001 (the stage's failure is the one to report)
+                pass
+            raise
+        self.hier._stage(finish_agreement, self._pending, f"hier {self.op}")
+        if self.stage_error is not None:
+            raise self.stage_error
+        return out
