@@ -115,6 +115,14 @@ class NetCounter:
             out[op] = c if isinstance(c, NetOpCounts) else NetOpCounts(op, *c)
         return out
 
+    def last_of(self, op: str) -> Optional[tuple]:
+        """The five counts (messages, rows, bytes, writes, wire_bytes) of ``op``'s most recent
+        call, or None: :attr:`last`'s entry without building every op's record."""
+        c = self._last.get(op)
+        if c is None or not isinstance(c, NetOpCounts):
+            return c
+        return tuple(getattr(c, f) for f in self._FIELDS)
+
     def record(self, counts: NetOpCounts) -> None:
         self._last[counts.op] = counts
         self._sum(counts.op, tuple(getattr(counts, f) for f in self._FIELDS))

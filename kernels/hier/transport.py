@@ -252,12 +252,11 @@ class HierTransport(Transport):
         """Records ``op``: ``per_peer`` = rows this rank handed the network stage per network
         peer (its own entry never crosses nodes), ``row_bytes`` = payload bytes per row."""
         rows = [int(v) for i, v in enumerate(per_peer) if i != self._net_self]
-        wire = getattr(self.network, "last_op_counts", {}).get(op)
+        counts = getattr(self.network, "net_counts", None)  # (a proxy network's wire counts)
+        wire = counts(op) if counts is not None else None
         sent = sum(rows)
-        self._net.record(NetOpCounts(
-            op, messages=sum(1 for v in rows if v), rows=sent, bytes=sent * int(row_bytes),
-            writes=None if wire is None else wire.writes,
-            wire_bytes=None if wire is None else wire.wire_bytes))
+        self._net.add(op, sum(1 for v in rows if v), sent, sent * int(row_bytes),
+                      None if wire is None else wire[3], None if wire is None else wire[4])
 
     # ------------------------------------------------------------------------------------
     def _begin(self, op: str) -> None:

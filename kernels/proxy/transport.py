@@ -399,6 +399,12 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         engine's ``posted`` counter sums once they are posted. Host counts, no synchronization."""
         return dict(self._net.last)
 
+    def net_counts(self, op: str):
+        """:attr:`last_op_counts`'s entry for ``op`` as its five counts (messages, rows, bytes,
+        writes, wire_bytes), or None before the first call: for a caller that reads one op's
+        after every call (hier's network stage)."""
+        return self._net.last_of(op)
+
     @property
     def one_calls(self) -> dict:
         """``{"dispatch": n, "combine": n, "cached": n}``: calls that ran as one native call each

@@ -56,3 +56,15 @@ def test_the_hot_paths_handles_hold_every_field():
         assert set(vars(h)) == {f.name for f in dataclasses.fields(DispatchHandle)}
         assert set(vars(h.state)) == {f.name for f in dataclasses.fields(type(h.state))}
         assert h.num_recv_tokens == 5 and h.state.owner in (7, 8)
+
+
+def test_net_counter_last_of_one_op_either_way_it_was_recorded():
+    from efa_ep.kernels.base import NetCounter, NetOpCounts
+
+    c = NetCounter()
+    assert c.last_of("combine") is None
+    c.add("dispatch", 1, 2, 3, None, 5)
+    c.record(NetOpCounts("combine", messages=6, rows=7, bytes=8, writes=9, wire_bytes=10))
+    assert c.last_of("dispatch") == (1, 2, 3, None, 5)
+    assert c.last_of("combine") == (6, 7, 8, 9, 10)
+    assert c.last["dispatch"] == NetOpCounts("dispatch", 1, 2, 3, None, 5)
