@@ -173,8 +173,9 @@ def test_gda_repeated_shapes_bit_identical_to_torch(options):
 def test_gda_rows_in_window_bit_identical_to_torch(world):
     """Option rows_in_window: the count exchange, the compact stores and the rows read in the
     window give torch's rows, counts and handle (first calls launched from Python, repeats
-    through bound programs)."""
-    cases = CASES + REPEATED[:12]
+    through bound programs; one shape 8 times in a row: its C++ calls from the second on copy
+    the received ids into the room after their scratch)."""
+    cases = CASES + REPEATED[:12] + [("random", 512, 7168, 8)] * 8
     counts = run_ranks(_equal_to_torch, world, (cases, {"rows_in_window": 1}), timeout_s=240,
                        pg_timeout_s=200, env=ENV)
     assert counts == [len(cases)] * world
