@@ -9,8 +9,12 @@ ranks or all of them on one node, else equal to rounding (sums grouped). The net
 the writes it reports must equal the native engine's own counter.
 
 Bad input on one rank and a peer that exits: the contract suite (tests/contract, hier as 2 nodes
-with a proxy network). hier meets both in its own status exchange over the whole group, before
-any stage runs, so the network stage does not change them."""
+with a proxy network). hier meets both in its own status exchange over the whole group, which
+runs under the stages (a rank with bad input calls them with no rows, or with no handle: the
+stages refuse it on their groups), so every rank raises the exchange's error. On the GPU the
+worker below also checks that with gda as the local stage."""
+import time
+
 import pytest
 import torch
 
@@ -279,6 +283,20 @@ def _hier_gpu_worker(rank, world, node_size, topks, network, aggregate):
         assert torch.equal(t.combine_topk_weights(rw, handle).cpu(), w), (kind, k)
         assert torch.equal(t.dispatch_cached(x.to(dev), handle).cpu(), exp_x), (kind, k)
         checked += 1
+    # Bad input on rank 1 along a handle (rows of the wrong shape, a foreign handle): every rank
+    # raises the group's error naming it (the stages refuse a call without handle, no rank waits
+    # out a deadline), and the handle still works after.
+    from efa_ep.kernels.base import DispatchInputError
+
+    y, xd = ys[rank].to(dev), x.to(dev)
+    for call in (lambda: t.combine(y.view(-1) if rank == 1 else y, handle),
+                 lambda: t.dispatch_cached(xd, "not a handle" if rank == 1 else handle),
+                 lambda: t.combine_topk_weights(rw[:, :1] if rank == 1 else rw, handle)):
+        t0 = time.time()
+        with pytest.raises(DispatchInputError, match=r"invalid input on rank\(s\) \[1\]"):
+            call()
+        assert time.time() - t0 < 30, "waited out a deadline instead of refusing"
+    assert torch.equal(t.dispatch_cached(xd, handle).cpu(), exp_x)
     t.close()
     return checked
 
