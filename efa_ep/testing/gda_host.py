@@ -242,3 +242,17 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
         raise ValueError(f"info must hold {n_info} counts (header_info), got {len(info)}")
     lib.stand_in_set_info((ctypes.c_int64 * n_info)(*info), n_info)
     return tr
+
+
+def with_host_window(tr):
+    """``tr`` (a :func:`host_only_transport`) with ``rows_in_window`` on and a window in host
+    memory holding its boards and headers: its regular dispatches store compact and return the
+    rows as views of that window (the stand-in library's header reads the counts given)."""
+    tr.rows_in_window = True
+    tr._buf = torch.zeros(tr.layout.total_bytes, dtype=torch.uint8)
+    n_board, w = tr.layout.board_words, tr.world_size
+    tr._board = tuple(tr._buf[o["board_off"]:o["board_off"] + 8 * n_board].view(torch.int64)
+                      for o in tr._offs)
+    tr._hdr = tuple(tr._buf[o["hdr_off"]:o["hdr_off"] + 8 * w * tr.layout.hdr_len]
+                    .view(torch.int64).view(w, -1) for o in tr._offs)
+    return tr

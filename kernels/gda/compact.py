@@ -37,7 +37,7 @@ from . import cpp_op
 from .cpp_op import (
     COUNTS_GATE_LATE, NOT_PLANNED, OTHER_WAY, OTHER_WAY_STATUS, CppPlan, planned_result,
 )
-from .gate import GATE_SPIN_NS, wait_record
+from .gate import GATE_SPIN_NS, KIND_OF
 from .phases import MAX_PROGRAMS, _aligned, _stream
 
 # A plan's constants, in the order of the K_* fields of efa_gda_op.cpp.
@@ -45,6 +45,10 @@ COMPACT_FIELDS = ("fn", "counts", "rows", "header", "gate", "gate_fn", "run", "w
                   "spin_ns", "flag", "wait_ns", "shape", "rows_out", "words", "o_slot", "o_send",
                   "o_rank", "o_out", "o_offsets", "n_info", "num_local", "hidden", "topk",
                   "tokens", "data_off", "idx_off", "w_off", "copy", "ids_rows")
+
+
+# the wait records of a compact dispatch's two ops (gate.wait_record, inline on the hot path)
+_COUNTS_KIND, _DISPATCH_KIND = KIND_OF["dispatch counts"], KIND_OF["dispatch"]
 
 
 def _scratch_layout(tr, t: int, k: int):
@@ -208,9 +212,8 @@ def dispatch_planned(tr, x, topk_idx, topk_weights, choice: int = 0):
     plan, header = found[0], found[-1]
     base = tr._dev_base
     res = ph.cpp.dispatch_compact(x, topk_idx, topk_weights, tr._buf, plan.address,
-                                  epoch_c - base, epoch - base, wait_record(epoch_c,
-                                                                           "dispatch counts"),
-                                  wait_record(epoch, "dispatch"), _stream(ph._dev),
+                                  epoch_c - base, epoch - base, epoch_c * 8 + _COUNTS_KIND,
+                                  epoch * 8 + _DISPATCH_KIND, _stream(ph._dev),
                                   ph._cpp_device, choice)
     status = res[0]
     if status == NOT_PLANNED:

@@ -11,9 +11,11 @@ machine; device costs (launches, waits) are not in it: measure those on a GPU wi
 this script each, alternated, and read the best of several medians.
 
     python3 scripts/probes/gda_python_cost.py [--calls 2000] [--repeats 6] [--paths python,cpp]
-        [--fixed] [--profile]
+        [--fixed | --rows-in-window] [--profile]
 
 ``--fixed``: the fixed-capacity dispatch (``dispatch_fixed``) and the ops along its handle.
+``--rows-in-window``: the regular dispatch with its rows stored compact and read in the window
+(option ``rows_in_window``, the large-batch path of ``auto``; the window in host memory).
 
 Shape: DeepSeek-V3 decode (H 7168 bf16, top-8 of 256, 128 tokens/rank), EP 2.
 """
@@ -28,7 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from efa_ep.testing.gda_host import header_info, host_only_transport, stand_in_library  # noqa: E402
+from efa_ep.testing.gda_host import (  # noqa: E402
+    header_info, host_only_transport, stand_in_library, with_host_window,
+)
 
 W, E, H, T_MAX, K, T = 2, 256, 7168, 4096, 8, 128
 
@@ -61,6 +65,8 @@ def main():
                          "paths alternate within each repeat")
     ap.add_argument("--fixed", action="store_true",
                     help="time dispatch_fixed and the ops along its handle")
+    ap.add_argument("--rows-in-window", action="store_true",
+                    help="time the regular dispatch with its rows read in the window")
     ap.add_argument("--profile", action="store_true", help="then a cProfile of D+C")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -76,6 +82,8 @@ def main():
         idx = torch.randint(0, E, (T, K))
         w = torch.rand(T, K)
         for tr in trs.values():
+            if a.rows_in_window:
+                with_host_window(tr)
             tr.probe_fixed = a.fixed
             dispatch = tr.dispatch_fixed if a.fixed else tr.dispatch
             for _ in range(200):  # binds every program and plan

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from efa_ep.kernels.gda import launches as kern
-from efa_ep.testing.gda_host import header_info, last_completion
+from efa_ep.testing.gda_host import header_info, last_completion, with_host_window
 
 # (tests/kernels is on sys.path under pytest)
 from gda_stand_in import E, H, K, L, T, T_MAX, W
@@ -572,18 +572,6 @@ def test_token_counts_that_keep_changing_keep_the_program_tables_bounded(tr, mon
     assert most <= 12 + 4 and len(ph._plans) <= 12
 
 
-def _compact(tr):
-    """``tr`` with ``rows_in_window``: a window on the CPU holding its boards and headers."""
-    tr.rows_in_window = True
-    tr._buf = torch.zeros(tr.layout.total_bytes, dtype=torch.uint8)
-    n_board = tr.layout.board_words
-    tr._board = tuple(tr._buf[o["board_off"]:o["board_off"] + 8 * n_board].view(torch.int64)
-                      for o in tr._offs)
-    tr._hdr = tuple(tr._buf[o["hdr_off"]:o["hdr_off"] + 8 * W * tr.layout.hdr_len]
-                    .view(torch.int64).view(W, -1) for o in tr._offs)
-    return tr
-
-
 def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, monkeypatch):
     """Option rows_in_window: the first dispatch of a shape runs phase by phase (binding the
     counts op's program, the rows op's and the compact header), a later one of the same parity
@@ -594,7 +582,7 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     scratch's allocation (room sized by the calls before), not in an allocation of its own."""
     from efa_ep.kernels.gda import compact
 
-    tr = _compact(_transport(tmp_path, monkeypatch, cpp=True))
+    tr = with_host_window(_transport(tmp_path, monkeypatch, cpp=True))
     ph = tr._phases
     calls = []
     real = ph.cpp
@@ -645,7 +633,7 @@ def test_compact_rows_not_as_announced_raise_at_the_next_count_read(tr_any):
     repeated one, Python or C++), and the transport refuses every later call."""
     from efa_ep.kernels.base import ProtocolError, TransportBroken
 
-    tr = _compact(tr_any)
+    tr = with_host_window(tr_any)
     _, x, idx, w = _inputs(3)
     for _ in range(2):  # the shape's first call binds its programs, the second runs planned
         tr.dispatch(x, idx, w)
@@ -666,7 +654,7 @@ def test_auto_way_chosen_once_per_dispatch_in_the_cpp_call_or_python(tmp_path, m
     dispatch's sizes choose: compact (rows as views of the window) after a dispatch in which
     some rank sent at least the threshold, regular otherwise, switching either way, planned or
     not; no choice is made twice."""
-    tr = _compact(_transport(tmp_path, monkeypatch, cpp=True))
+    tr = with_host_window(_transport(tmp_path, monkeypatch, cpp=True))
     tr.rows_in_window, tr._rows_mode = False, "auto"
     gate, real = tr._gate, tr._phases.cpp
     tr._compact_rows = 20  # this rank sends T x min(W, K) = 16 at most: the peer's size decides
