@@ -55,6 +55,8 @@ class RefusingStages:
         exchange's wait (collective and started), whose own failure it would only repeat."""
         try:
             out = body()
+        except DispatchInputError as e:  # a stage's refusal outside run(): the group's error wins
+            self.stage_error, out = self.stage_error or e, None
         except BaseException:
             try:
                 self.hier._stage(finish_agreement, self._pending, f"hier {self.op}")

@@ -69,9 +69,19 @@ def _refusing(rank, world, case):
     first = stage("local", DispatchInputError("local: refused") if bad and case == "stage"
                   else PeerFailure("local: peer gone") if bad and case == "peer" else None)
     second = stage("network", None)
+    if case == "outside":  # a stage called outside run() refuses on rank 1, which had bad input
+        error = "rank 1: my input is wrong" if bad else None
+
+        def body():
+            if bad:
+                raise DispatchInputError("a stage said no")
+            return 3
+    else:
+        def body():
+            return stages.run(second, stages.run(first, 1, "h1"), "h2")
     stages = RefusingStages(fake, "combine", error)
     try:
-        out = stages.complete(lambda: stages.run(second, stages.run(first, 1, "h1"), "h2"))
+        out = stages.complete(body)
     except (DispatchInputError, PeerFailure) as e:
         out = f"{type(e).__name__}: {e}"
     return out, calls
@@ -94,3 +104,5 @@ def test_refusing_stages_call_every_stage_and_raise_together():
     assert stage[0] == (3, [("local", "h1"), ("network", "h2")])
     peer = run_ranks(_refusing, 2, args=("peer",))
     assert peer[1] == ("PeerFailure: local: peer gone", [("local", "h1")])
+    outside = run_ranks(_refusing, 2, args=("outside",))  # the group's error, on both ranks
+    assert all("invalid input on rank(s) [1]" in out for out, _ in outside), outside
