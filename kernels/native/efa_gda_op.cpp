@@ -142,15 +142,9 @@ static bool compact_chosen(int64_t block, const at::Tensor &topk_idx) {
     return largest >= a[5];
 }
 
-// Whether a dispatch's inputs are the case the plan was bound for, as the caller found it by
-// (top-k shape, x's dtype, x's row stride, x's width): x [T, H] rows dense, topk_idx [T, K]
-// int64 and topk_weights [T, K] float32 contiguous, all on CUDA device `device`, each 16-byte
-// aligned (`device` -2: CPU tensors, for the host-only stand-in of the tests). The caller's
-// checks produce the error for anything else (this only decides).
-static bool on(const at::Tensor &a, int64_t device) {
-    const bool here = device == -2 ? a.is_cpu() : a.is_cuda() && a.get_device() == device;
-    return here && (reinterpret_cast<uintptr_t>(a.data_ptr()) & 15) == 0;
-}
+using efa_views::carve;
+using efa_views::on;
+using efa_views::up256;
 
 // rows [num_rows, D] with dense rows on `device` (see on), for combine and cached dispatch
 static bool rows_fit(const at::Tensor &a, int64_t num_rows, int64_t device) {
@@ -158,6 +152,11 @@ static bool rows_fit(const at::Tensor &a, int64_t num_rows, int64_t device) {
            on(a, device);
 }
 
+// Whether a dispatch's inputs are the case the plan was bound for, as the caller found it by
+// (top-k shape, x's dtype, x's row stride, x's width): x [T, H] rows dense, topk_idx [T, K]
+// int64 and topk_weights [T, K] float32 contiguous, all on CUDA device `device`, each 16-byte
+// aligned (`device` -2: CPU tensors, for the host-only stand-in of the tests). The caller's
+// checks produce the error for anything else (this only decides).
 static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Tensor &w,
                        int64_t t, int64_t k, int64_t device) {
     return x.dim() == 2 && x.size(0) == t && x.stride(1) == 1 && on(x, device) &&
@@ -167,8 +166,6 @@ static bool inputs_fit(const at::Tensor &x, const at::Tensor &idx, const at::Ten
            w.is_contiguous() && on(w, device);
 }
 
-using efa_views::carve;
-using efa_views::up256;
 
 // The dispatch's outputs [rows, H] in x's dtype, [rows, K] int64, [rows, K] float32 carved from
 // `buf` at `at` bytes on (256-byte aligned each: the gather's kernel was bound for 16-byte

@@ -52,11 +52,9 @@ enum {
 // takes it (and its checks name anything wrong).
 constexpr int NOT_PLANNED = 100;
 
-// On CUDA device `device` (-2: CPU tensors, the tests' stand-in device), 16-byte aligned.
-bool on(const at::Tensor &a, int64_t device) {
-    const bool here = device == -2 ? a.is_cpu() : a.is_cuda() && a.get_device() == device;
-    return here && (reinterpret_cast<uintptr_t>(a.data_ptr()) & 15) == 0;
-}
+using efa_views::carve;
+using efa_views::on;
+using efa_views::up256;
 
 // [rows, width] with unit column stride and row stride `stride`, of dtype `dtype` (an
 // at::ScalarType's number), on `device`.
@@ -156,8 +154,6 @@ py::tuple dispatch(const at::Tensor &x, const at::Tensor &topk_idx,
     }
     // the received ids and weights carved out of one allocation (small; the handle keeps the
     // ids); the rows get their own, which the caller may free while the handle lives
-    using efa_views::carve;
-    using efa_views::up256;
     auto recv_x = at::empty({n, p[D_HIDDEN]}, x.options());
     const int64_t idx_bytes = up256(n * k * 8);
     auto routing = at::empty({idx_bytes + n * k * 4}, x.options().dtype(at::kByte));
