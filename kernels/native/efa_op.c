@@ -54,6 +54,17 @@ static void round_setup(efa_op *o, int64_t op, int64_t np, const int64_t *widths
     w->rows_to[w->rank] = 0;
 }
 
+/* The operations read and write the window in place: a host window's (EFA_WINDOW_DIRECT). */
+static int begin_round(efa_wire *w, char *err, size_t errlen) {
+    if (w->window_kind != EFA_WINDOW_DIRECT) {
+        set_err(err, errlen, "rank %lld: the native operations need a host window (window kind "
+                "%lld); a device window runs its rounds in steps", (long long)w->rank,
+                (long long)w->window_kind);
+        return -EINVAL;
+    }
+    return efa_wire_begin(w, 1, err, errlen);
+}
+
 /* num_recv[r] = rows_from[r] (the checked headers), this rank's own = own. */
 static void take_rows_from(efa_op *o, int64_t own) {
     efa_wire *w = o->wire;
@@ -74,7 +85,7 @@ static int begin_dispatch_round(efa_op *o, int64_t S, char *err, size_t errlen) 
     for (int64_t d = 0; d < w->world; d++) w->rows_to[d] = o->num_send[d];
     const int64_t widths[2] = {o->row_bytes, 16 * o->topk};
     round_setup(o, OP_DISPATCH, 2, widths, o->topk, o->counts, NULL);
-    return efa_wire_begin(w, 1, err, errlen);
+    return begin_round(w, err, errlen);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -426,7 +437,7 @@ static int begin_rows_round(efa_op *o, int64_t op, const int64_t *rows_to, int64
     const int64_t rb = o->row_bytes;
     for (int64_t d = 0; d < w->world; d++) w->rows_to[d] = rows_to[d];
     round_setup(o, op, 1, &rb, o->fmt, NULL, n_recv);
-    return efa_wire_begin(w, 1, err, errlen);
+    return begin_round(w, err, errlen);
 }
 
 int efa_op_cached_post(efa_op *o, char *err, size_t errlen) {

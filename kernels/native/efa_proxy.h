@@ -55,7 +55,7 @@
 extern "C" {
 #endif
 
-#define EFA_PROXY_ABI_VERSION 10
+#define EFA_PROXY_ABI_VERSION 11
 #define EFA_ADDR_MAX 256      /* bytes reserved per endpoint name (fi_getname) */
 #define EFA_CTRL_STRIDE 16    /* uint64 per channel in ring_ctrl (128 bytes) */
 #define EFA_CTRL_TAIL 0       /* producer index (next slot to write), monotonically increasing */
@@ -220,8 +220,9 @@ int efa_bench_rate(uint64_t handle, int nch, uint32_t n, uint32_t len, uint32_t 
 
 /* ---------------------------------------------------------------------------------------- */
 /* One round of the transport's wire protocol in native code (efa_round.c, a client of the ABI
- * above), for a host window. Python (kernels/proxy/wire.py) owns the struct and fills the round's
- * inputs; the calls below run the round with no per-message or per-peer Python:
+ * above), for a host or a device window (`window_kind`). Python (kernels/proxy/wire.py) owns the
+ * struct and fills the round's inputs; the calls below run the round with no per-message or
+ * per-peer Python:
  *   efa_wire_begin    wait until our previous writes left the send side; enter round `seq`
  *                     (efa_engine_expect); build every peer's header in the window; lay out the
  *                     send area (`plan`) and the data messages (`msgs`); post the headers.
@@ -266,8 +267,28 @@ typedef struct efa_wire {
     int64_t *rows_from;     /* [world] */
     int64_t nmsgs, bad_peer;
     int64_t r_writes, r_wire_bytes, r_messages, r_rows; /* what this round handed to the engine */
-    int64_t wait_ns;        /* cumulative time blocked in the engine's waits */
+    int64_t wait_ns;        /* cumulative time blocked in the engine's waits (and, through
+                             * copies, on the stream) */
+    /* How the round reaches the window: EFA_WINDOW_DIRECT (a host window, read and written in
+     * place); EFA_WINDOW_CUDA (a device window: the headers and footers are built and read in
+     * `stage`, pinned host memory, and copied by the CUDA driver on `stream`, the caller's
+     * current stream, which each round synchronizes: also the caller's packing kernels);
+     * EFA_WINDOW_COPIED (a host window reached only through memcpy of the same stage: the
+     * CPU stand-in that runs the device window's steps in the tests). */
+    int64_t window_kind;
+    uint8_t *stage;         /* [efa_wire_stage_bytes] or NULL (direct): see below */
+    uint64_t stream;        /* CUstream of the copies (EFA_WINDOW_CUDA; 0 = the legacy stream) */
 } efa_wire;
+
+#define EFA_WINDOW_DIRECT 0
+#define EFA_WINDOW_CUDA 1
+#define EFA_WINDOW_COPIED 2
+/* The stage of a window reached through copies: the headers to send [world][hdr_bytes] (the
+ * caller may edit them between efa_wire_begin(post_headers=0) and efa_wire_post_headers: an
+ * error text), the peers' headers of the round [world][hdr_len] (with their error texts), the
+ * footers to send [world][16] (in destination order, as in the send area), the footers
+ * received [world][16] (by source). */
+int64_t efa_wire_stage_bytes(int64_t world, int64_t hdr_bytes, int64_t hdr_len);
 
 int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen);
 int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen);

@@ -1,9 +1,9 @@
 /* efa_round.c: one round of the proxy transport's wire protocol (header exchange, then data) in
- * native code, for a host window. A client of the public ABI in efa_proxy.h (efa_wait_idle,
- * efa_engine_expect, efa_post_messages, efa_wait_counters); the protocol, the struct and the
- * header format are described there and in kernels/proxy/wire.py, whose Python implementation
- * of the same steps serves device windows (with this file's header checks). Every problem is
- * worded here, the same on every rank (efa_wire_check_headers).
+ * native code. A client of the public ABI in efa_proxy.h (efa_wait_idle, efa_engine_expect,
+ * efa_post_messages, efa_wait_counters); the protocol, the struct and the header format are
+ * described there and in kernels/proxy/wire.py. A host window is read and written in place; a
+ * device window through a host stage and the CUDA driver's copies (window_kind), the same steps
+ * and checks. Every problem is worded here, the same on every rank (efa_wire_check_headers).
  *
  * Build: part of libefa_proxy.so (cc ... efa_proxy.c efa_bench.c efa_round.c efa_host.c ...).
  */
@@ -11,7 +11,9 @@
 #include "efa_proxy.h"
 #include "efa_util.h"
 
+#include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -19,6 +21,116 @@
 
 enum { H_STATUS, H_OP, H_ROWS, H_ROW_BYTES, H_CHUNKS, H_TAG, H_FORMAT };
 #define FOOTER_BYTES 16
+
+/* ---- A window reached through copies (window_kind != EFA_WINDOW_DIRECT) -------------------- */
+/* The CUDA driver's copies, loaded at the first device window's round (the library builds and
+ * runs without CUDA). CUresult is an int, CUdeviceptr an unsigned long long, CUstream a pointer. */
+typedef int (*cu_h2d_t)(unsigned long long dst, const void *src, size_t n, void *stream);
+typedef int (*cu_d2h_t)(void *dst, unsigned long long src, size_t n, void *stream);
+typedef int (*cu_sync_t)(void *stream);
+typedef int (*cu_errstr_t)(int code, const char **text);
+static struct {
+    cu_h2d_t h2d;
+    cu_d2h_t d2h;
+    cu_sync_t sync;
+    cu_errstr_t errstr;
+    char why[256];
+} cuda_copy;
+static pthread_once_t cuda_copy_once = PTHREAD_ONCE_INIT;
+
+static void cuda_copy_load(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(cuda_copy.why, sizeof cuda_copy.why,
+                 "libcuda.so.1 cannot be loaded (%s): no NVIDIA driver here", dlerror());
+        return;
+    }
+    cuda_copy.h2d = (cu_h2d_t)dlsym(h, "cuMemcpyHtoDAsync_v2");
+    cuda_copy.d2h = (cu_d2h_t)dlsym(h, "cuMemcpyDtoHAsync_v2");
+    cuda_copy.sync = (cu_sync_t)dlsym(h, "cuStreamSynchronize");
+    cuda_copy.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
+    if (!cuda_copy.h2d || !cuda_copy.d2h || !cuda_copy.sync) {
+        cuda_copy.h2d = NULL;
+        snprintf(cuda_copy.why, sizeof cuda_copy.why, "the NVIDIA driver lacks "
+                 "cuMemcpyHtoDAsync_v2, cuMemcpyDtoHAsync_v2 or cuStreamSynchronize");
+    }
+}
+
+static int cuda_failed(const efa_wire *w, int code, const char *what, char *err, size_t errlen) {
+    const char *text = NULL;
+    if (cuda_copy.errstr) cuda_copy.errstr(code, &text);
+    set_err(err, errlen, "rank %lld: the device window's %s failed: CUDA error %d (%s)",
+            (long long)w->rank, what, code, text ? text : "unknown");
+    return -EIO;
+}
+
+static int copies_ready(const efa_wire *w, char *err, size_t errlen) {
+    if (w->window_kind == EFA_WINDOW_DIRECT) return 0;
+    if (!w->stage || (w->window_kind != EFA_WINDOW_CUDA && w->window_kind != EFA_WINDOW_COPIED)) {
+        set_err(err, errlen, "rank %lld: window kind %lld (0..2) with %s stage", (long long)w->rank,
+                (long long)w->window_kind, w->stage ? "a" : "no");
+        return -EINVAL;
+    }
+    if (w->window_kind == EFA_WINDOW_CUDA) {
+        pthread_once(&cuda_copy_once, cuda_copy_load);
+        if (!cuda_copy.h2d) {
+            set_err(err, errlen, "rank %lld: a device window's round needs the CUDA driver: %s",
+                    (long long)w->rank, cuda_copy.why);
+            return -ENOSYS;
+        }
+    }
+    return 0;
+}
+
+/* Queue a copy of n bytes from host src to the window at off (ordered on the stream). */
+static int to_window(const efa_wire *w, int64_t off, const void *src, int64_t n, char *err,
+                     size_t errlen) {
+    if (n <= 0) return 0;
+    if (w->window_kind == EFA_WINDOW_COPIED) {
+        memcpy(w->window + off, src, (size_t)n);
+        return 0;
+    }
+    int rc = cuda_copy.h2d((unsigned long long)(uintptr_t)(w->window + off), src, (size_t)n,
+                           (void *)(uintptr_t)w->stream);
+    return rc ? cuda_failed(w, rc, "copy to the window", err, errlen) : 0;
+}
+
+/* Queue a copy of n bytes from the window at off to host dst (valid after window_sync). */
+static int from_window(const efa_wire *w, void *dst, int64_t off, int64_t n, char *err,
+                       size_t errlen) {
+    if (n <= 0) return 0;
+    if (w->window_kind == EFA_WINDOW_COPIED) {
+        memcpy(dst, w->window + off, (size_t)n);
+        return 0;
+    }
+    int rc = cuda_copy.d2h(dst, (unsigned long long)(uintptr_t)(w->window + off), (size_t)n,
+                           (void *)(uintptr_t)w->stream);
+    return rc ? cuda_failed(w, rc, "copy from the window", err, errlen) : 0;
+}
+
+/* Waits for the stream: the queued copies and every kernel the caller queued before them (its
+ * packing into the send area, its reads of the receive side). Time counted as a wait. */
+static int window_sync(efa_wire *w, char *err, size_t errlen) {
+    if (w->window_kind != EFA_WINDOW_CUDA) return 0;
+    uint64_t t0 = now_ns();
+    int rc = cuda_copy.sync((void *)(uintptr_t)w->stream);
+    w->wait_ns += (int64_t)(now_ns() - t0);
+    return rc ? cuda_failed(w, rc, "stream synchronization", err, errlen) : 0;
+}
+
+/* The stage's parts (efa_wire_stage_bytes' layout). */
+static uint8_t *stage_hdr_send(const efa_wire *w) { return w->stage; }
+static uint8_t *stage_hdr_recv(const efa_wire *w) { return w->stage + w->world * w->hdr_bytes; }
+static uint8_t *stage_foot_send(const efa_wire *w) {
+    return stage_hdr_recv(w) + w->world * w->hdr_len;
+}
+static uint8_t *stage_foot_recv(const efa_wire *w) {
+    return stage_foot_send(w) + w->world * FOOTER_BYTES;
+}
+
+int64_t efa_wire_stage_bytes(int64_t world, int64_t hdr_bytes, int64_t hdr_len) {
+    return world * (hdr_bytes + hdr_len + 2 * FOOTER_BYTES);
+}
 
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -78,19 +190,23 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
     w->r_writes = w->r_wire_bytes = w->r_messages = w->r_rows = 0;
     w->nmsgs = 0;
     w->bad_peer = -1;
+    int rc = copies_ready(w, err, errlen);
+    if (rc) return rc;
     /* our previous writes must have left the send side before it is rewritten */
     uint64_t t0 = now_ns();
-    int rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
+    rc = efa_wait_idle(w->engine, (int)w->timeout_ms, err, errlen);
     w->wait_ns += (int64_t)(now_ns() - t0);
     if (rc) return wait_failed(w, rc, "send side", err, errlen);
     /* from here on, a peer's message of another round is an error */
     efa_engine_expect(w->engine, (uint32_t)w->seq);
 
     const int ok = w->status == 0;
-    /* 1. headers: also the "my window is free" handshake and the status carrier */
+    /* 1. headers: also the "my window is free" handshake and the status carrier (built in the
+     * stage when the window is reached through copies; efa_wire_post_headers copies them up) */
+    uint8_t *hdrs = w->window_kind ? stage_hdr_send(w) : w->window + w->off_hdr_send;
     for (int64_t d = 0; d < W; d++) {
         if (d == me) continue;
-        int64_t *h = (int64_t *)(w->window + w->off_hdr_send + d * w->hdr_bytes);
+        int64_t *h = (int64_t *)(hdrs + d * w->hdr_bytes);
         memset(h, 0, (size_t)w->hdr_len);
         h[H_STATUS] = w->status;
         h[H_OP] = w->op;
@@ -125,8 +241,13 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
         }
     }
     cur = align16(cur);
-    for (int64_t d = 0; d < W && ok; d++) {
+    for (int64_t d = 0, nf = 0; d < W && ok; d++) {
         if (d == me || w->rows_to[d] <= 0) continue;
+        if (w->window_kind) { /* staged footers go up with the headers, in destination order */
+            int64_t *f = (int64_t *)(stage_foot_send(w) + FOOTER_BYTES * nf++);
+            f[0] = w->rows_to[d];
+            f[1] = w->tag;
+        }
         plan[EFA_MAX_PLANES * W + d] = cur;
         cur += FOOTER_BYTES;
     }
@@ -183,6 +304,21 @@ int efa_wire_begin(efa_wire *w, int post_headers, char *err, size_t errlen) {
 int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen) {
     const int64_t W = w->world;
     if (W < 2) return 0;
+    if (w->window_kind) {
+        /* the staged headers and footers up; the stream's sync also orders the caller's earlier
+         * reads of the receive side before the headers let peers overwrite it */
+        int rc = to_window(w, w->off_hdr_send, stage_hdr_send(w), W * w->hdr_bytes, err, errlen);
+        int64_t first = -1, nf = 0;
+        for (int64_t d = 0; d < W; d++) {
+            int64_t off = w->plan[EFA_MAX_PLANES * W + d];
+            if (off < 0) continue;
+            if (first < 0) first = off;
+            nf++;
+        }
+        if (!rc && nf) rc = to_window(w, first, stage_foot_send(w), nf * FOOTER_BYTES, err, errlen);
+        if (!rc) rc = window_sync(w, err, errlen);
+        if (rc) return rc;
+    }
     int64_t *hd = w->hmsgs, *hl = w->hmsgs + W, *hr = w->hmsgs + 2 * W, *hs = w->hmsgs + 3 * W;
     uint32_t msg = (uint32_t)(2 * w->seq) & EFA_IMM_MSG_MASK;
     int rc = efa_post_messages(w->engine, msg, 0, (int)(W - 1), hd, hl, hr, hs,
@@ -208,19 +344,34 @@ int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen) {
         int rc = timed_wait(w, msg, n, "headers", err, errlen);
         if (rc) return rc;
     }
-    /* a copy of every peer's header: what the caller reads (the error texts stay in the window) */
+    /* through copies: every peer's header with its text into the stage; the sync also waits
+     * for the caller's packing kernels, queued on the stream before it */
+    if (w->window_kind) {
+        for (int64_t r = 0; r < W; r++) {
+            if (r == me) continue;
+            int rc = from_window(w, stage_hdr_recv(w) + r * w->hdr_len, hdr_recv_off(w, r, w->seq),
+                                 w->hdr_len, err, errlen);
+            if (rc) return rc;
+        }
+        int rc = window_sync(w, err, errlen);
+        if (rc) return rc;
+    }
+    /* a copy of every peer's header: what the caller reads (the error texts stay in the window,
+     * or the stage) */
     for (int64_t r = 0; r < W; r++) {
         int64_t *g = w->got + r * F;
         if (r == me) {
             memset(g, 0, (size_t)F * 8);
             continue;
         }
-        memcpy(g, w->window + hdr_recv_off(w, r, w->seq), (size_t)F * 8);
+        memcpy(g, w->window_kind ? stage_hdr_recv(w) + r * w->hdr_len
+                                 : w->window + hdr_recv_off(w, r, w->seq), (size_t)F * 8);
     }
     int rc = efa_wire_check_headers(w, err, errlen);
     if (rc) return rc; /* nothing posted */
-    /* footers: [rows, round tag], checked by the receiver against the header */
-    for (int64_t d = 0; d < W; d++) {
+    /* footers: [rows, round tag], checked by the receiver against the header (staged ones went
+     * up with the headers) */
+    for (int64_t d = 0; d < W && !w->window_kind; d++) {
         int64_t off = w->plan[EFA_MAX_PLANES * W + d];
         if (d == me || off < 0) continue;
         int64_t *f = (int64_t *)(w->window + off);
@@ -258,10 +409,22 @@ int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
         int rc = timed_wait(w, msg, n, "data", err, errlen);
         if (rc) return rc;
     }
+    for (int i = 0; i < n && w->window_kind; i++) { /* through copies: the footers to the stage */
+        int64_t r = w->wait_srcs[i], rows = w->rows_from[r], off = data_recv_off(w, r);
+        for (int64_t p = 0; p < w->nplanes; p++) off += align16(rows * w->widths[p]);
+        int rc = from_window(w, stage_foot_recv(w) + r * FOOTER_BYTES, off, FOOTER_BYTES, err,
+                             errlen);
+        if (rc) return rc;
+    }
+    if (n && w->window_kind) {
+        int rc = window_sync(w, err, errlen);
+        if (rc) return rc;
+    }
     for (int i = 0; i < n; i++) {
         int64_t r = w->wait_srcs[i], rows = w->rows_from[r], off = data_recv_off(w, r);
         for (int64_t p = 0; p < w->nplanes; p++) off += align16(rows * w->widths[p]);
-        const int64_t *f = (const int64_t *)(w->window + off);
+        const int64_t *f = (const int64_t *)(w->window_kind ? stage_foot_recv(w) + r * FOOTER_BYTES
+                                                            : w->window + off);
         if (f[0] != rows || f[1] != w->tag) {
             w->bad_peer = r;
             set_err(err, errlen, "rank %lld: protocol violation: rank %lld's %s data says %lld "

@@ -6,7 +6,7 @@ One concern per module, read top to bottom along a token's path:
 - ``window.py``: the registered window's layout, header and footer formats;
 - ``ring.py``: command rings and the descriptor producers (host code, Triton kernel);
 - ``wire.py``: one round of the protocol (header exchange, data, checks) in native steps over a
-  host window; ``stepped_wire.py`` the same round in Python steps over a device window;
+  host window (in place) or a device window (through copies of a pinned stage);
   ``tamper.py`` the test-only faults of a round;
 - ``transport.py``: :class:`ProxyTransport`, the contract methods, setup and failure state;
 - ``round_ops.py``: the operations as wire rounds (routing, packing, reductions, the handle);

@@ -186,10 +186,10 @@ class DevicePath:
 
     def _packed_ops(self):
         """The native operations (``hostop.py``) for rows the device packed into the send area,
-        when this wire runs native rounds with the native descriptor producer and no test-only
-        header tampering; else None (the round in Python steps)."""
+        when this wire reaches its window in place (a host window) with the native descriptor
+        producer and no test-only header tampering; else None (the round in steps)."""
         wire = self.wire
-        if (not wire.native_round or wire._nw is None or wire.tamper in PY_TAMPER
+        if (not wire.window_in_place or wire._nw is None or wire.tamper in PY_TAMPER
                 or self.producer == "triton"):
             return None
         return self._op_struct()

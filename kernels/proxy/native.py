@@ -42,7 +42,7 @@ HEADER = os.path.join(_NATIVE_DIR, "efa_proxy.h")
 HEADERS = (HEADER, os.path.join(_NATIVE_DIR, "efa_engine.h"),
            os.path.join(_NATIVE_DIR, "efa_util.h"))  # a changed header rebuilds too
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 ADDR_MAX = 256          # EFA_ADDR_MAX
 CTRL_STRIDE = 16        # EFA_CTRL_STRIDE (uint64 per channel in ring_ctrl)
 CTRL_TAIL, CTRL_HEAD = 0, 8
@@ -208,6 +208,7 @@ _SIGS = {
     "efa_wire_post_data": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_wire_finish": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_wire_check_headers": ([_vp, _cp, ctypes.c_size_t], _i32),
+    "efa_wire_stage_bytes": ([_i64, _i64, _i64], _i64),
     "efa_op_dispatch_post": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_dispatch_complete": ([_vp, _cp, ctypes.c_size_t], _i32),
     "efa_op_cached_post": ([_vp, _cp, ctypes.c_size_t], _i32),
@@ -452,7 +453,18 @@ class WireStruct(ctypes.Structure):
         ("rows_to", _vp), ("extras", _vp), ("n_recv", _vp),
         ("plan", _vp), ("got", _vp), ("rows_from", _vp), ("nmsgs", _i64), ("bad_peer", _i64),
         ("r_writes", _i64), ("r_wire_bytes", _i64), ("r_messages", _i64), ("r_rows", _i64),
-        ("wait_ns", _i64))]
+        ("wait_ns", _i64), ("window_kind", _i64), ("stage", _vp), ("stream", _u64))]
+
+
+# How a round reaches its window (efa_proxy.h EFA_WINDOW_*): in place (a host window), through
+# the CUDA driver's copies (a device window), through memcpy (a host window reached as a device
+# window is: the tests' stand-in for the device window's steps)
+WINDOW_DIRECT, WINDOW_CUDA, WINDOW_COPIED = 0, 1, 2
+
+
+def wire_stage_bytes(world: int, hdr_bytes: int, hdr_len: int) -> int:
+    """Bytes of the host stage of a window reached through copies (efa_wire_stage_bytes)."""
+    return int(load().efa_wire_stage_bytes(world, hdr_bytes, hdr_len))
 
 
 # efa_wire_check_headers' codes (efa_proxy.h): what a round's headers say beyond "clean"

@@ -195,10 +195,10 @@ class RoundOps:
 
     def _host_ops(self, *tensors) -> Optional[HostOps]:
         """The native operations (``hostop.py``) when they apply: CPU tensors on a host window
-        with native rounds, the native descriptor producer, no test-only header tampering and
+        (reached in place), the native descriptor producer, no test-only header tampering and
         no forced device kernels; else None (the round in steps, below)."""
         wire = self.wire
-        if (not wire.native_round or wire._nw is None or wire.tamper in PY_TAMPER
+        if (not wire.window_in_place or wire._nw is None or wire.tamper in PY_TAMPER
                 or self.producer == "triton" or self.device_kernels == "always"
                 or any(t.device.type != "cpu" for t in tensors)):
             return None

@@ -1,7 +1,7 @@
 """Test-only faults of the proxy's round (``EFA_EP_PROXY_TAMPER``): a rank corrupts its first
 dispatch header to a peer, or the routing metadata it sends, once, so the tests can check that
-every peer detects it and names this rank. Used by both :class:`~efa_ep.kernels.proxy.wire.Wire`
-kinds; the native engine's own faults (``native.TAMPER_KINDS``) are set in C."""
+every peer detects it and names this rank. Used by :class:`~efa_ep.kernels.proxy.wire.Wire`
+over either window; the native engine's own faults (``native.TAMPER_KINDS``) are set in C."""
 from __future__ import annotations
 
 import numpy as np

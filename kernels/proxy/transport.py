@@ -1,8 +1,8 @@
 """The ``proxy`` transport: command rings + a native multi-channel CPU proxy + a libfabric wire.
 
 A token's path: :meth:`ProxyTransport.dispatch` packs rows into the registered window
-(``window.py``), a wire runs one round (header exchange, then data: ``wire.py`` natively over a
-host window, ``stepped_wire.py`` in Python steps over a device window), the rings (``ring.py``)
+(``window.py``), a wire runs one round (header exchange, then data: ``wire.py``, in native steps
+over a host or a device window), the rings (``ring.py``)
 hand descriptors to the native channel threads (``native.py`` -> ``kernels/native/efa_proxy.c``),
 which post ``fi_writedata`` into the peers' windows and count arrivals per (source, message).
 Dispatch is one round, combine one, dispatch_cached one; a row wider than the window's row capacity
@@ -19,8 +19,8 @@ checked, data, footers), the rows copied once out of the receive window, the rou
 checked and unpacked, combine's reduction in one pass; every check once, in C, which also words
 every error. Python checks the arguments, allocates the outputs and maps return codes to the
 contract's errors. Other inputs (GPU rows, the Triton producer, test-only tampering) run the
-operation in Python around the wire's round (``round_ops.py``), natively stepped over a host
-window and in Python steps over a device window, with the same native pieces
+operation in Python around the wire's round (``round_ops.py``), in native steps over a host
+window (in place) or a device window (through copies of a pinned stage), with the same native pieces
 (``kernels/native/efa_round.c``, ``efa_host.c``), each matching its torch reference bit for bit.
 Buffers are allocated once.
 
@@ -76,7 +76,7 @@ from .ring import Rings
 from .window import ALIGN, NUM_COUNTER_SLOTS, WindowLayout, alloc_window
 from .device_path import DevicePath
 from .round_ops import ProxyHandleState, RoundOps  # noqa: F401 (public name)
-from .wire import wire_for
+from .wire import Wire
 
 
 def availability() -> Optional[str]:
@@ -252,11 +252,9 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
 
     # Setup ----------------------------------------------------------------------------------
     def _make_wire(self):
-        """The wire of this transport's window (native rounds on a host window, steps on a
-        device window)."""
-        return wire_for(self.window)(self.rank, self.world_size, self.cfg.max_tokens_per_rank,
-                                     self.layout, self.window, self.rings, self.timeout_ms,
-                                     self.options.tamper)
+        """The wire of this transport's window."""
+        return Wire(self.rank, self.world_size, self.cfg.max_tokens_per_rank, self.layout,
+                    self.window, self.rings, self.timeout_ms, self.options.tamper)
 
     def _start_engine(self) -> None:
         if self.provider.split(";")[0] == "shm":

@@ -19,13 +19,13 @@
    (known from the header), never inferring completion from order; then checks the footer. On
    the receiving side source r's planes sit at fixed offsets of its region, 16-byte aligned.
 
-Two kinds of wire run a round. :class:`Wire` (a host window) runs steps 1, 3, 5 and every
-check in one native call each (``kernels/native/efa_round.c``): no per-message or per-peer
-Python. :class:`~efa_ep.kernels.proxy.stepped_wire.SteppedWire` (a device window,
-``hmem='cuda'``) runs the same steps in Python with the same native header checks
-(``efa_wire_check_headers``); every problem is worded in C. :func:`wire_for` picks the kind.
-CPU rows on a host window skip the steps altogether: ``hostop.py`` runs a whole operation in two
-native calls.
+:class:`Wire` runs steps 1, 3, 5 and every check in one native call each
+(``kernels/native/efa_round.c``): no per-message or per-peer Python; every problem is worded in
+C. A host window is read and written in place; a device window (``hmem='cuda'``) through a
+pinned host stage that the native round copies to and from the window with the CUDA driver, on
+the caller's stream (headers and footers up in one synchronization per round's start, the peers'
+headers and footers down in one each). CPU rows on a host window skip the steps altogether:
+``hostop.py`` runs a whole operation in two native calls.
 
 Every header field from a peer is checked against this rank's capacities before its data is used;
 a peer that breaks the protocol raises :class:`ProtocolViolation`.
@@ -67,8 +67,8 @@ class ProtocolViolation(ProtocolError):
 
 
 class Wire:
-    """Rounds over one host window, one set of rings and one engine, in native steps (see the
-    module docstring; a device window takes a ``SteppedWire``, :func:`wire_for`).
+    """Rounds over one window (host or device memory), one set of rings and one engine, in
+    native steps (see the module docstring).
 
     A round is three calls, with the caller's work in between (nothing per message or per peer
     in Python on a host window: each call is one native call, ``efa_round.c``):
@@ -80,24 +80,19 @@ class Wire:
        its own share while the data flies;
     4. :meth:`finish`: wait for every peer's data, check its footer; :meth:`recv` views it.
 
-    The naming of any problem the native checks detect is the same for both kinds of wire (the
-    exact error every rank raises comes from one place, ``efa_wire_check_headers``).
+    Every rank raises the same error for any problem the native checks detect (the text comes
+    from one place, ``efa_wire_check_headers``).
 
     Args:
         rank, world: this rank and the EP group size. max_tokens_per_rank: row capacity of a slot.
-        layout: the window layout. window: ``[layout.window_bytes]`` uint8 (host or CUDA).
+        layout: the window layout. window: ``[layout.window_bytes]`` uint8 (host or CUDA; a
+            CUDA window's rounds synchronize the caller's current stream, see the module).
         rings: the command rings (attached to ``engine`` before the first round).
         tamper: test-only fault kind (EFA_EP_PROXY_TAMPER) or "".
     """
 
-    #: the round's steps run in native code (False: in Python, ``SteppedWire``)
-    native_round = True
-
     def __init__(self, rank: int, world: int, max_tokens_per_rank: int, layout: WindowLayout,
                  window: torch.Tensor, rings: Rings, timeout_ms: int, tamper: str = ""):
-        if window.is_cuda and self.native_round:
-            raise TransportError(f"rank {rank}: a device window's rounds run as steps: create "
-                                 f"it with wire_for(window)")
         self.rank, self.world = rank, world
         self.max_tokens_per_rank = max_tokens_per_rank
         self.layout = layout
@@ -135,26 +130,45 @@ class Wire:
         self._dests: List[int] = []  # ranks this round sends rows to, ascending
         self._total_to = 0
         self._py_wait_ns = 0
-        self._bind_window()
+        self._bind_window(native.WINDOW_CUDA if window.is_cuda else native.WINDOW_DIRECT)
         # What this rank handed to the engine since creation (host counts, see count_posted):
         # writes = descriptors, wire_bytes = their bytes; messages/rows/bytes = data messages,
         # their rows and the rows' payload bytes (first plane only: no routing metadata).
         self.posted = {"writes": 0, "wire_bytes": 0, "messages": 0, "rows": 0, "bytes": 0}
 
-    def _bind_window(self) -> None:
-        """Host views of the window (a host window is read and written through numpy; a device
-        window's header is staged in host memory and copied up)."""
+    def _bind_window(self, kind: int) -> None:
+        """How the rounds reach the window (``native.WINDOW_*``) and the host views of the
+        headers to send (``_hdr_stage``): in the window itself, or in the stage the native round
+        copies up (a device window: pinned host memory)."""
         lay, w = self.layout, self.world
-        if self.window.is_cuda:
-            self._win_np = None
-            self._hdr_stage = np.zeros((w, lay.hdr_bytes), dtype=np.uint8)
-            self._hdr_is_window = False
-        else:
-            self._win_np = self.window.numpy()
+        self.window_kind = kind
+        self._win_np = None if self.window.is_cuda else self.window.numpy()
+        if kind == native.WINDOW_DIRECT:
+            self._stage = self._stage_np = None
             self._hdr_stage = self._win_np[lay.off_hdr_send:lay.off_hdr_send + w * lay.hdr_bytes].reshape(
                 w, lay.hdr_bytes)
-            self._hdr_is_window = True
+        else:
+            nbytes = native.wire_stage_bytes(w, lay.hdr_bytes, lay.hdr_len)
+            self._stage = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.window.is_cuda)
+            self._stage_np = self._stage.numpy()
+            self._hdr_stage = self._stage_np[:w * lay.hdr_bytes].reshape(w, lay.hdr_bytes)
         self._hdr_stage_i64 = self._hdr_stage[:, :lay.hdr_fields * 8].view(np.int64)
+
+    @property
+    def window_in_place(self) -> bool:
+        """The rounds read and write the window in place (a host window): what the native
+        whole operations (``hostop.py``) need."""
+        return self.window_kind == native.WINDOW_DIRECT
+
+    def through_copies(self) -> None:
+        """Test-only: from the next round on, reach this host window only through copies of
+        the stage, as a device window's rounds do (the same native steps, with memcpy for the
+        CUDA driver's copies), so CPU tests run the device window's steps."""
+        if self.window.is_cuda:
+            raise TransportError(f"rank {self.rank}: a device window is always reached through "
+                                 f"copies")
+        self._bind_window(native.WINDOW_COPIED)
+        self._bind_native()
 
     def start(self, engine, gen: int) -> None:
         self.engine = engine
@@ -164,14 +178,16 @@ class Wire:
 
     def _bind_native(self) -> None:
         """The native round's struct over this wire's arrays: its steps (``_nw``) and its header
-        checks (``_checks``, the same object here; a ``SteppedWire`` uses only the checks)."""
+        checks (``_checks``, the same object)."""
         self._nw = self._checks = None
         if self.engine is None:
             return
         lay, w = self.layout, self.world
         st = native.WireStruct()
         st.engine = self.engine.handle
-        st.window = None if self.window.is_cuda else self.window.data_ptr()
+        st.window = self.window.data_ptr()
+        st.window_kind = self.window_kind
+        st.stage = None if self._stage is None else self._stage.data_ptr()
         st.rank, st.world = self.rank, w
         st.hdr_fields, st.num_extra = lay.hdr_fields, self.num_extra
         st.hdr_len, st.hdr_bytes, st.hdr_chunks = lay.hdr_len, lay.hdr_bytes, lay.hdr_chunks
@@ -313,11 +329,10 @@ class Wire:
         else:
             st.extras = None
         st.n_recv = self._n_recv_ptr if n_recv is not None else None
-        self._begin_steps(op, widths, extras, fmt, tag, error, seq)
-
-    def _begin_steps(self, op, widths, extras, fmt, tag, error, seq) -> None:
-        """Waits for the send side, posts the headers and lays out the send area (one native
-        call; error text or test-only tampering go into the headers before they are posted)."""
+        if self.window_kind == native.WINDOW_CUDA:  # the round's copies follow the caller's work
+            st.stream = torch._C._cuda_getCurrentRawStream(self.window.device.index)
+        # one native call; an error text or test-only tampering goes into the headers (in the
+        # window, or the stage) before they are posted
         tampering = (not error and op == OP_DISPATCH and self.tamper in PY_TAMPER
                      and self.tamper != "ids")
         self.native(self._nw.begin, not (error or tampering))
@@ -365,18 +380,15 @@ class Wire:
         tamper_data(self, op)
         posted_data = False
         try:
-            self._exchange_steps(seq, op, widths, fmt, tag, error, has_n_recv)
+            rc = self.native(self._nw.exchange, not self.use_triton)
+            if rc:  # a header is not clean: every rank raises the same error
+                self.header_error(rc, seq, op, error)
+            if self.use_triton and self._nmsgs:
+                self._push_triton(self._msgs[:, :self._nmsgs], (2 * seq + 1) & MSG_MASK)
             posted_data = True
             return self._got
         finally:
             self._account(posted_data, widths, count_rows)
-
-    def _exchange_steps(self, seq, op, widths, fmt, tag, error, has_n_recv) -> None:
-        rc = self.native(self._nw.exchange, not self.use_triton)
-        if rc:  # a header is not clean: every rank raises the same error
-            self.header_error(rc, seq, op, error)
-        if self.use_triton and self._nmsgs:
-            self._push_triton(self._msgs[:, :self._nmsgs], (2 * seq + 1) & MSG_MASK)
 
     def _push_triton(self, msgs: np.ndarray, msg: int) -> None:
         dests, loffs, roffs, sizes = (a.tolist() for a in msgs)
@@ -432,14 +444,12 @@ class Wire:
     def _account(self, posted_data: bool, widths: List[int], count_rows: bool) -> None:
         """Adds what this round handed to the engine to :attr:`posted`."""
         p = self.posted
-        native_round = self.native_round
-        if native_round:  # headers, and data posted by efa_post_messages
-            st = self._nw.st
-            p["writes"] += st.r_writes
-            p["wire_bytes"] += st.r_wire_bytes
+        st = self._nw.st  # headers, and data posted by efa_post_messages
+        p["writes"] += st.r_writes
+        p["wire_bytes"] += st.r_wire_bytes
         if not posted_data or not self._nmsgs:
             return
-        if not native_round or self.use_triton:  # data posted by Python or the Triton producer
+        if self.use_triton:  # data posted by the Triton producer
             data = self._msgs[3, :self._nmsgs]
             p["writes"] += int(ceil_div(data, self.layout.chunk_bytes).sum())
             p["wire_bytes"] += int(data.sum())
@@ -448,57 +458,21 @@ class Wire:
         p["rows"] += sent if count_rows else 0
         p["bytes"] += sent * widths[0] if count_rows else 0
 
-    def _data_chunks_np(self, rows: np.ndarray, widths: List[int]) -> np.ndarray:
-        """``[n]`` int64 chunks of data messages of ``rows`` rows each (see data_chunks)."""
-        cb = self.layout.chunk_bytes
-        total = np.zeros(len(rows), dtype=np.int64)
-        for wd in widths:
-            total += ceil_div(rows * wd, cb)
-        return np.where(rows > 0, total + 1, 0).astype(np.int64)
-
-    def _read_i64(self, off: int, n: int) -> np.ndarray:
-        """``n`` int64 at window offset ``off`` (copied to the host)."""
-        if self._win_np is not None:
-            return self._win_np[off:off + 8 * n].view(np.int64).copy()
-        return self.window_view(off, 8 * n).cpu().numpy().view(np.int64)
-
-    def _footer(self, r: int, n: int, widths: List[int]) -> np.ndarray:
-        off = self.layout.data_recv_off(r) + sum(align_up(n * wd, ALIGN) for wd in widths)
-        return self._read_i64(off, 2)
-
-    def _footer_violation(self, r: int, what: str, widths: List[int], tag: int):
-        n = int(self._rows_from[r])
-        foot = self._footer(r, n, widths)
-        self.violation(f"rank {r}'s {what} data says {int(foot[0])} rows (round tag "
-                       f"{int(foot[1]):#x}), its header {n} rows (tag {tag:#x})")
-
     def _got_texts(self, seq: int) -> None:
-        """The error texts of peers whose header (already in ``_got``) says bad input."""
+        """The error texts of peers whose header (already in ``_got``) says bad input: in the
+        window, or where the native round copied the peers' headers (the stage)."""
         lay = self.layout
         f8 = lay.hdr_fields * 8
         self._hdr_text = {}
         for r in self._peers.tolist():
             if self._got[r, H_STATUS] == STATUS_BAD_INPUT:
-                off = lay.hdr_recv_off(r, seq)
-                self._hdr_text[r] = self._win_np[off + f8:off + lay.hdr_len].tobytes()
-
-    def _read_headers(self, seq: int) -> np.ndarray:
-        """``[W, F]`` int64 copy of the peers' headers of round ``seq`` (row self.rank zero); their
-        error texts go to ``self._hdr_text``."""
-        lay = self.layout
-        f8 = lay.hdr_fields * 8
-        got = np.zeros((self.world, lay.hdr_fields), dtype=np.int64)
-        self._hdr_text = {}
-        for r in self._peers.tolist():
-            off = lay.hdr_recv_off(r, seq)
-            if self._win_np is not None:
-                raw = self._win_np[off:off + lay.hdr_len]
-            else:
-                raw = self.window_view(off, lay.hdr_len).cpu().numpy()
-            got[r] = raw[:f8].view(np.int64)
-            if got[r, H_STATUS] == STATUS_BAD_INPUT:
-                self._hdr_text[r] = raw[f8:].tobytes()
-        return got
+                if self._stage_np is None:
+                    off = lay.hdr_recv_off(r, seq)
+                    raw = self._win_np[off + f8:off + lay.hdr_len]
+                else:
+                    off = self.world * lay.hdr_bytes + r * lay.hdr_len
+                    raw = self._stage_np[off + f8:off + lay.hdr_len]
+                self._hdr_text[r] = raw.tobytes()
 
     @staticmethod
     def native(fn, *args):
@@ -524,8 +498,7 @@ class Wire:
         from the peers' headers; every other text from C (``text``, else the wire's last)."""
         text = self._checks.text() if text is None else text
         if rc == native.RC_GROUP_INPUT:
-            if self._win_np is not None:
-                self._got_texts(seq)
+            self._got_texts(seq)
             errs = {self.rank: error} if error else {}
             for r in self._peers.tolist():
                 if int(self._got[r, H_STATUS]) == STATUS_BAD_INPUT:
@@ -574,12 +547,3 @@ class Wire:
                     out_b[starts[r]:starts[r] + n_recv[r], c0:c1].copy_(views[0])
         out[starts[me]:starts[me] + n_recv[me]].copy_(self_rows)
         return out
-
-
-def wire_for(window: torch.Tensor) -> type:
-    """The kind of wire that runs rounds over ``window``: :class:`Wire` for a host window, a
-    ``SteppedWire`` for a device window."""
-    if window.is_cuda:
-        from .stepped_wire import SteppedWire
-        return SteppedWire
-    return Wire

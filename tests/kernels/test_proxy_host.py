@@ -1,13 +1,15 @@
-"""The proxy's native host path against its torch references (no wire), and whole rounds in both
-round implementations (native ``efa_round.c`` and the Python steps device windows use).
+"""The proxy's native host path against its torch references (no wire), and whole rounds over a
+window reached in place and through copies (``efa_round.c``, as a host and a device window).
 
 - ``efa_route_layout`` == ``kernels/base.py`` ``compute_send_layout`` (+ the routing rows the
   transport sends), bit for bit, and its value checks;
 - ``efa_reduce_rows`` == ``reduce_rows_by_rank(...).to(dtype)``, bit for bit, and its refusals;
 - ``efa_unpack_meta`` == the transport's unpacking and its refusals, each worded by
   ``efa_describe_meta``;
-- dispatch / combine / dispatch_cached / combine_topk_weights with the Python round steps forced
-  (``SteppedWire``, the device window's rounds, over a host window) are bit-identical to ``torch``, as the native operations are;
+- dispatch / combine / dispatch_cached / combine_topk_weights with the window reached only
+  through copies of the stage (the device window's round steps, over a host window) are
+  bit-identical to ``torch``, as the native operations are; a rank's input error reaches every
+  rank through the stage;
 - a whole operation on CPU rows is two native calls (``efa_op.c``), its header errors are worded
   in C alike on every rank, its waits' deadlines name the peer, the op and the round, and idle
   channel threads block until the next operation wakes them.
@@ -167,11 +169,12 @@ def test_unpack_meta_unpacks_and_refuses_what_check_meta_refuses():
 
 
 # --------------------------------------------------------------------------------------------
-# Whole rounds: native and Python round steps, bit-identical to torch
+# Whole rounds: the window in place and through copies, bit-identical to torch
 # --------------------------------------------------------------------------------------------
-def _rounds_rank(rank, world, provider, python_rounds):
+def _rounds_rank(rank, world, provider, copies):
     from efa_ep.kernels import create_transport
-    from efa_ep.kernels.proxy.stepped_wire import SteppedWire
+    from efa_ep.kernels.base import TransportError
+    from efa_ep.kernels.proxy.window import H_TAG
     from efa_ep.testing.routes import contract_route
 
     torch.set_num_threads(1)
@@ -184,8 +187,8 @@ def _rounds_rank(rank, world, provider, python_rounds):
         ref = create_transport("torch", None, num_experts, hidden, 32, dtype)
         px = create_transport("proxy", None, num_experts, hidden, 32, dtype, provider=provider,
                               num_channels=2, chunk_bytes=256, timeout_s=30)
-        if python_rounds:
-            px.wire = SteppedWire.take_over(px.wire)
+        if copies:
+            px.wire.through_copies()
         for seed, kind in enumerate(("random", "dropped", "one_rank")):
             t = tokens[rank]
             idx, w = contract_route(kind, t, num_experts, topk, world, seed * 7 + rank)
@@ -202,16 +205,36 @@ def _rounds_rank(rank, world, provider, python_rounds):
             gw = torch.randn(r[0].shape[0], topk)
             if not same(ref.combine_topk_weights(gw, r[4]), px.combine_topk_weights(gw, p[4])):
                 bad.append((hidden, seed, "combine_topk_weights"))
-        # the rounds ran where asked: the native round's own wait clock moved only for it
-        assert type(px.wire).native_round == (not python_rounds)
-        assert (px.wire._checks.st.wait_ns > 0) == (not python_rounds), px.wire._checks.st.wait_ns
+        # the rounds ran where asked: through copies, the peer's last header (its round tag)
+        # is in the stage as well as in the window; in place, there is no stage
+        wire, peer = px.wire, 1 - rank
+        if copies:
+            lay = wire.layout
+            off = world * lay.hdr_bytes + peer * lay.hdr_len
+            staged = wire._stage_np[off:off + 8 * lay.hdr_fields].view(np.int64)
+            tag = (wire.gen << 32) | (wire.seq - 1)
+            assert staged[H_TAG] == tag, (staged, tag)
+            woff = lay.hdr_recv_off(peer, wire.seq - 1)
+            assert bytes(wire._win_np[woff:woff + 8 * lay.hdr_fields]) == staged.tobytes()
+            # an input error on rank 1 reaches every rank with rank 1's text, from the stage
+            idx = torch.zeros(2, topk, dtype=torch.int64)
+            idx[0, 0] = num_experts + 5 if rank == 1 else 0
+            try:
+                px.dispatch(torch.zeros(2, hidden).to(dtype), idx, torch.ones(2, topk))
+                bad.append((hidden, "input error", "no error"))
+            except TransportError as e:
+                if "rank 1" not in str(e) or str(num_experts + 5) not in str(e):
+                    bad.append((hidden, "input error", str(e)[:300]))
+        else:
+            assert wire._stage is None and wire.window_in_place
+        assert wire._checks.st.wait_ns > 0
         px.close()
     return bad
 
 
-@pytest.mark.parametrize("python_rounds", [False, True], ids=["native_rounds", "python_rounds"])
-def test_rounds_bit_identical_to_torch(python_rounds):
-    out = run_ranks(_rounds_rank, 2, ("tcp", python_rounds), timeout_s=200, pg_timeout_s=60,
+@pytest.mark.parametrize("copies", [False, True], ids=["in_place", "through_copies"])
+def test_rounds_bit_identical_to_torch(copies):
+    out = run_ranks(_rounds_rank, 2, ("tcp", copies), timeout_s=200, pg_timeout_s=60,
                     env=LOOPBACK)
     for rank, bad in enumerate(out):
         assert not bad, f"rank {rank}: proxy differs from torch in {bad}"

@@ -357,11 +357,13 @@ TAMPER_EXPECT = {
 FAST_TAMPER = ("ids", "rows_consistent", "msg")
 
 
-def _fault_rank(rank, world, kinds, timeout_s, device_path=False):
+def _fault_rank(rank, world, kinds, timeout_s, path="host"):
     """For each tamper kind: rank 1 tampers, every rank runs one dispatch; returns per kind
     (error or 'no error', seconds to it, error of the call after it, whether a ProtocolError).
-    ``device_path``: the transport's CUDA-input path on CPU tensors (its kernels under the
-    Triton interpreter, its rounds the native packed ones where no Python tampering runs)."""
+    ``path`` "device": the transport's CUDA-input path on CPU tensors (its kernels under the
+    Triton interpreter, its rounds the native packed ones where no Python tampering runs);
+    "copies": the host window reached only through copies of the stage, as a device window's
+    rounds reach theirs (headers, footers and error texts read from the stage)."""
     import torch.distributed as dist
 
     from efa_ep.kernels import TransportError, create_transport
@@ -380,8 +382,10 @@ def _fault_rank(rank, world, kinds, timeout_s, device_path=False):
         t = create_transport("proxy", None, 8, 16, 16, torch.float32, provider="tcp",
                              timeout_s=timeout_s, num_channels=2, chunk_bytes=chunk)
         os.environ.pop("EFA_EP_PROXY_TAMPER", None)
-        if device_path:
+        if path == "device":
             t.device_kernels, t.device_layout = "always", True
+        elif path == "copies":
+            t.wire.through_copies()
         start, protocol = time.monotonic(), False
         try:
             out = t.dispatch(x, idx, w)
@@ -402,10 +406,11 @@ def _fault_rank(rank, world, kinds, timeout_s, device_path=False):
     return results
 
 
-@pytest.mark.parametrize("path", ["host", pytest.param("device", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", ["host", "copies", pytest.param("device", marks=pytest.mark.slow)])
 def test_tampering_is_detected_and_never_summed(path):
     """``device``: the victim runs the CUDA-input path's rounds (device layout, the packed
-    native rounds) on CPU tensors, its kernels under the Triton interpreter."""
+    native rounds) on CPU tensors, its kernels under the Triton interpreter. ``copies``: every
+    rank's rounds reach the window only through the stage, as over a device window."""
     kinds = list(TAMPER_EXPECT) if FULL else list(FAST_TAMPER)
     env = dict(LOOPBACK)
     if path == "device":
@@ -414,7 +419,9 @@ def test_tampering_is_detected_and_never_summed(path):
         env["TRITON_INTERPRET"] = "1"
     else:
         kinds = [k for k in kinds if k != "mark"]  # (only the packed rounds mark their chunks)
-    out = run_ranks(_fault_rank, 2, (kinds, FAULT_TIMEOUT_S, path == "device"), timeout_s=400,
+    if path == "copies" and not FULL:
+        kinds += ["rows", "tag"]  # header checks read from the stage's copy of the headers
+    out = run_ranks(_fault_rank, 2, (kinds, FAULT_TIMEOUT_S, path), timeout_s=400,
                     pg_timeout_s=120, env=env)
     victim = out[0]
     figures, failures = {}, []
@@ -434,7 +441,7 @@ def test_tampering_is_detected_and_never_summed(path):
         if took >= FAULT_TIMEOUT_S + 1:
             failures.append(f"{kind}: took {took:.2f}s")  # detected, not waited out
     assert not failures, "\n".join(failures)
-    if path == "device":
+    if path != "host":
         return
     _record("tamper", {"kinds": len(kinds), "seconds_to_error": figures,
                        "errors": {k: victim[k][0][:240] for k in kinds}})
