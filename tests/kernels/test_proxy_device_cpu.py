@@ -230,20 +230,28 @@ def _check_reduce():
 
 def _transport_rank(rank, world):
     """Both paths of the proxy transport in one rank, on the same inputs: the device kernels
-    (``device_kernels="always"``: CPU tensors, interpreted kernels) and the torch reference."""
+    (``device_kernels="always"``: CPU tensors, interpreted kernels) and the torch reference.
+    ``copies``: the window reached only through copies of the stage, as a device window's
+    rounds reach theirs (the kernels write into the window, the rounds' steps copy)."""
     import torch
     from efa_ep.kernels import create_transport
 
     torch.set_num_threads(1)
     bad = []
-    for device_layout, dtype, hidden, num_experts, topk, tokens in (
-            (True, torch.bfloat16, 64, 8, 2, (13, 9)), (True, torch.float32, 36, 16, 4, (0, 21)),
-            (True, torch.float32, 36, 16, 4, (21, 17)), (False, torch.bfloat16, 64, 8, 2, (13, 9)),
-            (False, torch.float32, 36, 16, 4, (21, 0))):
+    for device_layout, dtype, hidden, num_experts, topk, tokens, copies in (
+            (True, torch.bfloat16, 64, 8, 2, (13, 9), False),
+            (True, torch.float32, 36, 16, 4, (0, 21), False),
+            (True, torch.float32, 36, 16, 4, (21, 17), False),
+            (False, torch.bfloat16, 64, 8, 2, (13, 9), False),
+            (False, torch.float32, 36, 16, 4, (21, 0), False),
+            (True, torch.bfloat16, 64, 8, 2, (13, 9), True),
+            (False, torch.float32, 36, 16, 4, (21, 17), True)):
         ref = create_transport("torch", None, num_experts, hidden, 32, dtype)
         px = create_transport("proxy", None, num_experts, hidden, 32, dtype, provider="tcp",
                               num_channels=2, timeout_s=60)
         px.device_kernels, px.device_layout = "always", device_layout
+        if copies:
+            px.wire.through_copies()
         t = tokens[rank]
         idx, w = _route(t, num_experts, topk, seed=rank + 3 * hidden)
         g = torch.Generator().manual_seed(rank)
