@@ -396,18 +396,17 @@ class HierTransport(Transport):
         (numpy)."""
         x1, i1, w1, _, h1 = self._stage(self.network.dispatch, x, topk_idx, topk_weights)
         self._count("dispatch", h1.num_send_per_rank, self.cfg.hidden * x.element_size())
-        x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
         n, g = self.num_nodes, self.node_size
-        # Rows this rank forwards to each local rank d, split by the node they came from.
-        src_node = np.repeat(np.arange(n), h1.num_recv_per_rank)
-        fwd = h2.send_token_idx.cpu().numpy()
-        counts = np.zeros((g, n), dtype=np.int64)
-        start = 0
-        for d, cnt in enumerate(h2.num_send_per_rank):
-            if cnt:
-                counts[d] = np.bincount(src_node[fwd[start:start + cnt]], minlength=n)
-            start += cnt
-        recv_counts = self._exchange_counts(counts)          # [g source, n node]
+        # Rows this rank forwards to each local rank, split by the node they came from: known
+        # from the network stage's ids, so their exchange runs under the local stage.
+        counts = self._forward_counts(i1, h1.num_recv_per_rank)
+        pending = self._start_counts(counts)
+        x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
+        if tuple(counts.sum(1).tolist()) != tuple(h2.num_send_per_rank):
+            self._broken = (f"rank {self.rank}: hier's forward counts {counts.sum(1).tolist()} "
+                            f"differ from the local stage's rows {list(h2.num_send_per_rank)}")
+            raise TransportError(self._broken)
+        recv_counts = self._finish_counts(pending)          # [g source, n node]
         # (local source j, node m) blocks arrive j-major; the contract wants m-major.
         flat_counts = recv_counts.reshape(-1)
         block_start = (np.cumsum(flat_counts) - flat_counts).reshape(g, n)
@@ -457,14 +456,42 @@ class HierTransport(Transport):
             state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=None, split=(a, b)))
         return merge(x1, x2), recv_idx, merge(w1, w2), tpe1 + tpe2, handle
 
-    def _exchange_counts(self, counts_GN: np.ndarray) -> np.ndarray:
-        """All-to-all inside the node: row d of ``counts_GN`` (int64 numpy) goes to local rank
-        d; returns ``[G, N]`` int64 numpy: what each local source forwards here, per source
-        node (peers' counts are untrusted: bounded before use)."""
-        g, n = counts_GN.shape
+    def _forward_counts(self, ids, num_recv_net) -> np.ndarray:
+        """``[G, N]`` int64 numpy: of the network stage's received rows (``ids`` ``[R, K]``
+        int64, the node's expert ids, -1 none; ``num_recv_net[m]`` rows from node m, node-major),
+        how many the local stage sends to each local rank: a row goes to every local rank that
+        holds one of its experts, once (the contract's send layout)."""
+        g = self.node_size
+        ids = ids.cpu().numpy()
+        rows = ids.shape[0]
+        dest = np.where(ids >= 0, ids // (self.cfg.num_experts // (self.num_nodes * g)), g)
+        is_in = np.zeros((rows, g + 1), dtype=np.int64)
+        is_in[np.arange(rows)[:, None], dest] = 1
+        upto = np.zeros((rows + 1, g), dtype=np.int64)
+        np.cumsum(is_in[:, :g], axis=0, out=upto[1:])
+        bounds = np.concatenate([[0], np.cumsum(num_recv_net)])
+        return np.ascontiguousarray((upto[bounds[1:]] - upto[bounds[:-1]]).T)
+
+    def _start_counts(self, counts_GN: np.ndarray):
+        """Starts the all-to-all inside the node: row d of ``counts_GN`` (int64 numpy) goes to
+        local rank d. Over gloo (host tensors) it runs while the caller goes on; over a device
+        group it completes here (an asynchronous collective next to the local stage's kernels
+        on a shared GPU is not something this code relies on)."""
         send = torch.from_numpy(counts_GN).to(self._ctl)
         recv = torch.empty_like(send)
-        self._stage(dist.all_to_all_single, recv, send, None, None, self.node_group)
+        overlap = self._ctl.type == "cpu"
+        work = self._stage(dist.all_to_all_single, recv, send, None, None, self.node_group,
+                           overlap)
+        return recv, work
+
+    def _finish_counts(self, pending) -> np.ndarray:
+        """Waits for :meth:`_start_counts`' exchange; returns ``[G, N]`` int64 numpy: what each
+        local source forwards here, per source node (peers' counts are untrusted: bounded
+        before use)."""
+        recv, work = pending
+        if work is not None:
+            self._stage(work.wait)
+        g, n = recv.shape
         recv = recv.cpu().numpy()
         if (recv < 0).any() or int(recv.sum()) > n * g * self.cfg.max_tokens_per_rank:
             self._broken = f"rank {self.rank}: hier received invalid forward counts {recv.tolist()}"
