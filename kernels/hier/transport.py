@@ -83,6 +83,7 @@ import torch.distributed as dist
 
 from ..core.hosts import gather_hosts, gather_processes, host_id, pid_exited
 from .refusing import RefusingStages
+from .routing import flat_send, forward_counts, routing_on_host
 from ..options import SCHEMAS
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
@@ -336,26 +337,12 @@ class HierTransport(Transport):
                                          value_checks=False)
         if error is not None:
             return error, None
-        idx = topk_idx.detach().cpu().numpy()
-        w = topk_weights.detach().cpu().numpy()
+        idx, w = routing_on_host(topk_idx, topk_weights)
         if idx.size and (idx.min() < -1 or idx.max() >= cfg.num_experts
                          or not np.isfinite(w).all()):
             error = describe_value_errors(cfg, self.rank, torch.from_numpy(idx),
                                           torch.from_numpy(w))
         return error, idx
-
-    def _flat_send(self, idx, device):
-        """The flat (one hop per rank) send layout of this rank's validated routing ``idx``
-        (``[T, K]`` int64 numpy) that the handle reports: (send_token_idx ``[S]`` int64 on
-        ``device``, rank-major, tokens ascending; rows per destination rank, W ints)."""
-        t, w = idx.shape[0], self.world_size
-        dest = np.where(idx >= 0, idx // (self.cfg.num_experts // w), w)
-        is_in = np.zeros((t, w + 1), dtype=bool)
-        is_in[np.arange(t)[:, None], dest] = True
-        is_in_wt = is_in[:, :w].T
-        send_token = np.nonzero(is_in_wt)[1].astype(np.int64)
-        return (torch.from_numpy(send_token).to(device),
-                tuple(int(v) for v in is_in_wt.sum(1)))
 
     def dispatch(self, x, topk_idx, topk_weights):
         """See ``efa_ep.kernels.base``: ``x`` ``[T, H]`` (the transport's dtype), ``topk_idx``
@@ -399,7 +386,8 @@ class HierTransport(Transport):
         n, g = self.num_nodes, self.node_size
         # Rows this rank forwards to each local rank, split by the node they came from: known
         # from the network stage's ids, so their exchange runs under the local stage.
-        counts = self._forward_counts(i1, h1.num_recv_per_rank)
+        counts = forward_counts(i1, h1.num_recv_per_rank, self.cfg.num_experts // self.world_size,
+                                g)
         pending = self._start_counts(counts)
         x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
         if tuple(counts.sum(1).tolist()) != tuple(h2.num_send_per_rank):
@@ -414,7 +402,8 @@ class HierTransport(Transport):
                   for m in range(n) for j in range(g)]
         perm = torch.from_numpy(np.concatenate(pieces).astype(np.int64)).to(x2.device)
         num_recv = tuple(int(recv_counts[j, m]) for m in range(n) for j in range(g))
-        send_token_idx, num_send = self._flat_send(idx_h, topk_idx.device)
+        send_token_idx, num_send = flat_send(idx_h, topk_idx.device, self.world_size,
+                                             self.cfg.num_experts)
         recv_idx = i2.index_select(0, perm)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(perm.numel()), topk_idx=topk_idx,
@@ -447,7 +436,8 @@ class HierTransport(Transport):
 
         num_recv = tuple(h2.num_recv_per_rank[s - lo] if lo <= s < lo + g
                          else h1.num_recv_per_rank[s] for s in range(self.world_size))
-        send_token_idx, num_send = self._flat_send(idx_h, topk_idx.device)
+        send_token_idx, num_send = flat_send(idx_h, topk_idx.device, self.world_size,
+                                             self.cfg.num_experts)
         recv_idx = merge(i1, i2)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(recv_idx.shape[0]), topk_idx=topk_idx,
@@ -455,22 +445,6 @@ class HierTransport(Transport):
             num_recv_per_rank=num_recv, recv_topk_idx=recv_idx,
             state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=None, split=(a, b)))
         return merge(x1, x2), recv_idx, merge(w1, w2), tpe1 + tpe2, handle
-
-    def _forward_counts(self, ids, num_recv_net) -> np.ndarray:
-        """``[G, N]`` int64 numpy: of the network stage's received rows (``ids`` ``[R, K]``
-        int64, the node's expert ids, -1 none; ``num_recv_net[m]`` rows from node m, node-major),
-        how many the local stage sends to each local rank: a row goes to every local rank that
-        holds one of its experts, once (the contract's send layout)."""
-        g = self.node_size
-        ids = ids.cpu().numpy()
-        rows = ids.shape[0]
-        dest = np.where(ids >= 0, ids // (self.cfg.num_experts // (self.num_nodes * g)), g)
-        is_in = np.zeros((rows, g + 1), dtype=np.int64)
-        is_in[np.arange(rows)[:, None], dest] = 1
-        upto = np.zeros((rows + 1, g), dtype=np.int64)
-        np.cumsum(is_in[:, :g], axis=0, out=upto[1:])
-        bounds = np.concatenate([[0], np.cumsum(num_recv_net)])
-        return np.ascontiguousarray((upto[bounds[1:]] - upto[bounds[:-1]]).T)
 
     def _start_counts(self, counts_GN: np.ndarray):
         """Starts the all-to-all inside the node: row d of ``counts_GN`` (int64 numpy) goes to

@@ -356,3 +356,29 @@ def test_net_counter_add_equals_record():
     c = NetCounter()
     c.record(NetOpCounts("dispatch", 1, 2, 3))  # no proxy engine: writes never counted
     assert c.totals()["dispatch"]["writes"] is None and c.last["dispatch"].writes is None
+
+
+def test_forward_counts_match_the_local_stage_layout():
+    """The rows hier's local stage forwards to each local rank per source node, counted from the
+    network stage's ids before the local stage runs, equal the torch transport's send layout of
+    the same ids (one row per local rank holding any of its experts), block by source node."""
+    import numpy as np
+
+    from efa_ep.kernels.base import compute_send_layout
+    from efa_ep.kernels.hier.routing import forward_counts
+
+    g = torch.Generator().manual_seed(3)
+    for nodes, node_size, per_rank, k in ((2, 2, 4, 3), (3, 4, 2, 8), (1, 2, 8, 1)):
+        per_node = node_size * per_rank
+        recv = [int(v) for v in torch.randint(0, 9, (nodes,), generator=g)]
+        recv[0] = 0  # a node that sent nothing
+        rows = sum(recv)
+        ids = torch.rand(rows, per_node, generator=g).argsort(1)[:, :k]
+        ids = torch.where(torch.rand(rows, k, generator=g) < 0.3, torch.full_like(ids, -1), ids)
+        got = forward_counts(ids, recv, per_rank, node_size)
+        assert got.shape == (node_size, nodes)
+        bounds = np.cumsum([0] + recv)
+        for m in range(nodes):
+            block = ids[bounds[m]:bounds[m + 1]]
+            num_send = compute_send_layout(block, per_node, node_size).num_tokens_per_rank_W
+            assert got[:, m].tolist() == num_send.tolist(), (m, got, num_send)

@@ -1,0 +1,55 @@
+"""``hier``'s routing bookkeeping on the host: the routing copied from the device once, the flat
+send layout its handle reports, and the rows its local stage forwards per source node."""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import numpy as np
+import torch
+
+
+def routing_on_host(topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+    """``(ids, weights)`` as numpy arrays (``[T, K]`` int64 and float32, shapes already
+    checked): a device's routing copied into pinned memory with one synchronization of the
+    current stream, a host's viewed in place."""
+    if not topk_idx.is_cuda:
+        return topk_idx.detach().numpy(), topk_weights.detach().numpy()
+    idx = torch.empty(topk_idx.shape, dtype=torch.int64, pin_memory=True)
+    w = torch.empty(topk_weights.shape, dtype=torch.float32, pin_memory=True)
+    idx.copy_(topk_idx.detach(), non_blocking=True)
+    w.copy_(topk_weights.detach(), non_blocking=True)
+    torch.cuda.current_stream(topk_idx.device).synchronize()
+    return idx.numpy(), w.numpy()
+
+
+def flat_send(idx: np.ndarray, device, world: int, num_experts: int) -> Tuple[torch.Tensor, tuple]:
+    """The flat (one hop per rank) send layout of validated routing ``idx`` (``[T, K]`` int64
+    numpy) that the handle reports: (send_token_idx ``[S]`` int64 on ``device``, rank-major,
+    tokens ascending; rows per destination rank, ``world`` ints)."""
+    t = idx.shape[0]
+    dest = np.where(idx >= 0, idx // (num_experts // world), world)
+    is_in = np.zeros((t, world + 1), dtype=bool)
+    is_in[np.arange(t)[:, None], dest] = True
+    is_in_wt = is_in[:, :world].T
+    send_token = np.nonzero(is_in_wt)[1].astype(np.int64)
+    return (torch.from_numpy(send_token).to(device),
+            tuple(int(v) for v in is_in_wt.sum(1)))
+
+
+def forward_counts(ids: torch.Tensor, num_recv_net: Sequence[int], experts_per_rank: int,
+                   node_size: int) -> np.ndarray:
+    """``[G, N]`` int64 numpy: of the network stage's received rows (``ids`` ``[R, K]`` int64,
+    any device, the node's expert ids, -1 none; ``num_recv_net[m]`` rows from node m,
+    node-major), how many the local stage sends to each of the node's ``node_size`` ranks
+    (``experts_per_rank`` experts each): a row goes to every local rank that holds one of its
+    experts, once (the contract's send layout)."""
+    g = node_size
+    ids = ids.cpu().numpy()
+    rows = ids.shape[0]
+    dest = np.where(ids >= 0, ids // experts_per_rank, g)
+    is_in = np.zeros((rows, g + 1), dtype=np.int64)
+    is_in[np.arange(rows)[:, None], dest] = 1
+    upto = np.zeros((rows + 1, g), dtype=np.int64)
+    np.cumsum(is_in[:, :g], axis=0, out=upto[1:])
+    bounds = np.concatenate([[0], np.cumsum(num_recv_net)])
+    return np.ascontiguousarray((upto[bounds[1:]] - upto[bounds[:-1]]).T)
