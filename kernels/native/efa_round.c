@@ -66,9 +66,14 @@ static int cuda_failed(const efa_wire *w, int code, const char *what, char *err,
 
 static int copies_ready(const efa_wire *w, char *err, size_t errlen) {
     if (w->window_kind == EFA_WINDOW_DIRECT) return 0;
-    if (!w->stage || (w->window_kind != EFA_WINDOW_CUDA && w->window_kind != EFA_WINDOW_COPIED)) {
-        set_err(err, errlen, "rank %lld: window kind %lld (0..2) with %s stage", (long long)w->rank,
-                (long long)w->window_kind, w->stage ? "a" : "no");
+    if (w->window_kind != EFA_WINDOW_CUDA && w->window_kind != EFA_WINDOW_COPIED) {
+        set_err(err, errlen, "rank %lld: window kind %lld is none of 0 (in place), 1 (CUDA "
+                "copies), 2 (memcpy copies)", (long long)w->rank, (long long)w->window_kind);
+        return -EINVAL;
+    }
+    if (!w->stage) {
+        set_err(err, errlen, "rank %lld: a window reached through copies (kind %lld) needs a "
+                "stage", (long long)w->rank, (long long)w->window_kind);
         return -EINVAL;
     }
     if (w->window_kind == EFA_WINDOW_CUDA) {

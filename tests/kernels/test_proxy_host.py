@@ -16,6 +16,7 @@ window reached in place and through copies (``efa_round.c``, as a host and a dev
 """
 from __future__ import annotations
 
+import re
 import numpy as np
 import pytest
 import torch
@@ -270,6 +271,28 @@ def test_describe_meta_names_what_unpack_meta_refuses():
         assert bad == 0 and kind > 0, want  # what the op refuses, it names:
         text = nw.describe_meta(2, m.data_ptr(), m.shape[0], k, num_local, hdr.ctypes.data)
         assert text.startswith("rank 5: protocol violation: ") and want in text, (want, text)
+
+
+def test_window_reached_through_copies_refuses_clearly():
+    """A round over a window reached through copies checks its kind and stage before it touches
+    the engine, and a device window's round without the CUDA driver says what it needs (CI has
+    no driver; with one, the refusal cannot happen and that case is skipped)."""
+    import ctypes.util
+
+    st = native.WireStruct()
+    st.rank, st.world, st.max_msgs = 3, 2, 2 * (native.MAX_PLANES + 1)
+    stage = np.zeros(native.wire_stage_bytes(2, 64, 64), dtype=np.uint8)
+    for kind, with_stage, want in ((7, True, "window kind 7 is none of 0 (in place)"),
+                                   (native.WINDOW_COPIED, False,
+                                    "a window reached through copies (kind 2) needs a stage")):
+        st.window_kind, st.stage = kind, stage.ctypes.data if with_stage else None
+        with pytest.raises(native.NativeError, match=r"rank 3: " + re.escape(want)):
+            native.NativeWire(st).begin(True)
+    if ctypes.util.find_library("cuda") is None:
+        st.window_kind, st.stage = native.WINDOW_CUDA, stage.ctypes.data
+        with pytest.raises(native.NativeError, match="rank 3: a device window's round needs the "
+                                                     "CUDA driver: libcuda.so.1 cannot be loaded"):
+            native.NativeWire(st).begin(True)
 
 
 def _op_calls_rank(rank, world):
