@@ -382,3 +382,38 @@ def test_forward_counts_match_the_local_stage_layout():
             block = ids[bounds[m]:bounds[m + 1]]
             num_send = compute_send_layout(block, per_node, node_size).num_tokens_per_rank_W
             assert got[:, m].tolist() == num_send.tolist(), (m, got, num_send)
+
+
+def _lying_counts_worker(rank, world):
+    """EP 4 as 2 nodes x 2, network torch, local torch; rank 1 sends its node peer (rank 0)
+    forward counts one row too many. Returns (error type or None, text)."""
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.hier.transport import HierTransport
+
+    if rank == 1:
+        start = HierTransport._start_counts
+
+        def lying(self, counts):
+            counts = counts.copy()
+            counts[0, 0] += 1  # row 0 goes to local rank 0
+            return start(self, counts)
+        HierTransport._start_counts = lying
+    t = create_transport("hier", None, 8, 16, 16, torch.float32, node_size=2, network="torch",
+                         local="torch", timeout_s=30)
+    idx, w = contract_route("random", 6, 8, 2, world, seed=rank, node_size=2)
+    try:
+        t.dispatch(torch.randn(6, 16), idx, w)
+        return None, ""
+    except Exception as e:  # noqa: BLE001 (the test names what it expects)
+        return type(e).__name__, str(e)
+
+
+def test_forward_counts_that_do_not_add_up_are_a_protocol_violation():
+    """A node peer's forward counts are bounded before use: counts that do not add up to the rows
+    the local stage received from it break hier on the receiver with a ProtocolError naming the
+    peer (no permutation is built from them)."""
+    out = run_ranks(_lying_counts_worker, 4, (), timeout_s=120, env={"OMP_NUM_THREADS": "1"})
+    kind, text = out[0]
+    assert kind == "ProtocolError", out[0]
+    assert "protocol violation: hier's forward counts from rank 1" in text, text
+    assert out[2] == (None, "") and out[3] == (None, ""), out  # the other node is not involved
