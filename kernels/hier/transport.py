@@ -20,8 +20,10 @@ with this rank's local index, with its ids made local to the node. The local sta
 what the rail brought (up to N * T_MAX rows) to the ranks that own the experts. Dispatch =
 network dispatch, then local dispatch of the received rows, then one permutation from (local
 source, source node, token) order to the contract's (source rank, token) order; the
-per-(local source, node) counts come from one small count exchange inside the node. Combine
-runs the reverse: inverse permutation, local combine, network combine.
+per-(local source, node) counts come from one small count exchange inside the node, counted
+from the network stage's ids and exchanged while the local stage runs (each peer's counts
+must add up to the rows it forwarded). Combine runs the reverse: inverse permutation, local
+combine, network combine.
 
 ``aggregate=0`` (no aggregation, DeepEP's low-latency route: every remote destination rank is
 written directly, nothing is forwarded). The network stage runs on the whole EP group and
