@@ -27,12 +27,12 @@ enum { H_STATUS, H_OP, H_ROWS, H_ROW_BYTES, H_CHUNKS, H_TAG, H_FORMAT };
  * runs without CUDA). CUresult is an int, CUdeviceptr an unsigned long long, CUstream a pointer. */
 typedef int (*cu_h2d_t)(unsigned long long dst, const void *src, size_t n, void *stream);
 typedef int (*cu_d2h_t)(void *dst, unsigned long long src, size_t n, void *stream);
-typedef int (*cu_sync_t)(void *stream);
+typedef int (*cu_query_t)(void *stream);
 typedef int (*cu_errstr_t)(int code, const char **text);
 static struct {
     cu_h2d_t h2d;
     cu_d2h_t d2h;
-    cu_sync_t sync;
+    cu_query_t query;
     cu_errstr_t errstr;
     char why[256];
 } cuda_copy;
@@ -47,12 +47,12 @@ static void cuda_copy_load(void) {
     }
     cuda_copy.h2d = (cu_h2d_t)dlsym(h, "cuMemcpyHtoDAsync_v2");
     cuda_copy.d2h = (cu_d2h_t)dlsym(h, "cuMemcpyDtoHAsync_v2");
-    cuda_copy.sync = (cu_sync_t)dlsym(h, "cuStreamSynchronize");
+    cuda_copy.query = (cu_query_t)dlsym(h, "cuStreamQuery");
     cuda_copy.errstr = (cu_errstr_t)dlsym(h, "cuGetErrorString");
-    if (!cuda_copy.h2d || !cuda_copy.d2h || !cuda_copy.sync) {
+    if (!cuda_copy.h2d || !cuda_copy.d2h || !cuda_copy.query) {
         cuda_copy.h2d = NULL;
         snprintf(cuda_copy.why, sizeof cuda_copy.why, "the NVIDIA driver lacks "
-                 "cuMemcpyHtoDAsync_v2, cuMemcpyDtoHAsync_v2 or cuStreamSynchronize");
+                 "cuMemcpyHtoDAsync_v2, cuMemcpyDtoHAsync_v2 or cuStreamQuery");
     }
 }
 
@@ -61,7 +61,7 @@ static int cuda_failed(const efa_wire *w, int code, const char *what, char *err,
     if (cuda_copy.errstr) cuda_copy.errstr(code, &text);
     set_err(err, errlen, "rank %lld: the device window's %s failed: CUDA error %d (%s)",
             (long long)w->rank, what, code, text ? text : "unknown");
-    return -EIO;
+    return -EFAULT; /* the transport's own error (a peer's failure is -EIO, a deadline -ETIMEDOUT) */
 }
 
 static int copies_ready(const efa_wire *w, char *err, size_t errlen) {
@@ -114,11 +114,29 @@ static int from_window(const efa_wire *w, void *dst, int64_t off, int64_t n, cha
 }
 
 /* Waits for the stream: the queued copies and every kernel the caller queued before them (its
- * packing into the send area, its reads of the receive side). Time counted as a wait. */
-static int window_sync(efa_wire *w, char *err, size_t errlen) {
+ * packing into the send area, its reads of the receive side), at most timeout_ms (polled: a
+ * kernel that never ends is named, not waited for forever). Time counted as a wait. */
+#define CU_NOT_READY 600 /* CUDA_ERROR_NOT_READY */
+static const char *op_name(int64_t op);
+static int window_sync(efa_wire *w, const char *what, char *err, size_t errlen) {
     if (w->window_kind != EFA_WINDOW_CUDA) return 0;
-    uint64_t t0 = now_ns();
-    int rc = cuda_copy.sync((void *)(uintptr_t)w->stream);
+    uint64_t t0 = now_ns(), limit = (uint64_t)w->timeout_ms * 1000000ull;
+    int rc;
+    while ((rc = cuda_copy.query((void *)(uintptr_t)w->stream)) == CU_NOT_READY) {
+        uint64_t spent = now_ns() - t0;
+        if (spent > limit) {
+            w->wait_ns += (int64_t)spent;
+            set_err(err, errlen, "rank %lld: the device window's stream did not finish its "
+                    "queued work (the copies of the %s and the kernels before them) within %lld "
+                    "ms [%s, round %lld]", (long long)w->rank, what, (long long)w->timeout_ms,
+                    op_name(w->op), (long long)w->seq);
+            return -ETIMEDOUT;
+        }
+        if (spent > 50000) { /* past 50 us: short sleeps, the CPU to the engine's threads */
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
     w->wait_ns += (int64_t)(now_ns() - t0);
     return rc ? cuda_failed(w, rc, "stream synchronization", err, errlen) : 0;
 }
@@ -321,7 +339,7 @@ int efa_wire_post_headers(efa_wire *w, char *err, size_t errlen) {
             nf++;
         }
         if (!rc && nf) rc = to_window(w, first, stage_foot_send(w), nf * FOOTER_BYTES, err, errlen);
-        if (!rc) rc = window_sync(w, err, errlen);
+        if (!rc) rc = window_sync(w, "headers and footers", err, errlen);
         if (rc) return rc;
     }
     int64_t *hd = w->hmsgs, *hl = w->hmsgs + W, *hr = w->hmsgs + 2 * W, *hs = w->hmsgs + 3 * W;
@@ -358,7 +376,7 @@ int efa_wire_exchange(efa_wire *w, int post_data, char *err, size_t errlen) {
                                  w->hdr_len, err, errlen);
             if (rc) return rc;
         }
-        int rc = window_sync(w, err, errlen);
+        int rc = window_sync(w, "peers' headers", err, errlen);
         if (rc) return rc;
     }
     /* a copy of every peer's header: what the caller reads (the error texts stay in the window,
@@ -422,7 +440,7 @@ int efa_wire_finish(efa_wire *w, char *err, size_t errlen) {
         if (rc) return rc;
     }
     if (n && w->window_kind) {
-        int rc = window_sync(w, err, errlen);
+        int rc = window_sync(w, "peers' footers", err, errlen);
         if (rc) return rc;
     }
     for (int i = 0; i < n; i++) {
