@@ -1,8 +1,9 @@
 """``hier``'s routing bookkeeping on the host: the routing copied from the device once, the flat
-send layout its handle reports, and the rows its local stage forwards per source node."""
+send layout its handle reports, the rows its local stage forwards per source node, and the
+index arrays copied to the device at once."""
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,18 +23,31 @@ def routing_on_host(topk_idx: torch.Tensor, topk_weights: torch.Tensor):
     return idx.numpy(), w.numpy()
 
 
-def flat_send(idx: np.ndarray, device, world: int, num_experts: int) -> Tuple[torch.Tensor, tuple]:
+def flat_send(idx: np.ndarray, world: int, num_experts: int) -> Tuple[np.ndarray, tuple]:
     """The flat (one hop per rank) send layout of validated routing ``idx`` (``[T, K]`` int64
-    numpy) that the handle reports: (send_token_idx ``[S]`` int64 on ``device``, rank-major,
-    tokens ascending; rows per destination rank, ``world`` ints)."""
+    numpy) that the handle reports: (send_token_idx ``[S]`` int64 numpy, rank-major, tokens
+    ascending; rows per destination rank, ``world`` ints)."""
     t = idx.shape[0]
     dest = np.where(idx >= 0, idx // (num_experts // world), world)
     is_in = np.zeros((t, world + 1), dtype=bool)
     is_in[np.arange(t)[:, None], dest] = True
     is_in_wt = is_in[:, :world].T
     send_token = np.nonzero(is_in_wt)[1].astype(np.int64)
-    return (torch.from_numpy(send_token).to(device),
-            tuple(int(v) for v in is_in_wt.sum(1)))
+    return send_token, tuple(int(v) for v in is_in_wt.sum(1))
+
+
+def to_device(arrays: Sequence[np.ndarray], device) -> List[torch.Tensor]:
+    """int64 numpy ``arrays`` as tensors on ``device``, in one copy (through pinned memory to a
+    GPU, without waiting for it; views of one tensor)."""
+    flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
+    t = torch.from_numpy(flat)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    out, at = [], 0
+    for a in arrays:
+        out.append(t[at:at + len(a)])
+        at += len(a)
+    return out
 
 
 def forward_counts(ids: torch.Tensor, num_recv_net: Sequence[int], experts_per_rank: int,

@@ -85,7 +85,7 @@ import torch.distributed as dist
 
 from ..core.hosts import gather_hosts, gather_processes, host_id, pid_exited
 from .refusing import RefusingStages
-from .routing import flat_send, forward_counts, routing_on_host
+from .routing import flat_send, forward_counts, routing_on_host, to_device
 from ..options import SCHEMAS
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
@@ -401,19 +401,21 @@ class HierTransport(Transport):
             raise TransportError(self._broken)
         recv_counts = self._finish_counts(pending, h2.num_recv_per_rank)  # [g source, n node]
         # (local source j, node m) blocks arrive j-major; the contract wants m-major. The
-        # inverse order (combine's) travels with it: one copy to the device.
+        # inverse order (combine's) and the handle's send order go to the device with it.
         flat_counts = recv_counts.reshape(-1)
         block_start = (np.cumsum(flat_counts) - flat_counts).reshape(g, n)
-        pieces = [np.arange(block_start[j, m], block_start[j, m] + recv_counts[j, m])
-                  for m in range(n) for j in range(g)]
-        order = np.concatenate(pieces + [np.empty(int(flat_counts.sum()), dtype=np.int64)])
-        rows = len(order) // 2
-        order[rows + order[:rows]] = np.arange(rows)
-        both = torch.from_numpy(order.astype(np.int64)).to(x2.device)
-        perm, inverse = both[:rows], both[rows:]
+        ends = block_start + recv_counts
+        perm_np = np.concatenate([np.arange(block_start[j, m], ends[j, m], dtype=np.int64)
+                                  for m in range(n) for j in range(g)])
+        inverse_np = np.empty_like(perm_np)
+        inverse_np[perm_np] = np.arange(len(perm_np))
         num_recv = tuple(int(recv_counts[j, m]) for m in range(n) for j in range(g))
-        send_token_idx, num_send = flat_send(idx_h, topk_idx.device, self.world_size,
-                                             self.cfg.num_experts)
+        send_np, num_send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
+        if topk_idx.device == x2.device:  # one copy
+            perm, inverse, send_token_idx = to_device([perm_np, inverse_np, send_np], x2.device)
+        else:
+            perm, inverse = to_device([perm_np, inverse_np], x2.device)
+            send_token_idx, = to_device([send_np], topk_idx.device)
         recv_idx = i2.index_select(0, perm)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(perm.numel()), topk_idx=topk_idx,
@@ -447,8 +449,8 @@ class HierTransport(Transport):
 
         num_recv = tuple(h2.num_recv_per_rank[s - lo] if lo <= s < lo + g
                          else h1.num_recv_per_rank[s] for s in range(self.world_size))
-        send_token_idx, num_send = flat_send(idx_h, topk_idx.device, self.world_size,
-                                             self.cfg.num_experts)
+        send_np, num_send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
+        send_token_idx, = to_device([send_np], topk_idx.device)
         recv_idx = merge(i1, i2)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(recv_idx.shape[0]), topk_idx=topk_idx,
