@@ -23,8 +23,8 @@
 (``kernels/native/efa_round.c``): no per-message or per-peer Python; every problem is worded in
 C. A host window is read and written in place; a device window (``hmem='cuda'``) through a
 pinned host stage that the native round copies to and from the window with the CUDA driver, on
-the caller's stream (headers and footers up in one synchronization per round's start, the peers'
-headers and footers down in one each). CPU rows on a host window skip the steps altogether:
+the caller's stream (headers and footers up with one wait for the stream at the round's start,
+the peers' headers and footers down with one wait each; each wait bounded by the deadline). CPU rows on a host window skip the steps altogether:
 ``hostop.py`` runs a whole operation in two native calls.
 
 Every header field from a peer is checked against this rank's capacities before its data is used;
@@ -86,7 +86,7 @@ class Wire:
     Args:
         rank, world: this rank and the EP group size. max_tokens_per_rank: row capacity of a slot.
         layout: the window layout. window: ``[layout.window_bytes]`` uint8 (host or CUDA; a
-            CUDA window's rounds synchronize the caller's current stream, see the module).
+            CUDA window's rounds wait for the caller's current stream, see the module).
         rings: the command rings (attached to ``engine`` before the first round).
         tamper: test-only fault kind (EFA_EP_PROXY_TAMPER) or "".
     """
