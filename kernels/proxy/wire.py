@@ -24,8 +24,9 @@
 C. A host window is read and written in place; a device window (``hmem='cuda'``) through a
 pinned host stage that the native round copies to and from the window with the CUDA driver, on
 the caller's stream (headers and footers up with one wait for the stream at the round's start,
-the peers' headers and footers down with one wait each; each wait bounded by the deadline). CPU rows on a host window skip the steps altogether:
-``hostop.py`` runs a whole operation in two native calls.
+the peers' headers and footers down with one wait each; each wait bounded by the deadline).
+CPU rows on a host window skip the steps altogether: ``hostop.py`` runs a whole operation in two
+native calls.
 
 Every header field from a peer is checked against this rank's capacities before its data is used;
 a peer that breaks the protocol raises :class:`ProtocolViolation`.
