@@ -50,7 +50,7 @@ def load(source: str, what: str, constants: Dict[str, int]):
         try:
             import torch.utils.cpp_extension as cpp
 
-            from .proxy.native import cache_dir
+            from .proxy.native_build import cache_dir
 
             cpp.verify_ninja_availability()
             digest = _digest(path)

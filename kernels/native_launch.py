@@ -96,7 +96,7 @@ _lib_error: Optional[str] = None
 
 
 def _build() -> str:
-    from .proxy.native import cache_dir, compile_library, compiler  # one build recipe
+    from .proxy.native_build import cache_dir, compile_library, compiler  # one build recipe
     cc = compiler()
     if cc is None:
         raise NativeLaunchError("no C compiler found (cc/gcc/clang; apt-get install gcc)")

@@ -26,7 +26,7 @@ from efa_ep.kernels.options import (
 
 PREFIX = "EFA_EP_"
 #: the native build, which reads its variables through :func:`raw` (``Variable.read_by``)
-NATIVE_BUILD = "kernels/proxy/native.py"
+NATIVE_BUILD = "kernels/proxy/native_build.py"
 
 
 @dataclasses.dataclass(frozen=True)

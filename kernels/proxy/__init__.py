@@ -14,7 +14,8 @@ One concern per module, read top to bottom along a token's path:
 - ``device_path.py`` and ``device.py``: CUDA inputs on a host window (the Triton kernels of the
   dispatch's layout, packing and receive, and of combine's reduction from the window);
   ``planned.py`` the same operations in one native call each once their case ran;
-- ``native.py``: the one ctypes boundary to the C engine (``kernels/native/``).
+- ``native.py``: the one ctypes boundary to the C engine (``kernels/native/``), which
+  ``native_build.py`` compiles.
 """
 from . import native
 from .options import ProxyOptions, default_provider, resolve_options

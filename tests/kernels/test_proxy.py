@@ -211,18 +211,19 @@ def test_available_transports_lists_proxy():
 def test_clear_error_without_libfabric(monkeypatch):
     """Missing headers (simulated): availability() says what to install; torch still works."""
     from efa_ep.kernels import available_transports, transport_status
-    from efa_ep.kernels.proxy import native, transport
+    from efa_ep.kernels.proxy import native, native_build, transport
 
-    assert transport.native is native  # the module the transport's loader calls is the one patched
+    assert transport.native is native  # the module the transport's loader calls
+    assert native.build_problem is native_build.build_problem  # reads the module patched here
     monkeypatch.delenv("EFA_EP_PROXY_SO", raising=False)
-    monkeypatch.setattr(native, "libfabric_header", lambda: None)
+    monkeypatch.setattr(native_build, "libfabric_header", lambda: None)
     why = proxy_mod.availability()
     assert why is not None and "libfabric-dev" in why and "rdma/fabric.h" in why
     assert "proxy" not in available_transports()
     assert "torch" in available_transports()
     assert "libfabric" in transport_status()["proxy"]
-    monkeypatch.setattr(native, "libfabric_header", lambda: "/usr/include/rdma/fabric.h")
-    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(native_build, "libfabric_header", lambda: "/usr/include/rdma/fabric.h")
+    monkeypatch.setattr(native_build, "compiler", lambda: None)
     assert "compiler" in proxy_mod.availability()
 
 
