@@ -23,15 +23,21 @@ def routing_on_host(topk_idx: torch.Tensor, topk_weights: torch.Tensor):
     return idx.numpy(), w.numpy()
 
 
+def _sent_to(idx: np.ndarray, experts_per_rank: int, ranks: int) -> np.ndarray:
+    """``[T, ranks]`` bool: token t goes to rank r (it holds one of the token's experts; ``idx``
+    ``[T, K]`` int64 numpy, -1 none): the contract's send layout, each rank once."""
+    t = idx.shape[0]
+    dest = np.where(idx >= 0, idx // experts_per_rank, ranks)
+    is_in = np.zeros((t, ranks + 1), dtype=bool)
+    is_in[np.arange(t)[:, None], dest] = True
+    return is_in[:, :ranks]
+
+
 def flat_send(idx: np.ndarray, world: int, num_experts: int) -> Tuple[np.ndarray, tuple]:
     """The flat (one hop per rank) send layout of validated routing ``idx`` (``[T, K]`` int64
     numpy) that the handle reports: (send_token_idx ``[S]`` int64 numpy, rank-major, tokens
     ascending; rows per destination rank, ``world`` ints)."""
-    t = idx.shape[0]
-    dest = np.where(idx >= 0, idx // (num_experts // world), world)
-    is_in = np.zeros((t, world + 1), dtype=bool)
-    is_in[np.arange(t)[:, None], dest] = True
-    is_in_wt = is_in[:, :world].T
+    is_in_wt = _sent_to(idx, num_experts // world, world).T
     send_token = np.nonzero(is_in_wt)[1].astype(np.int64)
     return send_token, tuple(int(v) for v in is_in_wt.sum(1))
 
@@ -59,11 +65,7 @@ def forward_counts(ids: torch.Tensor, num_recv_net: Sequence[int], experts_per_r
     experts, once (the contract's send layout)."""
     g = node_size
     ids = ids.cpu().numpy()
-    rows = ids.shape[0]
-    dest = np.where(ids >= 0, ids // experts_per_rank, g)
-    is_in = np.zeros((rows, g + 1), dtype=np.int64)
-    is_in[np.arange(rows)[:, None], dest] = 1
-    upto = np.zeros((rows + 1, g), dtype=np.int64)
-    np.cumsum(is_in[:, :g], axis=0, out=upto[1:])
+    upto = np.zeros((ids.shape[0] + 1, g), dtype=np.int64)
+    np.cumsum(_sent_to(ids, experts_per_rank, g), axis=0, out=upto[1:])
     bounds = np.concatenate([[0], np.cumsum(num_recv_net)])
     return np.ascontiguousarray((upto[bounds[1:]] - upto[bounds[:-1]]).T)
