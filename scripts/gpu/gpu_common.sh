@@ -1,9 +1,10 @@
 # Sourced by the one-call GPU scripts (gpu_suite.sh, gpu_hmem_check.sh); needs $OUT set.
 # step NAME SECONDS CMD...: runs CMD under a timeout into $OUT/NAME.log and prints its rc, wall
-# time and last $TAILN lines, so one overrun cannot take the other steps down.
+# time and last $TAILN lines, so one overrun cannot take the other steps down. A command that
+# ignores or hangs on the timeout's SIGTERM (a library's signal handler can) is killed 15 s later.
 step() {
   local name=$1 secs=$2; shift 2; local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  timeout -k 15 "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n "${TAILN:-4}" "$OUT/$name.log" | cut -c1-400
 }
 # Several ranks on one GPU need MPS (without it they time-slice); stop it when done.
