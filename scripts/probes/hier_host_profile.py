@@ -6,7 +6,11 @@
 local stage ``auto`` (``gda`` on a GPU, ``torch`` on CPU), Qwen3-30B-A3B shape (H 2048 bf16, top-8
 of 128), ``--tokens`` per rank. Every call hier makes into a stage or a collective of its own
 (the group's status exchange, the forward count exchange) is timed with a wall clock; the rest
-of the D+C is hier's own Python and torch work between them. Each D+C starts after a barrier
+of the D+C is hier's own Python and torch work between them, of which the named helpers (the
+routing copied to the host, the input checks, the flat send layout, the forward counts, the
+index arrays copied to the device, the status exchange's start) are timed too, each as
+"(own) ..."; what is left is the permutation's gathers, numpy and the handle. Each D+C starts
+after a barrier
 (as the benchmarks time it); per rank, the mean per D+C of each step, microseconds. A step's
 time includes waiting for the slowest peer to arrive there.
 
@@ -22,6 +26,34 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+
+
+#: hier's own helpers timed apart: (module, name, how the probe names it)
+OWN_STEPS = (
+    ("efa_ep.kernels.hier.transport", "validate_dispatch_inputs", "the input checks"),
+    ("efa_ep.kernels.hier.transport", "routing_on_host", "the routing copied to the host"),
+    ("efa_ep.kernels.hier.transport", "flat_send", "the flat send layout"),
+    ("efa_ep.kernels.hier.transport", "forward_counts", "the forward counts"),
+    ("efa_ep.kernels.hier.transport", "to_device", "the index arrays copied to the device"),
+    ("efa_ep.kernels.hier.refusing", "start_agreement", "the status exchange's start"),
+)
+
+
+def _time_own_steps(acc):
+    """Wraps each of :data:`OWN_STEPS` in its module with a wall clock into ``acc``."""
+    import importlib
+
+    for mod_name, name, what in OWN_STEPS:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, name)
+
+        def timed(*a, _fn=fn, _what=f"(own) {what}", **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_what] += time.perf_counter() - t0
+        setattr(mod, name, timed)
 
 
 def _rank(rank, world, node_size, tokens, iters, device, provider, channels, options):
@@ -49,6 +81,7 @@ def _rank(rank, world, node_size, tokens, iters, device, provider, channels, opt
                 f"{what} ({getattr(fn, '__name__', 'call')})"] += time.perf_counter() - t0
 
     tr._stage = timed
+    _time_own_steps(acc)
     idx, w = contract_route("random", tokens, 128, 8, world, 7 + rank)
     x = torch.randn(tokens, 2048).to(torch.bfloat16)
     x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
@@ -98,7 +131,7 @@ def main():
                                      a.channels, options), timeout_s=900, env=env)
     out = []
     for rank, (wall, steps, local) in enumerate(res):
-        rest = wall - sum(steps.values())
+        rest = wall - sum(steps.values())  # (the own steps are outside the stages' calls)
         print(f"== rank {rank}: hier EP {a.world} = {a.world // a.node_size} x {a.node_size}, "
               f"{a.device}, local stage {local}, {a.tokens} tok/rank: D+C {wall:.0f} us")
         for k, v in sorted(steps.items(), key=lambda kv: -kv[1]):
