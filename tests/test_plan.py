@@ -254,8 +254,8 @@ def test_gda_fixed_cost_from_the_newest_records_link_efficiency_from_nvlink(tmp_
 def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     """The one-H200 gda_gpu_check runs of the current code are read as records (their regular
     cells, the median over starts per EP size and profile); the shipped calibration takes gda's
-    fixed cost from the same day's two-H200 bench and the proxy's from its own D+C of CUDA
-    inputs on one H200."""
+    fixed cost from the newest of them and the proxy's from its own D+C of CUDA inputs on one
+    H200."""
     import statistics
 
     names = ("gda_gpu_check_np_default_2026-12-04.json", "gda_gpu_check_np528_2026-12-04.json")
@@ -279,15 +279,16 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert not any(o["tokens_per_rank"] == 128 for o in cal_mod._from_gda_check(raw, "x"))
     shipped = cal_mod.read(SHIPPED)
     assert shipped["gda_fixed_us"].tag == "measured"
-    # the same day's two-H200 runs (NCCL group, one rank per GPU) are the fixed cost; the
-    # one-H200 fit of these files is named beside it
+    # the newest gda records (one H200, 2026-12-05) are the fixed cost, the two-H200 runs
+    # (NCCL group, one rank per GPU) named beside it; those give NVLink's efficiency and NCCL's
     x2 = ("results/h200x2/bench_gpu_nccl_2026-12-04T1151/bench_summary.json",
           "results/h200x2/bench_gpu_nccl_2026-12-04T1158/bench_summary.json")
-    assert all(n in shipped["gda_fixed_us"].source for n in x2)
-    assert "gda@hbm 2026-12-04" in shipped["gda_fixed_us"].source
+    src = shipped["gda_fixed_us"].source
+    assert "gda@hbm 2026-12-05" in src and "gda@nvlink: 2026-12-04" in src
+    assert "results/gda_perop/gda_gpu_check_2026-12-05T0430.json" in src
     assert all(n in shipped["nccl_fixed_us"].source for n in x2)
     assert shipped["proxy_fixed_us"].tag == "measured"
-    assert ("results/h200/bench_proxy_cuda_sizes_cpp_2026-12-04.json"
+    assert ("results/h200/bench_proxy_cuda_sizes_2026-12-05T0425.json"
             in shipped["proxy_fixed_us"].source)
     assert all(n in shipped["gda_link_eff"].source for n in x2)
     # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
