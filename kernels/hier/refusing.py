@@ -1,16 +1,17 @@
 """``hier``'s operations under the group's status exchange, without waiting for it first.
 
 Every rank of the EP group must raise together when one rank's input is bad, and no rank may
-wait in a stage for a peer that will never come. The exchange (an all-gather on the EP group:
-gloo takes ~0.5 ms a call on one host) is started without waiting, the op's two stages run on
-the rail and the node, then the exchange's result decides. A rank whose own input was refused
-still calls both stages: a dispatch with no rows (every stage accepts them), an op along a
-handle (combine, weight combine, cached dispatch) with no handle, which each stage's own checks
-refuse on every rank of the stage's group (its status exchange); those ranks then call their
-next stage with no handle too. In two steps (node then rail, or rail then node) every rank has
-called each stage once, so no stage waits for a missing peer, and the exchange names the rank
-and its input on every rank. A stage that refused for a reason of its own (the exchange then
-finds every input good) raises its own error on the ranks it reached.
+wait in a stage for a peer that will never come. The exchange (each rank's status word to every
+rank of the EP group, :func:`~efa_ep.kernels.base.start_agreement`) is started without waiting,
+the op's two stages run on the rail and the node, then the exchange's result decides. A rank
+whose own input was refused still calls both stages: a dispatch with no rows (every stage
+accepts them), an op along a handle (combine, weight combine, cached dispatch) with no handle,
+which each stage's own checks refuse on every rank of the stage's group (its status exchange);
+those ranks then call their next stage with no handle too. In two steps (node then rail, or
+rail then node) every rank has called each stage once, so no stage waits for a missing peer,
+and the exchange names the rank and its input on every rank. A stage that refused for a reason
+of its own (the exchange then finds every input good) raises its own error on the ranks it
+reached.
 """
 from __future__ import annotations
 
