@@ -130,6 +130,18 @@ _SIGS = {
 }
 
 
+def keep_signal_handlers() -> None:
+    """Call before this process first loads libfabric. Debian's and Ubuntu's libfabric links
+    the PSM providers, whose ``libinfinipath`` installs, when loaded, handlers for SIGTERM,
+    SIGSEGV, SIGBUS, SIGILL and SIGABRT that print a backtrace from inside the handler: a
+    SIGTERM (torchrun, Slurm) then ends the process with status 1 instead of by the signal, or
+    hangs it when another thread holds a lock the backtrace takes (seen in a rank process after
+    a SIGTERM), and a crash bypasses Python's ``faulthandler``. Its own variable
+    ``IPATH_NO_BACKTRACE`` turns them off; set here unless the user set it (the rank processes
+    started later inherit it)."""
+    os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+
+
 def load():
     """Builds (if needed) and loads the library once per process. Raises RuntimeError."""
     global _lib, _lib_error
@@ -138,6 +150,7 @@ def load():
             return _lib
         if _lib_error is not None:
             raise RuntimeError(_lib_error)
+        keep_signal_handlers()
         try:
             path = build()
             lib = ctypes.CDLL(path)  # CDLL releases the GIL during calls: waits do not block Python
