@@ -197,7 +197,6 @@ def group_input_error(tag: str, messages) -> DispatchInputError:
     return err
 
 
-
 def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None) -> None:
     """For an operation without a status exchange of its own (``hier``: each stage's exchange
     covers only its rail or node): every rank of ``group`` tells whether its input is valid,
