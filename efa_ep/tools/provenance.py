@@ -18,8 +18,6 @@ import socket
 import subprocess
 from typing import Dict, Optional
 
-from ..kernels.proxy.native import keep_signal_handlers
-
 # Environment variables of other software that move results (recorded when set); every
 # declared EFA_EP_* variable is recorded too (efa_ep.dispatcher.settings.variables_set).
 ENV_KNOBS = (
@@ -106,6 +104,8 @@ def libfabric_version() -> Dict[str, Optional[str]]:
                                      "loaded": bool(loaded_library("libfabric"))}
     if path:
         try:
+            from ..kernels.proxy.native import keep_signal_handlers
+
             keep_signal_handlers()
             lib = ctypes.CDLL(path)
             lib.fi_version.restype = ctypes.c_uint32
