@@ -14,6 +14,7 @@ mps_start() {
   nvidia-cuda-mps-control -d && echo "MPS on"
 }
 mps_stop() { echo quit | nvidia-cuda-mps-control; }
+# (scripts/gpu/prepare_carry.sh makes .whl and .native_build on a machine with the registries.)
 # The carried wheels (.whl: megatron-core and friends for the GPU's Python; ninja) into /tmp/site, this
 # checkout installed in place (the package maps dispatcher/, kernels/, recipes/ and conf/ under
 # efa_ep, so a bare PYTHONPATH does not find them), and the environment every GPU script runs with.
