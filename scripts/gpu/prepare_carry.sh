@@ -12,7 +12,8 @@
 #   bash scripts/gpu/prepare_carry.sh
 set -eu
 cd "$(dirname "$0")/../.."
-PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64"
+PLAT="$PLAT --platform manylinux2014_x86_64"
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $PLAT -d .whl megatron-core==0.19.2 hydra-core==1.3.2 omegaconf==2.3.0
