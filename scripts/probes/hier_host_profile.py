@@ -9,7 +9,9 @@ of 128), ``--tokens`` per rank. Every call hier makes into a stage or a collecti
 of the D+C is hier's own Python and torch work between them, of which the named helpers (the
 routing copied to the host, the input checks, the flat send layout, the forward counts, the
 index arrays copied to the device, the status exchange's start) are timed too, each as
-"(own) ..."; what is left is the permutation's gathers, numpy and the handle. Each D+C starts
+"(own) ..."; on a GPU the wait for the device's work still queued when combine returned is
+timed too; what is left is the permutation's gathers, numpy and the handle (``--cprofile``
+prints rank 0's Python profile of the timed calls to attribute it). Each D+C starts
 after a barrier
 (as the benchmarks time it); per rank, the mean per D+C of each step, microseconds. A step's
 time includes waiting for the slowest peer to arrive there.
@@ -56,7 +58,8 @@ def _time_own_steps(acc):
         setattr(mod, name, timed)
 
 
-def _rank(rank, world, node_size, tokens, iters, device, provider, channels, options):
+def _rank(rank, world, node_size, tokens, iters, device, provider, channels, options,
+          cprofile=False):
     import torch.distributed as dist
     from efa_ep.kernels import create_transport
     from efa_ep.testing.routes import contract_route
@@ -89,18 +92,34 @@ def _rank(rank, world, node_size, tokens, iters, device, provider, channels, opt
     def dc():
         r = tr.dispatch(x, idx, w)
         tr.combine(r[0], r[4])
-        if dev.type == "cuda":
+        if dev.type == "cuda":  # (the device's work queued after combine returned)
+            t0 = time.perf_counter()
             torch.cuda.synchronize()
+            acc["the device's tail after combine returned"] += time.perf_counter() - t0
 
     for _ in range(5):
         dc()
     acc.clear()
     total = 0.0
+    prof = None
+    if cprofile and rank == 0:
+        import cProfile
+        prof = cProfile.Profile()
     for _ in range(iters):
         dist.barrier()
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         dc()
+        if prof is not None:
+            prof.disable()
         total += time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        print(f"== rank 0: cProfile of {iters} D+C (tottime, s)\n{text.getvalue()}", flush=True)
     steps = {k: v / iters * 1e6 for k, v in acc.items()}
     local = getattr(tr.local, "name", type(tr.local).__name__)
     tr.close()
@@ -119,6 +138,8 @@ def main():
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="another hier option (e.g. spin_us=0 for its network stage); repeatable")
     ap.add_argument("--json", help="also write the per-rank steps here")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also print rank 0's cProfile of the timed calls (its walls inflate)")
     a = ap.parse_args()
     from efa_ep.distributed import run_ranks
 
@@ -128,7 +149,7 @@ def main():
         key, _, value = kv.partition("=")
         options[key] = int(value) if value.lstrip("-").isdigit() else value
     res = run_ranks(_rank, a.world, (a.node_size, a.tokens, a.iters, a.device, a.provider,
-                                     a.channels, options), timeout_s=900, env=env)
+                                     a.channels, options, a.cprofile), timeout_s=900, env=env)
     out = []
     for rank, (wall, steps, local) in enumerate(res):
         rest = wall - sum(steps.values())  # (the own steps are outside the stages' calls)
