@@ -291,10 +291,11 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert ("results/h200/bench_proxy_cuda_sizes_2026-12-05T0425.json"
             in shipped["proxy_fixed_us"].source)
     assert all(n in shipped["gda_link_eff"].source for n in x2)
-    # hier's fixed cost from its own D+C (EP 4 = 2 emulated nodes x 2 on one H200)
+    # hier's fixed cost from its newest D+C records (EP 4 = 2 emulated nodes x 2 on one GPU host)
     assert shipped["hier_fixed_us"].tag == "measured"
-    assert ("results/h200/bench_hier_ep4_early_reads/bench_summary.json"
+    assert ("results/h100/bench_hier_ep4_2026-12-05T0935/bench_summary.json"
             in shipped["hier_fixed_us"].source)
+    assert "hier:agg1@hbm 2026-12-05" in shipped["hier_fixed_us"].source
 
 
 def test_calibration_from_bench_records_jsonl(tmp_path):

@@ -565,6 +565,7 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_cuda_sizes_2026-12-05T0425.json",
              "results/h200/bench_hier_ep4_one_call/bench_summary.json",
              "results/h200/bench_hier_ep4_early_reads/bench_summary.json",
+             "results/h100/bench_hier_ep4_2026-12-05T0935/bench_summary.json",
              "results/h200x2/bench_gpu_nccl_2026-12-04T1151/bench_summary.json",
              "results/h200x2/bench_gpu_nccl_2026-12-04T1158/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
