@@ -85,7 +85,7 @@ import torch.distributed as dist
 
 from ..core.hosts import gather_hosts, gather_processes, host_id, pid_exited
 from .refusing import RefusingStages
-from .routing import PinnedStage, flat_send, forward_counts, routing_on_host, to_device
+from .routing import flat_send, forward_counts, routing_on_host, to_device
 from ..options import SCHEMAS
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
@@ -231,7 +231,6 @@ class HierTransport(Transport):
         # the network stage's index of this rank, whose own rows never cross nodes
         self._net_self = self.rank if self._direct else self.node
         self._ctl = collective_device(group)
-        self._pinned = PinnedStage()  # the routing's and index arrays' host side, reused
         self._broken: Optional[str] = None
         self._net = NetCounter()
         self._op = "setup"  # the operation in progress, for failure messages
@@ -343,7 +342,7 @@ class HierTransport(Transport):
                                          value_checks=False)
         if error is not None:
             return error, None
-        idx, w = routing_on_host(topk_idx, topk_weights, self._pinned)
+        idx, w = routing_on_host(topk_idx, topk_weights)
         if idx.size and (idx.min() < -1 or idx.max() >= cfg.num_experts
                          or not np.isfinite(w).all()):
             error = describe_value_errors(cfg, self.rank, torch.from_numpy(idx),
@@ -393,7 +392,7 @@ class HierTransport(Transport):
         # Rows this rank forwards to each local rank, split by the node they came from: known
         # from the network stage's ids, so their exchange runs under the local stage.
         counts = forward_counts(i1, h1.num_recv_per_rank, self.cfg.num_experts // self.world_size,
-                                g, self._pinned)
+                                g)
         pending = self._start_counts(counts)
         x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
         if tuple(counts.sum(1).tolist()) != tuple(h2.num_send_per_rank):
@@ -413,11 +412,10 @@ class HierTransport(Transport):
         num_recv = tuple(int(recv_counts[j, m]) for m in range(n) for j in range(g))
         send_np, num_send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
         if topk_idx.device == x2.device:  # one copy
-            perm, inverse, send_token_idx = to_device([perm_np, inverse_np, send_np], x2.device,
-                                                      self._pinned)
+            perm, inverse, send_token_idx = to_device([perm_np, inverse_np, send_np], x2.device)
         else:
-            perm, inverse = to_device([perm_np, inverse_np], x2.device, self._pinned)
-            send_token_idx, = to_device([send_np], topk_idx.device, self._pinned, "send order")
+            perm, inverse = to_device([perm_np, inverse_np], x2.device)
+            send_token_idx, = to_device([send_np], topk_idx.device)
         recv_idx = i2.index_select(0, perm)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(perm.numel()), topk_idx=topk_idx,
@@ -452,7 +450,7 @@ class HierTransport(Transport):
         num_recv = tuple(h2.num_recv_per_rank[s - lo] if lo <= s < lo + g
                          else h1.num_recv_per_rank[s] for s in range(self.world_size))
         send_np, num_send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
-        send_token_idx, = to_device([send_np], topk_idx.device, self._pinned)
+        send_token_idx, = to_device([send_np], topk_idx.device)
         recv_idx = merge(i1, i2)
         handle = DispatchHandle(
             num_tokens=x.shape[0], num_recv_tokens=int(recv_idx.shape[0]), topk_idx=topk_idx,
