@@ -215,42 +215,56 @@ def agree_on_input(group, rank: int, tag: str, error: Optional[str], device=None
 
 @dataclasses.dataclass
 class PendingAgreement:
-    """A status exchange in flight (:func:`start_agreement`); :func:`finish_agreement` ends it."""
+    """A status exchange in flight (:func:`start_agreement`); :func:`finish_agreement` ends it.
+    ``words``: ``[W, 1 + P]`` int64, row r from rank r (column 0 its status, then its payload
+    for this rank)."""
 
     group: object
     error: Optional[str]
-    flags: torch.Tensor
+    words: torch.Tensor
     work: object
 
 
-def start_agreement(group, error: Optional[str], device=None) -> PendingAgreement:
+def start_agreement(group, error: Optional[str], device=None,
+                    payload=None) -> PendingAgreement:
     """Starts :func:`agree_on_input`'s exchange without waiting for it (``async_op``): the
     caller may do other collective work on *other* groups meanwhile (every rank the same), then
     calls :func:`finish_agreement`, which waits and raises. Nothing else may run on ``group``
     in between.
 
-    The exchange is an all-to-all of each rank's status word to every rank (``flags[r]``: rank
-    r's), an all-gather in effect: gloo's all-gather is a ring of W - 1 steps, its all-to-all
-    one step of pairwise sends (4 ranks on one host: 0.8 ms against 3.1 ms a call on 2 cores)."""
+    The exchange is an all-to-all of each rank's status word to every rank, an all-gather in
+    effect: gloo's all-gather is a ring of W - 1 steps, its all-to-all one step of pairwise
+    sends (4 ranks on one host: 0.8 ms against 3.1 ms a call on 2 cores). ``payload``
+    (optional, ``[W]`` or ``[W, P]`` integers on the host, numpy or torch): row r rides to rank
+    r with the status word, which :func:`finish_agreement` returns (untrusted: the caller
+    bounds it)."""
     device = device if device is not None else collective_device(group)
     world = dist.get_world_size(group)
-    flags = torch.empty(world, dtype=torch.int64, device=device)
-    mine = torch.full((world,), STATUS_BAD_INPUT if error else STATUS_OK, dtype=torch.int64,
-                      device=device)
-    work = dist.all_to_all_single(flags, mine, group=group, async_op=True)
-    return PendingAgreement(group, error, flags, work)
+    extra = torch.as_tensor(payload, dtype=torch.int64).reshape(world, -1) \
+        if payload is not None else torch.empty(world, 0, dtype=torch.int64)
+    mine = torch.empty(world, 1 + extra.shape[1], dtype=torch.int64)
+    mine[:, 0] = STATUS_BAD_INPUT if error else STATUS_OK
+    mine[:, 1:] = extra
+    mine = mine.to(device)
+    words = torch.empty_like(mine)
+    work = dist.all_to_all_single(words, mine, group=group, async_op=True)
+    return PendingAgreement(group, error, words, work)
 
 
-def finish_agreement(pending: PendingAgreement, tag: str) -> None:
+def finish_agreement(pending: PendingAgreement, tag: str):
     """Waits for ``pending`` and raises :func:`group_input_error` on every rank of its group
-    when any rank's input was invalid (then one ``all_gather_object`` of the ranks' words)."""
+    when any rank's input was invalid (then one ``all_gather_object`` of the ranks' words).
+    Returns the payload the ranks sent this rank: ``[W, P]`` int64 numpy (row r from rank r;
+    ``P = 0`` without one), untrusted."""
     pending.work.wait()
-    status = pending.flags.tolist()
+    words = pending.words.cpu().numpy()
+    status = words[:, 0].tolist()
     if any(status):
         world = len(status)
         msgs = [None] * world
         dist.all_gather_object(msgs, pending.error, group=pending.group)
         raise group_input_error(tag, {r: msgs[r] for r in range(world) if status[r]})
+    return words[:, 1:]
 
 
 def check_group_agreement(cfg: TransportConfig, group, rank: int,

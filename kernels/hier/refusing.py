@@ -25,15 +25,18 @@ from ..base import DispatchInputError, finish_agreement, start_agreement
 class RefusingStages:
     """The stage calls of one op of ``hier`` (a :class:`~efa_ep.kernels.hier.transport.
     HierTransport`) under its started status exchange (see the module); ``error``: this rank's
-    refusal of its own input, or None. :meth:`complete` runs the op's stages, each through
-    :meth:`run`, then waits for the exchange."""
+    refusal of its own input, or None; ``payload``: integers that ride to each rank with the
+    status word (:func:`~efa_ep.kernels.base.start_agreement`). :meth:`complete` runs the op's
+    stages, each through :meth:`run`, then waits for the exchange; a body that needs the
+    payload waits for it itself (:meth:`status`) once both stages were called."""
 
-    def __init__(self, hier, op: str, error: Optional[str]):
+    def __init__(self, hier, op: str, error: Optional[str], payload=None):
         hier._begin(op)
         self.hier, self.op = hier, op
         self.refused = error is not None  # from here on every stage is called to refuse
         self.stage_error: Optional[DispatchInputError] = None
-        self._pending = start_agreement(hier.group, error, hier._ctl)
+        self._pending = start_agreement(hier.group, error, hier._ctl, payload)
+        self._outcome = None  # (received payload, None) or (None, the exchange's exception)
 
     def run(self, fn, rows, handle):
         """``fn(rows, handle)`` through ``hier._stage``, or, once this op was refused on this
@@ -48,6 +51,22 @@ class RefusingStages:
             self.stage_error = self.stage_error or e
             return None
 
+    def status(self):
+        """Waits for the exchange once (later calls repeat its outcome): raises the group's
+        input error when a rank's input was bad, else returns the payload the ranks sent this
+        rank (``[W, P]`` int64 numpy, untrusted). Call it only after every stage was called
+        (a peer may be waiting in one for this rank)."""
+        if self._outcome is None:
+            try:
+                self._outcome = (self.hier._stage(finish_agreement, self._pending,
+                                                  f"hier {self.op}"), None)
+            except Exception as e:  # noqa: BLE001 (kept and raised again to every caller)
+                self._outcome = (None, e)
+        received, error = self._outcome
+        if error is not None:
+            raise error
+        return received
+
     def complete(self, body):
         """``body()`` (the op's stages through :meth:`run`), then the exchange: raises the
         group's input error on every rank when a rank's input was bad, else a stage's own
@@ -60,11 +79,11 @@ class RefusingStages:
             self.stage_error, out = self.stage_error or e, None
         except BaseException:
             try:
-                self.hier._stage(finish_agreement, self._pending, f"hier {self.op}")
+                self.status()
             except Exception:  # noqa: BLE001 (the stage's failure is the one to report)
                 pass
             raise
-        self.hier._stage(finish_agreement, self._pending, f"hier {self.op}")
+        self.status()
         if self.stage_error is not None:
             raise self.stage_error
         return out

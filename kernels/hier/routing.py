@@ -1,6 +1,6 @@
 """``hier``'s routing bookkeeping on the host: the routing copied from the device once, the flat
-send layout its handle reports, the rows its local stage forwards per source node, and the
-index arrays copied to the device at once."""
+send layout its handle reports (whose counts are also the rows the rail peers forward inside
+their nodes), and the index arrays copied to the device at once."""
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -54,18 +54,3 @@ def to_device(arrays: Sequence[np.ndarray], device) -> List[torch.Tensor]:
         out.append(t[at:at + len(a)])
         at += len(a)
     return out
-
-
-def forward_counts(ids: torch.Tensor, num_recv_net: Sequence[int], experts_per_rank: int,
-                   node_size: int) -> np.ndarray:
-    """``[G, N]`` int64 numpy: of the network stage's received rows (``ids`` ``[R, K]`` int64,
-    any device, the node's expert ids, -1 none; ``num_recv_net[m]`` rows from node m,
-    node-major), how many the local stage sends to each of the node's ``node_size`` ranks
-    (``experts_per_rank`` experts each): a row goes to every local rank that holds one of its
-    experts, once (the contract's send layout)."""
-    g = node_size
-    ids = ids.cpu().numpy()
-    upto = np.zeros((ids.shape[0] + 1, g), dtype=np.int64)
-    np.cumsum(_sent_to(ids, experts_per_rank, g), axis=0, out=upto[1:])
-    bounds = np.concatenate([[0], np.cumsum(num_recv_net)])
-    return np.ascontiguousarray((upto[bounds[1:]] - upto[bounds[:-1]]).T)

@@ -20,8 +20,8 @@ with this rank's local index, with its ids made local to the node. The local sta
 what the rail brought (up to N * T_MAX rows) to the ranks that own the experts. Dispatch =
 network dispatch, then local dispatch of the received rows, then one permutation from (local
 source, source node, token) order to the contract's (source rank, token) order; the
-per-(local source, node) counts come from one small count exchange inside the node, counted
-from the network stage's ids and exchanged while the local stage runs (each peer's counts
+per-(local source, node) counts are the flat send counts of the sources each local rank
+forwards for, which ride to every rank with the op's status exchange (each local source's
 must add up to the rows it forwarded). Combine runs the reverse: inverse permutation, local
 combine, network combine.
 
@@ -69,8 +69,7 @@ local one. A bad value raises :class:`~efa_ep.kernels.base.TransportError` in on
 
 Synchronization: every call is collective over the EP group and returns when this rank's
 outputs are ready; the stages synchronize as they do alone (host syncs: one per stage
-dispatch, the copy of the routing to the host for the checks, plus, with ``aggregate=1``, the
-count exchange inside the node).
+dispatch and the copy of the routing to the host for the checks).
 """
 from __future__ import annotations
 
@@ -85,13 +84,13 @@ import torch.distributed as dist
 
 from ..core.hosts import gather_hosts, gather_processes, host_id, pid_exited
 from .refusing import RefusingStages
-from .routing import flat_send, forward_counts, routing_on_host, to_device
+from .routing import flat_send, routing_on_host, to_device
 from ..options import SCHEMAS
 from ..base import (
     DispatchHandle, DispatchInputError, HandleState, NetCounter, NetOpCounts, PeerFailure,
     ProtocolError,
     Transport, TransportBroken, TransportError, collective_device,
-    describe_value_errors, finish_agreement, rows_input_error,
+    describe_value_errors, rows_input_error,
     validate_dispatch_inputs,
 )
 
@@ -278,9 +277,7 @@ class HierTransport(Transport):
             return f"the network stage's {fn.__name__}", self._net_ranks
         if owner is self.local:
             return f"the local stage's {fn.__name__}", self._node_ranks
-        if fn is finish_agreement:
-            return "the status exchange", list(range(self.world_size))
-        return "the forward count exchange", self._node_ranks
+        return "the status exchange", list(range(self.world_size))  # (finish_agreement)
 
     def _exited(self, ranks, text: str) -> str:
         """Names the peers among EP ``ranks`` whose process on this host has exited (a peer
@@ -359,13 +356,21 @@ class HierTransport(Transport):
         # The status exchange runs under the stages (it on the EP group, theirs on the rail
         # and the node): a rank with bad input takes part in them with no rows, and every rank
         # raises once the exchange is in. Saves the exchange's latency (gloo: 0.1-0.5 ms a
-        # call on one host) per dispatch.
-        stages = RefusingStages(self, "dispatch", error)
+        # call on one host) per dispatch. With aggregate=1 it also carries this rank's flat
+        # send counts, which are the rows each rail peer forwards for it inside its node.
+        send = None
+        if error is None:
+            send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
+        counts = None
+        if not self._direct:
+            counts = np.asarray(send[1] if send else (0,) * self.world_size, dtype=np.int64)
+        stages = RefusingStages(self, "dispatch", error, counts)
         if error is not None:
             x, topk_idx, topk_weights, idx_h = self._no_rows(x, topk_idx)
+            send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
         return stages.complete(
-            lambda: (self._dispatch_direct if self._direct else self._dispatch_rail)(
-                x, topk_idx, topk_weights, idx_h))
+            lambda: (self._dispatch_direct(x, topk_idx, topk_weights, send) if self._direct
+                     else self._dispatch_rail(stages, x, topk_idx, topk_weights, send)))
 
     def _no_rows(self, x, topk_idx):
         """Empty dispatch inputs (``[0, H]``, ``[0, K]``) that every stage accepts, for a rank
@@ -382,24 +387,16 @@ class HierTransport(Transport):
                 torch.empty(0, k, dtype=torch.float32, device=dev),
                 np.empty((0, k), dtype=np.int64))
 
-    def _dispatch_rail(self, x, topk_idx, topk_weights, idx_h):
+    def _dispatch_rail(self, stages, x, topk_idx, topk_weights, send):
         """``aggregate=1`` (see the module): the network stage on the rail, the local stage on
-        the node, the count exchange and the permutation. ``idx_h``: ``topk_idx`` on the host
-        (numpy)."""
+        the node, then the permutation. ``send``: :func:`.routing.flat_send` of this rank's
+        routing. The rows each local source forwards here per source node are the flat send
+        counts of the sources it forwards for, which came with the status exchange."""
         x1, i1, w1, _, h1 = self._stage(self.network.dispatch, x, topk_idx, topk_weights)
         self._count("dispatch", h1.num_send_per_rank, self.cfg.hidden * x.element_size())
         n, g = self.num_nodes, self.node_size
-        # Rows this rank forwards to each local rank, split by the node they came from: known
-        # from the network stage's ids, so their exchange runs under the local stage.
-        counts = forward_counts(i1, h1.num_recv_per_rank, self.cfg.num_experts // self.world_size,
-                                g)
-        pending = self._start_counts(counts)
         x2, i2, w2, tpe, h2 = self._stage(self.local.dispatch, x1, i1, w1)
-        if tuple(counts.sum(1).tolist()) != tuple(h2.num_send_per_rank):
-            self._broken = (f"rank {self.rank}: hier's forward counts {counts.sum(1).tolist()} "
-                            f"differ from the local stage's rows {list(h2.num_send_per_rank)}")
-            raise TransportError(self._broken)
-        recv_counts = self._finish_counts(pending, h2.num_recv_per_rank)  # [g source, n node]
+        recv_counts = self._forwarded_counts(stages.status(), h2.num_recv_per_rank)  # [g, n]
         # (local source j, node m) blocks arrive j-major; the contract wants m-major. The
         # inverse order (combine's) and the handle's send order go to the device with it.
         flat_counts = recv_counts.reshape(-1)
@@ -410,7 +407,7 @@ class HierTransport(Transport):
         inverse_np = np.empty_like(perm_np)
         inverse_np[perm_np] = np.arange(len(perm_np))
         num_recv = tuple(int(recv_counts[j, m]) for m in range(n) for j in range(g))
-        send_np, num_send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
+        send_np, num_send = send
         if topk_idx.device == x2.device:  # one copy
             perm, inverse, send_token_idx = to_device([perm_np, inverse_np, send_np], x2.device)
         else:
@@ -425,11 +422,11 @@ class HierTransport(Transport):
                                     inverse=inverse))
         return x2.index_select(0, perm), recv_idx, w2.index_select(0, perm), tpe, handle
 
-    def _dispatch_direct(self, x, topk_idx, topk_weights, idx_h):
+    def _dispatch_direct(self, x, topk_idx, topk_weights, send):
         """``aggregate=0``: slots of other nodes' experts go to the network stage (whole group,
         global ids), slots of this node's experts to the local stage (ids local to the node);
-        the two results are merged in (source rank, token) order. ``idx_h``: ``topk_idx`` on
-        the host (numpy)."""
+        the two results are merged in (source rank, token) order. ``send``:
+        :func:`.routing.flat_send` of this rank's routing."""
         n, g, cfg = self.num_nodes, self.node_size, self.cfg
         per_node = cfg.num_experts // n
         used = topk_idx >= 0
@@ -449,7 +446,7 @@ class HierTransport(Transport):
 
         num_recv = tuple(h2.num_recv_per_rank[s - lo] if lo <= s < lo + g
                          else h1.num_recv_per_rank[s] for s in range(self.world_size))
-        send_np, num_send = flat_send(idx_h, self.world_size, self.cfg.num_experts)
+        send_np, num_send = send
         send_token_idx, = to_device([send_np], topk_idx.device)
         recv_idx = merge(i1, i2)
         handle = DispatchHandle(
@@ -459,36 +456,32 @@ class HierTransport(Transport):
             state=HierDispatchState(owner=self.uid, net=h1, local=h2, perm=None, split=(a, b)))
         return merge(x1, x2), recv_idx, merge(w1, w2), tpe1 + tpe2, handle
 
-    def _start_counts(self, counts_GN: np.ndarray):
-        """Starts the all-to-all inside the node: row d of ``counts_GN`` (int64 numpy) goes to
-        local rank d. Over gloo (host tensors) it runs while the caller goes on; over a device
-        group it completes here (an asynchronous collective next to the local stage's kernels
-        on a shared GPU is not something this code relies on)."""
-        send = torch.from_numpy(counts_GN).to(self._ctl)
-        recv = torch.empty_like(send)
-        overlap = self._ctl.type == "cpu"
-        work = self._stage(dist.all_to_all_single, recv, send, None, None, self.node_group,
-                           overlap)
-        return recv, work
-
-    def _finish_counts(self, pending, local_recv) -> np.ndarray:
-        """Waits for :meth:`_start_counts`' exchange; returns ``[G, N]`` int64 numpy: what each
-        local source forwards here, per source node. Peers' counts are untrusted: each source's
-        must be non-negative and add up to the rows the local stage received from it
-        (``local_recv``, G ints), or hier breaks with a :class:`ProtocolError` naming it."""
-        recv, work = pending
-        if work is not None:
-            self._stage(work.wait)
-        recv = recv.cpu().numpy()
-        bad = [j for j in range(recv.shape[0])
-               if (recv[j] < 0).any() or int(recv[j].sum()) != int(local_recv[j])]
+    def _forwarded_counts(self, received: np.ndarray, local_recv) -> np.ndarray:
+        """``[G, N]`` int64 numpy: the rows local source j forwards here from node m, which are
+        the flat send counts to this rank of EP rank m * G + j (``received[r, 0]``: rank r's
+        count, from the status exchange). Peers' counts are untrusted: each must be
+        non-negative and each local source's must add up to the rows the local stage received
+        from it (``local_recv``, G ints), or hier breaks with a :class:`ProtocolError` naming
+        the ranks."""
+        n, g = self.num_nodes, self.node_size
+        if received.shape != (self.world_size, 1):
+            self._broken = (f"rank {self.rank}: protocol violation: hier's status exchange "
+                            f"brought counts of shape {tuple(received.shape)}, expected "
+                            f"({self.world_size}, 1)")
+            raise ProtocolError(self._broken)
+        counts = np.ascontiguousarray(received[:, 0].reshape(n, g).T)
+        bad = [j for j in range(g)
+               if (counts[j] < 0).any() or int(counts[j].sum()) != int(local_recv[j])]
         if bad:
             j = bad[0]
-            self._broken = (f"rank {self.rank}: protocol violation: hier's forward counts from "
-                            f"rank {self._node_ranks[j]} are {recv[j].tolist()} per source node, "
-                            f"its local stage rows {int(local_recv[j])}")
+            sources = list(range(j, self.world_size, g))
+            self._broken = (f"rank {self.rank}: protocol violation: hier's forward counts of "
+                            f"ranks {sources} (forwarded by rank {self._node_ranks[j]}) are "
+                            f"{counts[j].tolist()}, which do not add up to the "
+                            f"{int(local_recv[j])} rows the local stage received from rank "
+                            f"{self._node_ranks[j]}")
             raise ProtocolError(self._broken)
-        return recv
+        return counts
 
     def dispatch_cached(self, x, handle):
         """Replays ``handle``'s route for ``x`` ``[T, D]`` (any float dtype): returns ``[N, D]``.

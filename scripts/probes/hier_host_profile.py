@@ -5,9 +5,9 @@
 ``cuda:0`` under MPS, or ``--device cpu``), the network stage ``proxy`` over ``--provider``, the
 local stage ``auto`` (``gda`` on a GPU, ``torch`` on CPU), Qwen3-30B-A3B shape (H 2048 bf16, top-8
 of 128), ``--tokens`` per rank. Every call hier makes into a stage or a collective of its own
-(the group's status exchange, the forward count exchange) is timed with a wall clock; the rest
+(the group's status exchange) is timed with a wall clock; the rest
 of the D+C is hier's own Python and torch work between them, of which the named helpers (the
-routing copied to the host, the input checks, the flat send layout, the forward counts, the
+routing copied to the host, the input checks, the flat send layout, the
 index arrays copied to the device, the status exchange's start) are timed too, each as
 "(own) ..."; on a GPU the wait for the device's work still queued when combine returned is
 timed too; what is left is the permutation's gathers, numpy and the handle (``--cprofile``
@@ -35,7 +35,6 @@ OWN_STEPS = (
     ("efa_ep.kernels.hier.transport", "validate_dispatch_inputs", "the input checks"),
     ("efa_ep.kernels.hier.transport", "routing_on_host", "the routing copied to the host"),
     ("efa_ep.kernels.hier.transport", "flat_send", "the flat send layout"),
-    ("efa_ep.kernels.hier.transport", "forward_counts", "the forward counts"),
     ("efa_ep.kernels.hier.transport", "to_device", "the index arrays copied to the device"),
     ("efa_ep.kernels.hier.refusing", "start_agreement", "the status exchange's start"),
 )
@@ -79,9 +78,7 @@ def _rank(rank, world, node_size, tokens, iters, device, provider, channels, opt
         try:
             return stage(fn, *a)
         finally:
-            what = tr._where(fn)[0]  # hier's own name of the step
-            acc[what if what != "the forward count exchange" else
-                f"{what} ({getattr(fn, '__name__', 'call')})"] += time.perf_counter() - t0
+            acc[tr._where(fn)[0]] += time.perf_counter() - t0  # hier's own name of the step
 
     tr._stage = timed
     _time_own_steps(acc)

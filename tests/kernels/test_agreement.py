@@ -106,3 +106,15 @@ def test_refusing_stages_call_every_stage_and_raise_together():
     assert peer[1] == ("PeerFailure: local: peer gone", [("local", "h1")])
     outside = run_ranks(_refusing, 2, args=("outside",))  # the group's error, on both ranks
     assert all("invalid input on rank(s) [1]" in out for out, _ in outside), outside
+
+
+def _payload(rank, world):
+    pending = start_agreement(None, None, payload=[[100 * rank + r, -r] for r in range(world)])
+    return finish_agreement(pending, "test dispatch").tolist()
+
+
+def test_the_payload_rides_to_each_rank():
+    """Row r of a rank's payload reaches rank r with the status word, in source rank order."""
+    res = run_ranks(_payload, 3)
+    for r, got in enumerate(res):
+        assert got == [[100 * s + r, -r] for s in range(3)], (r, got)

@@ -358,46 +358,49 @@ def test_net_counter_add_equals_record():
     assert c.totals()["dispatch"]["writes"] is None and c.last["dispatch"].writes is None
 
 
-def test_forward_counts_match_the_local_stage_layout():
-    """The rows hier's local stage forwards to each local rank per source node, counted from the
-    network stage's ids before the local stage runs, equal the torch transport's send layout of
-    the same ids (one row per local rank holding any of its experts), block by source node."""
+def test_flat_send_counts_are_the_rows_rail_peers_forward():
+    """hier's rail peer on node n forwards, to each local rank d, the rows of a source it
+    received from the network stage (the source's tokens with an expert on node n, ids made
+    local to the node) that hold one of d's experts, once: that is the source's flat send count
+    to EP rank n * G + d, which is why those counts can ride with the status exchange."""
     import numpy as np
 
     from efa_ep.kernels.base import compute_send_layout
-    from efa_ep.kernels.hier.routing import forward_counts
+    from efa_ep.kernels.hier.routing import flat_send
 
     g = torch.Generator().manual_seed(3)
     for nodes, node_size, per_rank, k in ((2, 2, 4, 3), (3, 4, 2, 8), (1, 2, 8, 1)):
-        per_node = node_size * per_rank
-        recv = [int(v) for v in torch.randint(0, 9, (nodes,), generator=g)]
-        recv[0] = 0  # a node that sent nothing
-        rows = sum(recv)
-        ids = torch.rand(rows, per_node, generator=g).argsort(1)[:, :k]
-        ids = torch.where(torch.rand(rows, k, generator=g) < 0.3, torch.full_like(ids, -1), ids)
-        got = forward_counts(ids, recv, per_rank, node_size)
-        assert got.shape == (node_size, nodes)
-        bounds = np.cumsum([0] + recv)
-        for m in range(nodes):
-            block = ids[bounds[m]:bounds[m + 1]]
-            num_send = compute_send_layout(block, per_node, node_size).num_tokens_per_rank_W
-            assert got[:, m].tolist() == num_send.tolist(), (m, got, num_send)
+        world, per_node = nodes * node_size, node_size * per_rank
+        experts = world * per_rank
+        tokens = int(torch.randint(0, 9, (1,), generator=g))
+        ids = torch.rand(tokens, experts, generator=g).argsort(1)[:, :k]
+        ids = torch.where(torch.rand(tokens, k, generator=g) < 0.3, torch.full_like(ids, -1),
+                          ids)
+        _, flat = flat_send(ids.numpy(), world, experts)
+        for n in range(nodes):
+            on_node = (ids >= n * per_node) & (ids < (n + 1) * per_node)
+            rows = ids[on_node.any(1)]  # what the rail peer on node n receives
+            local = torch.where((rows >= n * per_node) & (rows < (n + 1) * per_node),
+                                rows - n * per_node, torch.full_like(rows, -1))
+            fwd = compute_send_layout(local, per_node, node_size).num_tokens_per_rank_W
+            assert fwd.tolist() == list(flat[n * node_size:(n + 1) * node_size]), (n, fwd, flat)
+        assert np.sum(flat) <= tokens * min(k, world)
 
 
 def _lying_counts_worker(rank, world):
-    """EP 4 as 2 nodes x 2, network torch, local torch; rank 1 sends its node peer (rank 0)
-    forward counts one row too many. Returns (error type or None, text)."""
+    """EP 4 as 2 nodes x 2, network torch, local torch; rank 1 tells rank 0 (its node peer,
+    which forwards rank 3's rows to it too) one row too many in the counts that ride with the
+    status exchange. Returns (error type or None, text)."""
     from efa_ep.kernels import create_transport
-    from efa_ep.kernels.hier.transport import HierTransport
+    from efa_ep.kernels.hier import transport as hier_transport
 
     if rank == 1:
-        start = HierTransport._start_counts
+        honest = hier_transport.flat_send
 
-        def lying(self, counts):
-            counts = counts.copy()
-            counts[0, 0] += 1  # row 0 goes to local rank 0
-            return start(self, counts)
-        HierTransport._start_counts = lying
+        def lying(*a):
+            send, counts = honest(*a)
+            return send, (counts[0] + 1,) + tuple(counts[1:])
+        hier_transport.flat_send = lying
     t = create_transport("hier", None, 8, 16, 16, torch.float32, node_size=2, network="torch",
                          local="torch", timeout_s=30)
     idx, w = contract_route("random", 6, 8, 2, world, seed=rank, node_size=2)
@@ -409,11 +412,13 @@ def _lying_counts_worker(rank, world):
 
 
 def test_forward_counts_that_do_not_add_up_are_a_protocol_violation():
-    """A node peer's forward counts are bounded before use: counts that do not add up to the rows
-    the local stage received from it break hier on the receiver with a ProtocolError naming the
-    peer (no permutation is built from them)."""
+    """The counts peers send with the status exchange are bounded before use: counts that do
+    not add up to the rows the local stage received from the forwarding node peer break hier
+    on the receiver with a ProtocolError naming the ranks (no permutation is built from
+    them)."""
     out = run_ranks(_lying_counts_worker, 4, (), timeout_s=120, env={"OMP_NUM_THREADS": "1"})
     kind, text = out[0]
     assert kind == "ProtocolError", out[0]
-    assert "protocol violation: hier's forward counts from rank 1" in text, text
+    assert ("protocol violation: hier's forward counts of ranks [1, 3] (forwarded by rank 1)"
+            in text), text
     assert out[2] == (None, "") and out[3] == (None, ""), out  # the other node is not involved
