@@ -6,6 +6,7 @@ import dataclasses
 import re
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -240,12 +241,14 @@ def start_agreement(group, error: Optional[str], device=None,
     bounds it)."""
     device = device if device is not None else collective_device(group)
     world = dist.get_world_size(group)
-    extra = torch.as_tensor(payload, dtype=torch.int64).reshape(world, -1) \
-        if payload is not None else torch.empty(world, 0, dtype=torch.int64)
-    mine = torch.empty(world, 1 + extra.shape[1], dtype=torch.int64)
-    mine[:, 0] = STATUS_BAD_INPUT if error else STATUS_OK
-    mine[:, 1:] = extra
-    mine = mine.to(device)
+    extra = (np.asarray(payload, dtype=np.int64).reshape(world, -1) if payload is not None
+             else np.empty((world, 0), dtype=np.int64))
+    words = np.empty((world, 1 + extra.shape[1]), dtype=np.int64)  # (numpy: cheaper per call)
+    words[:, 0] = STATUS_BAD_INPUT if error else STATUS_OK
+    words[:, 1:] = extra
+    mine = torch.from_numpy(words)
+    if torch.device(device).type == "cuda":  # (pinned: a pageable copy would sync the stream)
+        mine = mine.pin_memory().to(device, non_blocking=True)
     words = torch.empty_like(mine)
     work = dist.all_to_all_single(words, mine, group=group, async_op=True)
     return PendingAgreement(group, error, words, work)

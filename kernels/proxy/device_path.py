@@ -96,7 +96,7 @@ class DevicePath:
         prog = self._programs.get(key)
         xp, ip = x.data_ptr(), send_token_idx.data_ptr()
         if prog is None or not n_recv or (xp | ip) & 15:
-            src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+            src_ptrs, nprog = self._src_ptrs(dev), self._read_programs(dev)
 
             def launch(plan):
                 dk.gather_dispatch(x, send_token_idx, src_ptrs, recv_off,
@@ -113,7 +113,7 @@ class DevicePath:
                 return outs
         prog.run((xp, ip, recv_x.data_ptr(), recv_topk_idx.data_ptr(),
                   recv_topk_weights.data_ptr(), own_start, n_recv, 0,
-                  dk.reads_grid(n_recv, self._num_programs(dev))), self._cuda_stream(dev))
+                  dk.reads_grid(n_recv, self._read_programs(dev))), self._cuda_stream(dev))
         self._record_reads(dev)
         return outs
 
@@ -275,6 +275,16 @@ class DevicePath:
             n = self._buffers[key] = (torch.cuda.get_device_properties(dev).multi_processor_count
                                       if dev.type == "cuda" else 4)
         return n
+
+    def _read_programs(self, dev: torch.device) -> int:
+        """Readers of :func:`~efa_ep.kernels.proxy.device.gather_dispatch` and
+        ``reduce_combine`` (plus the watcher): one per SM, or, when ranks of the group share
+        this GPU, the SMs split over them. A reading kernel launched before its round completes
+        spins on the chunk marks; full-width spinning grids of several ranks can hold every
+        SM while a peer's stores, queued behind other work on its stream (hier's local
+        stage), still need one, and nothing moves until the deadline (as gda's waits)."""
+        n = self._num_programs(dev)
+        return max(1, n // self.ranks_per_device)
 
     def _dispatch_device(self, x, topk_idx, topk_weights):
         """:meth:`dispatch` of CUDA rows on a host window: layout and packing on the device

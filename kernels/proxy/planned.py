@@ -79,7 +79,8 @@ class _Plan:
     words: int = 0           # dispatch: scratch words
     o_send: int = 0          # dispatch: word offset of the sent rows' token indices
     k: int = 0
-    num_programs: int = 0
+    num_programs: int = 0    # the packing kernels' (one per SM)
+    read_programs: int = 0   # the reading kernels' readers (DevicePath._read_programs)
     row_bytes: int = 0
     send_area: int = 0       # combine, cached dispatch: bytes of the send area
     keep: tuple = ()         # the host buffers the structs and programs point at
@@ -148,7 +149,7 @@ class PlannedOps:
         d.reads_event = event.cuda_event if event is not None else 0
         return _Plan(op=op, dev=d, op_ref=ctypes.byref(op), dev_ref=ctypes.byref(d), pack=pack,
                      reads=reads, event=event, nw=tr.wire._nw, gen=tr.wire.gen, device=dev,
-                     num_programs=tr._num_programs(dev),
+                     num_programs=tr._num_programs(dev), read_programs=tr._read_programs(dev),
                      cuda=dev.index if dev.type == "cuda" else None)
 
     def _cpp_fields(self, plan: _Plan, dtype) -> dict:
@@ -158,7 +159,7 @@ class PlannedOps:
         return dict(op=ctypes.addressof(plan.op), dev=ctypes.addressof(plan.dev),
                     pack=plan.pack._addr, reads=plan.reads._addr,
                     device=-2 if plan.cuda is None else plan.cuda,
-                    programs=plan.num_programs, watcher=_watcher(),
+                    programs=plan.read_programs, watcher=_watcher(),
                     err=ctypes.addressof(self._err), errlen=_ERRLEN,
                     **{"dtype": self.cpp.scalar_type(torch.empty(0, dtype=dtype))})
 
@@ -261,7 +262,7 @@ class PlannedOps:
         recv_w = torch.empty(n, k, dtype=torch.float32, device=dev)
         plan.reads.set_vars((xp, sp + 8 * plan.o_send, recv_x.data_ptr(), recv_idx.data_ptr(),
                              recv_w.data_ptr(), plan.dev.own_start, n,
-                             self._tag(plan, plan.op.seq), self._reads_grid(n, plan.num_programs)))
+                             self._tag(plan, plan.op.seq), self._reads_grid(n, plan.read_programs)))
         self._finish_dispatch(plan)
         tr._reads_done = plan.event
         self.calls["dispatch"] += 1
@@ -398,7 +399,7 @@ class PlannedOps:
         out = torch.empty(t, y.shape[1], dtype=y.dtype, device=plan.device)
         plan.pack.set_vars((yp, s_me, s_me + num_recv[me], n, max(1, chunk_rows), grid))
         plan.reads.set_vars((yp, ip, out.data_ptr(), s_me, t, self._tag(plan, tr.wire.seq),
-                             self._reads_grid(t, plan.num_programs)))
+                             self._reads_grid(t, plan.read_programs)))
         self._run(plan, self._rows_fn, OP_COMBINE)
         tr._reads_done = plan.event
         self.calls["combine"] += 1

@@ -518,7 +518,7 @@ class RoundOps:
         prog = self._programs.get(key)
         yp, ip = yc.data_ptr(), idx.data_ptr()
         if prog is None or not t or not idx.numel() or (yp | ip) & 15:
-            src_ptrs, nprog = self._src_ptrs(dev), self._num_programs(dev)
+            src_ptrs, nprog = self._src_ptrs(dev), self._read_programs(dev)
 
             def launch(plan):
                 dk.reduce_combine(yc, idx, send_off, src_ptrs, out, me=me, own_start=own_start,
@@ -532,7 +532,7 @@ class RoundOps:
                 self._record_reads(dev)
                 return out
         prog.run((yp, ip, out.data_ptr(), own_start, t, 0,
-                  dk.reads_grid(t, self._num_programs(dev))),
+                  dk.reads_grid(t, self._read_programs(dev))),
                  self._cuda_stream(dev))
         self._record_reads(dev)
         return out

@@ -96,6 +96,17 @@ def availability() -> Optional[str]:
     return None
 
 
+def _device_identity():
+    """(host, this process's current CUDA device's uuid), or None without CUDA: ranks with
+    equal identities share one GPU."""
+    if not torch.cuda.is_available():
+        return None
+    from ..core.hosts import host_id
+
+    dev = torch.cuda.current_device()
+    return host_id(), str(getattr(torch.cuda.get_device_properties(dev), "uuid", dev))
+
+
 def _group_local_address() -> str:
     """The local IP address this process uses to reach the process group's rendezvous host
     (MASTER_ADDR, else the default store's host); '' when unknown."""
@@ -234,6 +245,7 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
         self._planned = None
         self.engine = None
         self.gen = 0
+        self.ranks_per_device = 1  # ranks of the group on this rank's GPU (set up below)
         self.bind_address = ""
         self._engine_rss = 0
         self._setup()
@@ -313,8 +325,13 @@ class ProxyTransport(RoundOps, DevicePath, Transport):
             self.bind_address = _group_local_address()
         # Round 1 of setup: agree on settings and take rank 0's generation (random per transport)
         # before any endpoint exists, so every immediate carries the group's generation.
-        proposals = self._agree(int.from_bytes(os.urandom(1), "little") & native.IMM_GEN_MASK)
-        self.gen = proposals[0]
+        # With it, which ranks share this rank's GPU (the reading kernels' grid, device_path.py).
+        device = _device_identity()
+        proposals = self._agree((int.from_bytes(os.urandom(1), "little") & native.IMM_GEN_MASK,
+                                 device))
+        self.gen = proposals[0][0]
+        self.ranks_per_device = (sum(1 for _, d in proposals if d == device)
+                                 if device is not None else 1)
         try:
             self._start_engine()
         except TransportError as ex:

@@ -10,7 +10,8 @@ transport's device paths (kernels forced on for CPU tensors; the dispatch's devi
 off) over libfabric tcp on loopback in two ranks against the ``torch`` transport. ``late`` runs
 it with a stand-in device that stores the send plane chunk by chunk after the launch returned
 (rows and progress words from another thread): the host must post each chunk only once its
-progress word says so, cut where the wire's descriptors end.
+progress word says so, cut where the wire's descriptors end. ``shared`` runs it with both ranks
+on one (stand-in) GPU: the reading kernels get half the programs and still match ``torch``.
 """
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKS = ["pack", "gather", "reduce", "transport", "late"]
+CHECKS = ["pack", "gather", "reduce", "transport", "late", "shared"]
 
 
 @pytest.mark.slow  # Triton's interpreter over randomized cases: 10-20 s each on 2 cores
 @pytest.mark.parametrize("check", CHECKS)
 def test_proxy_device_kernels_interpreted(check):
-    if check in ("transport", "late"):
+    if check in ("transport", "late", "shared"):
         from efa_ep.kernels import proxy as proxy_mod
 
         why = proxy_mod.availability()
@@ -378,6 +379,51 @@ def _late_rank(rank, world):
     return bad
 
 
+def _shared_rank(rank, world):
+    """Both ranks say they share one GPU: the transport counts them, its reading kernels run
+    with the SMs (here: 4 programs on the CPU) split over them, and the outputs stay torch's."""
+    import torch
+    from efa_ep.kernels import create_transport
+    from efa_ep.kernels.proxy import transport as proxy_transport
+
+    torch.set_num_threads(1)
+    proxy_transport._device_identity = lambda: ("this host", "GPU-0")
+    ref = create_transport("torch", None, 16, 48, 32, torch.bfloat16)
+    px = create_transport("proxy", None, 16, 48, 32, torch.bfloat16, provider="tcp",
+                          num_channels=2, timeout_s=60)
+    px.device_kernels, px.device_layout = "always", True
+    bad = []
+    cpu = torch.device("cpu")
+    if (px.ranks_per_device, px._num_programs(cpu), px._read_programs(cpu)) != (2, 4, 2):
+        bad.append(("programs", px.ranks_per_device, px._num_programs(cpu),
+                    px._read_programs(cpu)))
+    idx, w = _route(21, 16, 4, seed=rank)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(21, 48, generator=g).to(torch.bfloat16)
+    for it in range(2):
+        r, p = ref.dispatch(x, idx, w), px.dispatch(x, idx, w)
+        if not all(torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                               b.view(torch.uint8) if b.is_floating_point() else b)
+                   for a, b in zip(r[:4], p[:4])):
+            bad.append((it, "dispatch"))
+        y = torch.randn(r[0].shape[0], 48, generator=g).to(torch.bfloat16)
+        if not torch.equal(ref.combine(y, r[4]).view(torch.uint8),
+                           px.combine(y, p[4]).view(torch.uint8)):
+            bad.append((it, "combine"))
+    px.close()
+    return bad
+
+
+def _check_shared():
+    from efa_ep.distributed import run_ranks
+
+    env = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1"}
+    for rank, bad in enumerate(run_ranks(_shared_rank, 2, (), timeout_s=500, env=env)):
+        assert not bad, (rank, bad)
+    print("OK shared")
+
+
 def _check_late():
     from efa_ep.distributed import run_ranks
 
@@ -402,4 +448,5 @@ def _check_transport():
 
 if __name__ == "__main__":
     {"pack": _check_pack, "gather": _check_gather, "reduce": _check_reduce,
-     "transport": _check_transport, "late": _check_late}[sys.argv[1]]()
+     "transport": _check_transport, "late": _check_late,
+     "shared": _check_shared}[sys.argv[1]]()
