@@ -286,6 +286,7 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     src = shipped["gda_fixed_us"].source
     assert "gda@hbm 2026-12-05" in src and "gda@nvlink: 2026-12-04" in src
     assert "results/gda_perop/gda_gpu_check_2026-12-05T0430.json" in src
+    assert "results/gda_perop/gda_gpu_check_2026-12-05T1333.json" in src
     assert all(n in shipped["nccl_fixed_us"].source for n in x2)
     assert shipped["proxy_fixed_us"].tag == "measured"
     assert ("results/h200/bench_proxy_cuda_sizes_2026-12-05T0425.json"
@@ -293,8 +294,8 @@ def test_shipped_calibration_reads_the_raw_runs_of_the_current_code():
     assert all(n in shipped["gda_link_eff"].source for n in x2)
     # hier's fixed cost from its newest D+C records (EP 4 = 2 emulated nodes x 2 on one GPU host)
     assert shipped["hier_fixed_us"].tag == "measured"
-    assert ("results/h100/bench_hier_ep4_2026-12-05T0935/bench_summary.json"
-            in shipped["hier_fixed_us"].source)
+    assert all(f"results/h200/bench_hier_ep4_2026-12-05T{t}/bench_summary.json"
+               in shipped["hier_fixed_us"].source for t in ("1330", "1335"))
     assert "hier:agg1@hbm 2026-12-05" in shipped["hier_fixed_us"].source
 
 
