@@ -23,23 +23,17 @@ def routing_on_host(topk_idx: torch.Tensor, topk_weights: torch.Tensor):
     return idx.numpy(), w.numpy()
 
 
-def _sent_to(idx: np.ndarray, experts_per_rank: int, ranks: int) -> np.ndarray:
-    """``[T, ranks]`` bool: token t goes to rank r (it holds one of the token's experts; ``idx``
-    ``[T, K]`` int64 numpy, -1 none): the contract's send layout, each rank once."""
-    t = idx.shape[0]
-    dest = np.where(idx >= 0, idx // experts_per_rank, ranks)
-    is_in = np.zeros((t, ranks + 1), dtype=bool)
-    is_in[np.arange(t)[:, None], dest] = True
-    return is_in[:, :ranks]
-
-
 def flat_send(idx: np.ndarray, world: int, num_experts: int) -> Tuple[np.ndarray, tuple]:
     """The flat (one hop per rank) send layout of validated routing ``idx`` (``[T, K]`` int64
-    numpy) that the handle reports: (send_token_idx ``[S]`` int64 numpy, rank-major, tokens
-    ascending; rows per destination rank, ``world`` ints)."""
-    is_in_wt = _sent_to(idx, num_experts // world, world).T
-    send_token = np.nonzero(is_in_wt)[1].astype(np.int64)
-    return send_token, tuple(int(v) for v in is_in_wt.sum(1))
+    numpy, -1 none) that the handle reports: a token goes to every rank that holds one of its
+    experts, once. Returns (send_token_idx ``[S]`` int64 numpy, rank-major, tokens ascending;
+    rows per destination rank, ``world`` ints)."""
+    t = idx.shape[0]
+    dest = np.where(idx >= 0, idx // (num_experts // world), world)  # (world: no expert)
+    sent = np.zeros((world + 1, t), dtype=bool)  # [rank, token], rank-major for nonzero
+    sent[dest, np.arange(t)[:, None]] = True
+    sent = sent[:world]
+    return np.nonzero(sent)[1], tuple(sent.sum(1).tolist())
 
 
 def to_device(arrays: Sequence[np.ndarray], device) -> List[torch.Tensor]:
