@@ -19,6 +19,17 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def device_identity():
+    """(host, the current CUDA device's uuid), or None without CUDA: ranks with equal
+    identities share one GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.cuda.current_device()
+    return host_id(), str(getattr(torch.cuda.get_device_properties(dev), "uuid", dev))
+
+
 def pid_exited(pid: int) -> bool:
     """True when ``pid`` (on this host) no longer runs: gone, or a zombie not yet reaped."""
     try:

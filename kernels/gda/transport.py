@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..core.hosts import host_id
+from ..core.hosts import device_identity
 from ..base import (
     STATUS_BAD_INPUT, DispatchHandle, DispatchInputError, ProtocolError, Transport,
     TransportBroken, TransportError, TransportUnavailable, align_up, local_weight_grads,
@@ -129,7 +129,7 @@ class GdaTransport(Transport):
                                  f"off, got {gate!r}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
-        me = (host_id(), str(getattr(props, "uuid", self.device.index)))
+        me = device_identity()
         peers = [None] * self.world_size
         dist.all_gather_object(peers, me, group=group)
         hosts = sorted({h for h, _ in peers})

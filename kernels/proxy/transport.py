@@ -69,6 +69,7 @@ from ..base import (
     validate_dispatch_inputs,
 )
 from .. import native_launch
+from ..core.hosts import device_identity as _device_identity
 from . import native
 from .hostop import HostOps
 from .options import default_provider, resolve_options
@@ -94,17 +95,6 @@ def availability() -> Optional[str]:
     if why:
         return f"libfabric provider {provider!r} unusable: {why}"
     return None
-
-
-def _device_identity():
-    """(host, this process's current CUDA device's uuid), or None without CUDA: ranks with
-    equal identities share one GPU."""
-    if not torch.cuda.is_available():
-        return None
-    from ..core.hosts import host_id
-
-    dev = torch.cuda.current_device()
-    return host_id(), str(getattr(torch.cuda.get_device_properties(dev), "uuid", dev))
 
 
 def _group_local_address() -> str:

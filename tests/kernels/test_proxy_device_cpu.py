@@ -379,6 +379,11 @@ def _late_rank(rank, world):
     return bad
 
 
+# the ranks' environment: libfabric tcp on loopback, Triton's interpreter
+_RANK_ENV = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
+             "TRITON_INTERPRET": "1"}
+
+
 def _shared_rank(rank, world):
     """Both ranks say they share one GPU: the transport counts them, its reading kernels run
     with the SMs (here: 4 programs on the CPU) split over them, and the outputs stay torch's."""
@@ -417,9 +422,7 @@ def _shared_rank(rank, world):
 def _check_shared():
     from efa_ep.distributed import run_ranks
 
-    env = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1"}
-    for rank, bad in enumerate(run_ranks(_shared_rank, 2, (), timeout_s=500, env=env)):
+    for rank, bad in enumerate(run_ranks(_shared_rank, 2, (), timeout_s=500, env=_RANK_ENV)):
         assert not bad, (rank, bad)
     print("OK shared")
 
@@ -427,9 +430,7 @@ def _check_shared():
 def _check_late():
     from efa_ep.distributed import run_ranks
 
-    env = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1"}
-    for rank, bad in enumerate(run_ranks(_late_rank, 2, (), timeout_s=500, env=env)):
+    for rank, bad in enumerate(run_ranks(_late_rank, 2, (), timeout_s=500, env=_RANK_ENV)):
         assert not bad, (rank, bad)
     print("OK late")
 
@@ -437,9 +438,7 @@ def _check_late():
 def _check_transport():
     from efa_ep.distributed import run_ranks
 
-    env = {"FI_TCP_IFACE": "lo", "FI_PROVIDER": "tcp", "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1"}
-    results = run_ranks(_transport_rank, 2, (), timeout_s=500, env=env)
+    results = run_ranks(_transport_rank, 2, (), timeout_s=500, env=_RANK_ENV)
     for rank, (bad, msg) in enumerate(results):
         assert not bad, (rank, bad)
         assert "rank 1" in msg and "expert id 8" in msg, (rank, msg)
