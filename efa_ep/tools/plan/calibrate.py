@@ -564,10 +564,13 @@ def default_record_files(root: str) -> List[str]:
              "results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_cpp_2026-12-04.json",
              "results/h200/bench_proxy_cuda_sizes_2026-12-05T0425.json",
+             "results/h200/bench_proxy_reader_grid_after_2026-12-05T1722.json",
+             "results/h200/bench_proxy_reader_grid_after2_2026-12-05T1722.json",
              "results/h200/bench_hier_ep4_one_call/bench_summary.json",
              "results/h200/bench_hier_ep4_early_reads/bench_summary.json",
              "results/h200/bench_hier_ep4_2026-12-05T1330/bench_summary.json",
              "results/h200/bench_hier_ep4_2026-12-05T1335/bench_summary.json",
+             "results/h200/bench_hier_ep4_2026-12-05T1720/bench_summary.json",
              "results/h200x2/bench_gpu_nccl_2026-12-04T1151/bench_summary.json",
              "results/h200x2/bench_gpu_nccl_2026-12-04T1158/bench_summary.json"]
     return [os.path.join(root, c) for c in cands if os.path.exists(os.path.join(root, c))]
