@@ -560,6 +560,7 @@ def default_record_files(root: str) -> List[str]:
              "results/gda_perop/gda_gpu_check_np528_2026-12-04.json",
              "results/gda_perop/gda_gpu_check_2026-12-05T0430.json",
              "results/gda_perop/gda_gpu_check_2026-12-05T1333.json",
+             "results/gda_perop/gda_gpu_check_2026-12-05T1755.json",
              "results/h200/bench_proxy_cuda_sizes_one_call_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_early_reads_2026-12-03.json",
              "results/h200/bench_proxy_cuda_sizes_cpp_2026-12-04.json",
