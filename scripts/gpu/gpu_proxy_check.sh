@@ -6,7 +6,9 @@
 #   PROXY_STEPS      which steps, default "tests bench"; also: cpp_ab (decode and prefill D+C
 #                    with the planned ops' C++ calls, then the Python glue, then C++ again:
 #                    EFA_EP_PROXY_CPP 1/0/1), clock (the native calls step by step at decode and
-#                    512 tokens: proxy_host_profile.py with its step clock)
+#                    512 tokens: proxy_host_profile.py with its step clock), reduce (the combine's
+#                    reduction alone at prefill, every row in pinned memory: one rank and two at
+#                    once, i.e. what PCIe allows: proxy_reduce_probe.py)
 #   PROXY_PROVIDERS  providers of the bench (default shm)
 #   PROXY_PROFILES   profiles of the bench (default decode,prefill)
 #   PROXY_STARTS x PROXY_ITERS  fresh rank pairs x timed iterations (default 3 x 20)
@@ -42,5 +44,7 @@ want clock && TAILN=26 step clock 100 python3 scripts/probes/proxy_host_profile.
   --channels 4 --staging layout
 want clock && TAILN=26 step clock512 100 python3 scripts/probes/proxy_host_profile.py --iters 100 \
   --channels 4 --staging layout --tokens 512
+want reduce && TAILN=10 step reduce 120 python3 scripts/probes/proxy_reduce_probe.py --tokens 4096 \
+  --programs 66,132 --pair --json "$OUT/reduce_probe.json"
 mps_stop
 out_pack proxy   # every log and record in one file (the device returns 8 files at most)
