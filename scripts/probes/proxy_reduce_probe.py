@@ -27,24 +27,19 @@ import torch  # noqa: E402
 
 def _case(tokens: int, world: int, hidden: int, experts: int, topk: int, dev, seed: int = 0):
     """(send_token_idx [S] device, send_off [W + 1] pinned, y [n_0, H] device, peer rows
-    [W] of [n_r, H] pinned (None for rank 0), reference out [T, H])."""
+    [W] of [n_r, H] pinned (None for rank 0), reference out [T, H]) of a random route."""
+    from efa_ep.kernels.base import compute_send_layout, reduce_rows_by_rank
+    from efa_ep.testing.routes import contract_route
+
+    idx, _ = contract_route("random", tokens, experts, topk, world, seed=seed)
+    layout = compute_send_layout(idx, experts, world)
+    counts = layout.num_tokens_per_rank_W.tolist()
     g = torch.Generator().manual_seed(seed)
-    idx = torch.rand(tokens, experts, generator=g).argsort(1)[:, :topk]
-    dest = idx // (experts // world)
-    sent = torch.zeros(world, tokens, dtype=torch.bool)
-    sent[dest, torch.arange(tokens)[:, None]] = True
-    per_rank = [sent[r].nonzero().flatten() for r in range(world)]
-    send_token_idx = torch.cat(per_rank).to(dev)
-    counts = [len(p) for p in per_rank]
+    blocks = [torch.randn(n, hidden, generator=g).to(torch.bfloat16) for n in counts]
     send_off = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).pin_memory()
-    y = torch.randn(counts[0], hidden, generator=g).to(torch.bfloat16).to(dev)
-    peers = [None] + [torch.randn(counts[r], hidden, generator=g).to(torch.bfloat16).pin_memory()
-                      for r in range(1, world)]
-    ref = torch.zeros(tokens, hidden, dtype=torch.float32)
-    ref[per_rank[0]] += y.float().cpu()
-    for r in range(1, world):
-        ref[per_rank[r]] += peers[r].float()
-    return send_token_idx, send_off, y, peers, ref.to(torch.bfloat16)
+    ref = reduce_rows_by_rank(torch.cat(blocks), layout.send_token_idx_S, counts, tokens)
+    return (layout.send_token_idx_S.to(dev), send_off, blocks[0].to(dev),
+            [None] + [b.pin_memory() for b in blocks[1:]], ref.to(torch.bfloat16))
 
 
 def main():
