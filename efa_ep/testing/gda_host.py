@@ -6,7 +6,8 @@ tensors (no windows, no peers: the launch gate's board is private and every peer
 ahead) and gives it :func:`stand_in_library` for the native library, built here from C with the
 same entry points: it writes each program's variables into its records as the real library does,
 launches nothing, writes the given counts where the header kernel would write them, then the
-op's completion word, and remembers that word's address and value (:func:`last_completion`).
+op's completion word, and remembers that word's address and value (:func:`last_completion`);
+of a compact dispatch whose header program copies the received ids it makes that copy.
 
 Used by ``scripts/probes/gda_python_cost.py`` (what the Python costs) and
 ``tests/kernels/test_gda_plans_cpu.py`` (a bound plan passes what the phase methods pass). It
@@ -52,8 +53,33 @@ static void header(int64_t *flag, int64_t value) {
   last_value = value;
 }
 int efa_launch_bind(const prog_t *p) { bind(p); return 0; }
+static int64_t copies;
+int64_t stand_in_copies(void) { return copies; }
 int efa_launch_copy(int64_t dst, int64_t src, int64_t n, int64_t s, void *e, size_t l) {
-  memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n); return 0;
+  memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n); copies++; return 0;
+}
+/* programs with the early ids copy (copy_ids_early, after a compact header read): the id
+ * region of each window parity and the top-k, as the recorded launch had them */
+static struct { const prog_t *p; int64_t src[2], k; } ids_progs[8];
+void stand_in_ids_program(const prog_t *p, int64_t src0, int64_t src1, int64_t k) {
+  for (int i = 0; i < 8; i++)
+    if (!ids_progs[i].p || ids_progs[i].p == p) {
+      ids_progs[i].p = p; ids_progs[i].src[0] = src0; ids_progs[i].src[1] = src1;
+      ids_progs[i].k = k; return;
+    }
+}
+/* the copy as the kernel makes it: vars (header's two, room, op number, room's rows); the
+ * rows the count read found when in [1, room's rows] (the kernel's own count: the same when
+ * clean) */
+static void ids_copy(const prog_t *p, int64_t rows) {
+  for (int i = 0; i < 8 && ids_progs[i].p; i++)
+    if (ids_progs[i].p == p) {
+      const int64_t *v = p->vars;
+      if (rows > 0 && rows <= v[4])
+        memcpy((void *)(uintptr_t)v[2], (const void *)(uintptr_t)ids_progs[i].src[v[3] & 1],
+               (size_t)(8 * rows * ids_progs[i].k));
+      return;
+    }
 }
 int efa_launch_run(const prog_t *p, int64_t s, void *e, size_t l) { bind(p); return 0; }
 int efa_launch_run_wait(const prog_t *p, int64_t s, int64_t *flag, int64_t value, int64_t wait,
@@ -92,6 +118,7 @@ int efa_launch_dispatch(const prog_t *a, const prog_t *b, const prog_t *c, int64
   if (early && c) bind(c);  /* (NULL: b holds the early gather) */
   int64_t rows = rows_received(flag - shape[9], shape);
   *rows_out = rows;
+  ids_copy(b, rows);
   if (rows <= 0 || rows > shape[5]) return 3;
   if (early) return 0;
   int64_t *vars = (int64_t *)c->vars;
@@ -215,6 +242,8 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
             steps = []
             launch(steps)
             nl.check_variable_names(steps, ints)
+            copy = [st for st in steps if isinstance(st, nl.KernelStep)
+                    and st.fk is launches._K_COPY_IDS_EARLY]
             n_vars = len(tensors) + len(ints) + len(grid_steps)
             prog = object.__new__(nl.Program)
             prog._lib, prog.num_steps, prog.num_vars = lib, 2, n_vars
@@ -228,6 +257,11 @@ def host_only_transport(lib, *, world: int = 2, num_experts: int = 256, hidden: 
                                          ctypes.addressof(prog._uses), 2 * n_vars,
                                          ctypes.addressof(prog._vars))
             prog._addr = ctypes.addressof(prog._desc)
+            if copy:  # the stand-in copies as the kernel would (args: see copy_ids_early)
+                base, k = self.tr._buf.data_ptr(), copy[0].args[5]
+                lib.stand_in_ids_program(ctypes.c_void_p(prog._addr),
+                                         *(ctypes.c_int64(base + o["idx_off"])
+                                           for o in self.tr._offs), ctypes.c_int64(k))
             prog._err = ctypes.create_string_buffer(nl._ERRLEN)
             prog._err_addr = ctypes.addressof(prog._err)
             prog._sync_ns, prog._gate_ns = ctypes.c_int64(0), ctypes.c_int64(0)

@@ -23,7 +23,9 @@ window, complete in the order of the caller's stream (the header read precedes w
 queues next), overwritten once the peers run this transport's second op after this dispatch, which
 they reach only after this rank issued its next op: read them (copy what must outlive that)
 before the next call of the transport. ``recv_topk_idx`` is a copy (the handle keeps it for the
-backward's weight combine).
+backward's weight combine); in the C++ call the header's program makes it on the device
+(:func:`~.gather_ahead.ids_header_program`) when the rows fit the room sized by the shape's
+recent calls, else the driver copies after the count read.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 
 from ..base import STATUS_BAD_INPUT
 from ..native_launch import FLAG_LATE, GATE_LATE, RAN, NativeLaunchError
-from . import cpp_op
+from . import cpp_op, gather_ahead
 from .cpp_op import (
     COUNTS_GATE_LATE, NOT_PLANNED, OTHER_WAY, OTHER_WAY_STATUS, CppPlan, planned_result,
 )
@@ -44,7 +46,7 @@ from .phases import MAX_PROGRAMS, _aligned, _stream
 COMPACT_FIELDS = ("fn", "counts", "rows", "header", "gate", "gate_fn", "run", "world", "rank",
                   "spin_ns", "flag", "wait_ns", "shape", "rows_out", "words", "o_slot", "o_send",
                   "o_rank", "o_out", "o_offsets", "n_info", "num_local", "hidden", "topk",
-                  "tokens", "data_off", "idx_off", "w_off", "copy", "ids_rows")
+                  "tokens", "data_off", "idx_off", "w_off", "copy", "ids_rows", "header_ids")
 
 
 # the wait records of a compact dispatch's two ops (gate.wait_record, inline on the hot path)
@@ -175,6 +177,8 @@ def _record_plan(tr, parity: int, shape, prog_c, prog_r) -> None:
                                   tr.num_programs, 4, 5, n_info, 0)
     rows_out = ctypes.c_int64(-1)
     lib, gate, offs = prog_r._lib, tr._gate, tr._offs[parity]
+    # the header with the ids' copy, which the C++ call runs instead when they fit its room
+    ids_header = gather_ahead.ids_header_program(ph, parity, k)
     plan = CppPlan(
         COMPACT_FIELDS, fn=ctypes.cast(lib.efa_launch_dispatch, ctypes.c_void_p).value,
         counts=prog_c._addr, rows=prog_r._addr, header=header._addr,
@@ -187,8 +191,9 @@ def _record_plan(tr, parity: int, shape, prog_c, prog_r) -> None:
         n_info=n_info, num_local=num_local, hidden=tr.cfg.hidden, topk=k, tokens=t,
         data_off=offs["data_off"], idx_off=offs["idx_off"], w_off=offs["w_off"],
         copy=ctypes.cast(lib.efa_launch_copy, ctypes.c_void_p).value,
-        ids_rows=0)  # (the C++ call sizes the room for the received ids from then on)
-    ph._plans[key] = (plan, block, rows_out, prog_c, prog_r, header)
+        ids_rows=0,  # (the C++ call sizes the room for the received ids from then on)
+        header_ids=ids_header._addr if ids_header is not None else 0)
+    ph._plans[key] = (plan, block, rows_out, prog_c, prog_r, ids_header, header)
 
 
 def dispatch_planned(tr, x, topk_idx, topk_weights, choice: int = 0):

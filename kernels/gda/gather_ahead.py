@@ -124,6 +124,34 @@ def merged_program(ph, ahead: GatherAhead):
                        (len(header_steps),))
 
 
+def ids_header_program(ph, parity: int, k: int):
+    """The header read of a compact dispatch (``rows_in_window``) of ``parity`` and the copy of
+    its received ids ``[N, K]`` out of the window (:func:`~.launches.copy_ids_early`) as one
+    program, for the C++ dispatch: no copy of its own after the count read when the ids fit
+    the room it gives. Bound once per parity and top-k from placeholder tensors. Its variables,
+    in order: the header's two scratch regions (the source ranks' words, the output region),
+    the ids' room, the op number, the rows the room holds. None when not bound."""
+    tr = ph.tr
+    key = ("header_compact_ids", parity, k)
+    if key in ph._progs or ph._host is None:
+        return ph._progs.get(key)
+    dev, w = tr.device, tr.world_size
+    o_rank = kern._layout_offsets(0, tr.cfg.num_experts, w, 1)[3]
+    n_info = 1 + w * (2 + tr.cfg.num_local_experts) + w + tr.cfg.num_local_experts
+    scratch = torch.zeros(o_rank + w + ph.header_words(), dtype=torch.int64, device=dev)
+    o_offsets = o_rank + w + kern._even(n_info)
+    ids = torch.empty(1, k, dtype=torch.int64, device=dev)
+    op, board = ph._op(0), tr._board[parity]
+
+    def launch(plan):
+        header_kernel(ph, scratch, parity, op, plan, ph._pinned, board)
+        kern.copy_ids_early(tr._win_ptr, scratch[o_offsets:o_offsets + w + 2], ids,
+                            idx_off=tr._offs[parity]["idx_off"], fast=ph.fast, plan=plan)
+
+    regions = (scratch[o_rank:o_rank + w], scratch[o_rank + w:])
+    return ph._program(key, launch, regions + (ids,), ("epoch_delta", "cap"))
+
+
 def dispatch_gather(ph, front, values, header, values2, ahead: GatherAhead, offsets: int,
                     epoch: int, flag: int, stream: int):
     """Front, gate, header, count read and gather of a planned dispatch of ``ph`` (its

@@ -102,3 +102,30 @@ def _gather_rows_early_kernel(
     _gather_rows_kernel(win_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, err_ptr,
                         data_off, idx_off, w_off, n, D, num_topk, T_MAX, W, W_PAD, K_PAD,
                         BLOCK_D, WITH_META, ALIGNED)
+
+
+@triton.jit(do_not_specialize=["idx_off", "cap", "num_topk"])
+def _copy_ids_early_kernel(
+    win_ptr: tl.pointer_type(tl.int64),             # [1] this rank's window base address
+    offsets_ptr: tl.pointer_type(tl.int64),         # [W + 2] (the clean row count at W + 1)
+    out_ptr: tl.pointer_type(tl.int64),             # out [cap, K] received ids
+    idx_off, cap, num_topk,
+    W: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The received ids of a dispatch whose rows were stored compact (``rows_in_window``: row
+    i's K ids at ``idx_off + 8 * i * K`` of the window) copied to ``out``, launched before the
+    host has read the counts, after the header read (stream order: the rows have arrived). The
+    row count is the one the count wait left after the offsets (``offsets_ptr[W + 1]``: clean
+    counts, else -1; each source's clamped to [0, T_MAX] there, so the rows lie inside the id
+    region), and the copy runs only when it is in ``[1, cap]``; otherwise nothing is written
+    and the host copies after its count read."""
+    n = tl.load(offsets_ptr + W + 1)
+    total = (tl.where((n > 0) & (n <= cap), n, 0) * num_topk).to(tl.int32)
+    src = (tl.load(win_ptr) + idx_off).to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, total, step):
+        i = start + offs
+        m = i < total
+        tl.store(out_ptr + i, tl.load(src + i, mask=m), mask=m)

@@ -18,7 +18,8 @@ from .device import (
 )
 from .compact_kernels import _count_wait_kernel, _publish_counts_kernel
 from .gather_kernels import (
-    _gather_rows_early_kernel, _gather_rows_kernel, _gather_rows_wait_kernel,
+    _copy_ids_early_kernel, _gather_rows_early_kernel, _gather_rows_kernel,
+    _gather_rows_wait_kernel,
 )
 from .gate import KIND_OF, OP_KINDS, ROWS_MISPLACED, wait_record  # noqa: F401  (one definition)
 from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_small_kernel
@@ -26,7 +27,8 @@ from .layout_kernels import _layout_count_kernel, _layout_slot_kernel, _layout_s
 __all__ = [
     "layout", "layout_words", "layout_views", "layout_in_store", "dispatch_store", "recv_header",
     "recv_header_fixed",
-    "wait_for_sources", "gather_rows", "combine_store", "combine_reduce", "next_pow2", "OP_KINDS",
+    "wait_for_sources", "gather_rows", "copy_ids_early", "combine_store", "combine_reduce",
+    "next_pow2", "OP_KINDS",
     "wait_record", "check_err", "op_base_zero",
 ]
 
@@ -82,6 +84,7 @@ _K_COMBINE_STORE = FastKernel(_combine_store_kernel)
 _K_REDUCE = FastKernel(_combine_reduce_kernel)
 _K_GATHER_WAIT = FastKernel(_gather_rows_wait_kernel)
 _K_GATHER_EARLY = FastKernel(_gather_rows_early_kernel)
+_K_COPY_IDS_EARLY = FastKernel(_copy_ids_early_kernel)
 _K_REDUCE_WAIT = FastKernel(_combine_reduce_wait_kernel)
 _K_PUBLISH = FastKernel(_publish_counts_kernel)
 _K_COUNT_WAIT = FastKernel(_count_wait_kernel)
@@ -453,6 +456,22 @@ def gather_rows(win_ptr, offsets, out_x, out_idx, out_w, my_sig, err, *, data_of
         win_ptr, offsets, out_x, out_idx, out_w, err, data_off, idx_off, w_off,
         n, d, k, t_max,
         world, _pad(world), _pad(k), bd, with_meta, aligned), _warps(bd, elem), fast, plan)
+
+
+#: the early ids copy's grid and block: 64 programs of 2,048 int64 (16 KiB) each per pass
+COPY_IDS_PROGRAMS, COPY_IDS_BLOCK = 64, 2048
+
+
+def copy_ids_early(win_ptr, offsets, out, *, idx_off, fast=True, plan=None):
+    """Copies the ids a compact dispatch received (``K`` per row, rows contiguous at byte
+    ``idx_off`` of this rank's window) into ``out`` ``[N, K]`` int64, launched after the header
+    read and before the host's count read: ``offsets`` is :func:`recv_header`'s ``[W + 2]``
+    (the clean row count after them) and the copy moves that many rows when it is in ``[1, N]``,
+    else none (the host copies). ``win_ptr``: ``[1]`` int64 window base address."""
+    _check("out", out, torch.int64, 2)
+    n, k = out.shape
+    _go(_K_COPY_IDS_EARLY, (COPY_IDS_PROGRAMS,), (
+        win_ptr, offsets, out, idx_off, n, k, offsets.numel() - 2, COPY_IDS_BLOCK), 4, fast, plan)
 
 
 def combine_store(y, offsets, buf_ptrs, sig_ptrs, done, *, data_off, me, t_max, epoch,

@@ -55,7 +55,7 @@ enum {
     K_FN, K_COUNTS, K_ROWS, K_HEADER, K_GATE, K_GATE_FN, K_RUN, K_WORLD, K_RANK, K_SPIN_NS,
     K_FLAG, K_WAIT_NS, K_SHAPE, K_ROWS_OUT, K_WORDS, K_O_SLOT, K_O_SEND, K_O_RANK, K_O_OUT,
     K_O_OFFSETS, K_N_INFO, K_LOCAL, K_HIDDEN, K_TOPK, K_TOKENS, K_DATA_OFF, K_IDX_OFF, K_W_OFF,
-    K_COPY, K_IDS_ROWS, K_NUM_FIELDS
+    K_COPY, K_IDS_ROWS, K_HEADER_IDS, K_NUM_FIELDS
 };
 
 typedef int (*GateFn)(int64_t *, int, int, int64_t, int64_t, int64_t *);
@@ -77,15 +77,18 @@ enum {
 
 // The host-time trace of the last call (see trace()): steady-clock nanoseconds at its entry,
 // before its native call, after it, and before its result is built, then the native call's
-// device and gate waits. Off unless a probe turns it on: one branch per stamp.
+// device and gate waits, then (a compact dispatch only, else 0) before and after its received
+// ids' allocation and copy. Off unless a probe turns it on: one branch per stamp.
 bool g_trace_on = false;
-int64_t g_trace[6];
+int64_t g_trace[8];
 
 inline void stamp(int i) {
-    if (g_trace_on)
+    if (g_trace_on) {
         g_trace[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(
                          std::chrono::steady_clock::now().time_since_epoch())
                          .count();
+        if (i == 0) g_trace[6] = g_trace[7] = 0;
+    }
 }
 
 inline void waits(int64_t sync_ns, int64_t gate_ns) {
@@ -98,12 +101,13 @@ inline void waits(int64_t sync_ns, int64_t gate_ns) {
 }  // namespace
 
 // Turns the host-time trace on or off and returns the last traced call's
-// (entry, before native, after native, before result, sync_ns, gate_ns); the clock is
+// (entry, before native, after native, before result, sync_ns, gate_ns, before the ids' copy,
+// after it (0, 0: not a compact dispatch)); the clock is
 // CLOCK_MONOTONIC's, as Python's time.perf_counter_ns(). For the probes (never on in a run).
 py::tuple trace(bool on) {
     g_trace_on = on;
     return py::make_tuple(g_trace[0], g_trace[1], g_trace[2], g_trace[3], g_trace[4],
-                          g_trace[5]);
+                          g_trace[5], g_trace[6], g_trace[7]);
 }
 
 // Status of a dispatch whose inputs are not the plan's clean case (see inputs_fit): nothing
@@ -382,8 +386,18 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     std::memcpy(counts->vars, cv, sizeof cv);
     const int64_t rv[6] = {xp, ip, wp, sp, delta_counts, delta};
     std::memcpy(rows->vars, rv, sizeof rv);
-    const int64_t hv[3] = {sp + 8 * p[K_O_RANK], sp + 8 * p[K_O_OUT], delta};
-    std::memcpy(header->vars, hv, sizeof hv);
+    // the header that also copies the received ids into the room after the scratch when they
+    // fit it (its variables: the header's, the room, the op number, the rows the room holds)
+    auto *header_ids = reinterpret_cast<Program *>(p[K_HEADER_IDS]);
+    if (header_ids != nullptr) {
+        const int64_t iv[5] = {sp + 8 * p[K_O_RANK], sp + 8 * p[K_O_OUT], sp + scratch_bytes,
+                               delta, ids_rows};
+        std::memcpy(header_ids->vars, iv, sizeof iv);
+        header = header_ids;
+    } else {
+        const int64_t hv[3] = {sp + 8 * p[K_O_RANK], sp + 8 * p[K_O_OUT], delta};
+        std::memcpy(header->vars, hv, sizeof hv);
+    }
     char err[512] = {0};
     int64_t sync_ns = 0, gate_ns = 0;
     int rc;
@@ -417,17 +431,21 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     if (rc != 3 || n < 0) return py::make_tuple(rc == 3 ? 3 : rc, sync_ns, gate_ns, scratch());
     const int64_t n_info = p[K_N_INFO], hidden = p[K_HIDDEN];
     auto rx = carve(window, x.scalar_type(), {n, hidden}, {hidden, 1}, p[K_DATA_OFF]);
-    // the ids copied out (the handle keeps them) by the driver: a tensor copy costs more host
-    auto ri = n <= ids_rows ? carve(buf, at::kLong, {n, k}, {k, 1}, scratch_bytes)
-                            : at::empty({n, k}, topk_idx.options());
+    // the ids (the handle keeps them): copied into the room by the header's program when they
+    // fit it, else out of the window by the driver (a tensor copy costs more host)
+    stamp(6);
+    const bool fit = n <= ids_rows;
+    auto ri = fit ? carve(buf, at::kLong, {n, k}, {k, 1}, scratch_bytes)
+                  : at::empty({n, k}, topk_idx.options());
     if (n > ids_rows || 4 * n < 3 * ids_rows)  // the next calls' room: these rows and 1/8 more
         const_cast<int64_t *>(p)[K_IDS_ROWS] = n + n / 8;
-    if (n > 0) {
+    if (n > 0 && !(fit && header_ids != nullptr)) {
         const int64_t src = reinterpret_cast<int64_t>(window.data_ptr()) + p[K_IDX_OFF];
         rc = reinterpret_cast<CopyFn>(p[K_COPY])(reinterpret_cast<int64_t>(ri.data_ptr()), src,
                                                  8 * n * k, stream, err, sizeof err);
         if (rc < 0) return py::make_tuple(rc, sync_ns, gate_ns, scratch(), std::string(err));
     }
+    stamp(7);
     auto rw = carve(window, at::kFloat, {n, k}, {k, 1}, p[K_W_OFF]);
     return clean_result(0, sync_ns, gate_ns, buf, py::none(), rx, ri, rw,
                         reinterpret_cast<const int64_t *>(p[K_FLAG]) - n_info, n_info, w,

@@ -11,8 +11,10 @@ over ``--iters`` calls of the slowest rank, microseconds:
 * ``cpp_pre``: the C++ call's input check, allocations and program variables;
 * ``launch``: the native call minus its waits (the kernel launches, the count check);
 * ``gate``, ``sync``: the native call's waits for the peers (launch gate) and the device;
-* ``cpp_post``: after the native call until the result is built (views, counts);
-* ``py_out``: from there back to the caller (the result tuple, the handle, Python after it).
+* ``cpp_post``: after the native call until the result is built (views, counts), of which
+  ``ids_copy`` (a compact dispatch's: ``rows_in_window``) allocates and copies the received ids;
+* ``py_out``: from there back to the caller (the result tuple, the handle, Python after it);
+* ``free``: dropping the previous call's outputs and handle (the caller's, outside the call).
 
     python3 scripts/probes/gda_op_trace.py [--worlds 2,4] [--iters 300] [--tokens 4096] \
         [--options rows_in_window=1] [--out FILE.json]
@@ -28,16 +30,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-STEPS = ("py_in", "cpp_pre", "launch", "gate", "sync", "cpp_post", "py_out", "wall")
+STEPS = ("py_in", "cpp_pre", "launch", "gate", "sync", "cpp_post", "ids_copy", "py_out",
+         "wall", "free")
 
 
-def _steps(p0, p1, tr):
-    """The steps (us) of one op from its Python bounds ``p0``/``p1`` and the C++ trace."""
-    t0, t1, t2, t3, sync, gate = tr
+def _steps(p0, p1, tr, free_ns=0):
+    """The steps (us) of one op from its Python bounds ``p0``/``p1``, the C++ trace and the
+    time its caller took to drop the previous call's result."""
+    t0, t1, t2, t3, sync, gate, c0, c1 = tr
     native = t2 - t1
     return dict(py_in=(t0 - p0) / 1e3, cpp_pre=(t1 - t0) / 1e3,
                 launch=(native - sync - gate) / 1e3, gate=gate / 1e3, sync=sync / 1e3,
-                cpp_post=(t3 - t2) / 1e3, py_out=(p1 - t3) / 1e3, wall=(p1 - p0) / 1e3)
+                cpp_post=(t3 - t2) / 1e3, ids_copy=(c1 - c0) / 1e3, py_out=(p1 - t3) / 1e3,
+                wall=(p1 - p0) / 1e3, free=free_ns / 1e3)
 
 
 def _rank(rank, world, iters, tokens, options):
@@ -65,17 +70,21 @@ def _rank(rank, world, iters, tokens, options):
     cpp.trace(True)
     for _ in range(iters):
         p0 = clock()
-        r = tr.dispatch(x, idx, w)
+        rn = tr.dispatch(x, idx, w)
         p1 = clock()
         td = cpp.trace(True)
+        f0 = clock()
+        r = rn  # (the previous call's outputs and handle go here)
+        f1 = clock()
         p2 = clock()
         tr.combine(r[0], r[-1])
         p3 = clock()
         tc = cpp.trace(True)
         if td[0] < p0 or tc[0] < p2:
             raise RuntimeError("a call did not take the C++ path (no trace stamp)")
-        disp.append(_steps(p0, p1, td))
+        disp.append(_steps(p0, p1, td, f1 - f0))
         comb.append(_steps(p2, p3, tc))
+        del rn
     cpp.trace(False)
     torch.cuda.synchronize()
     dist.barrier()

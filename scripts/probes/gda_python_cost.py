@@ -11,13 +11,13 @@ machine; device costs (launches, waits) are not in it: measure those on a GPU wi
 this script each, alternated, and read the best of several medians.
 
     python3 scripts/probes/gda_python_cost.py [--calls 2000] [--repeats 6] [--paths python,cpp]
-        [--fixed | --rows-in-window] [--profile]
+        [--fixed | --rows-in-window] [--tokens 4096] [--profile]
 
 ``--fixed``: the fixed-capacity dispatch (``dispatch_fixed``) and the ops along its handle.
 ``--rows-in-window``: the regular dispatch with its rows stored compact and read in the window
 (option ``rows_in_window``, the large-batch path of ``auto``; the window in host memory).
 
-Shape: DeepSeek-V3 decode (H 7168 bf16, top-8 of 256, 128 tokens/rank), EP 2.
+Shape: DeepSeek-V3 (H 7168 bf16, top-8 of 256, ``--tokens`` per rank: 128, decode), EP 2.
 """
 import argparse
 import os
@@ -67,20 +67,24 @@ def main():
                     help="time dispatch_fixed and the ops along its handle")
     ap.add_argument("--rows-in-window", action="store_true",
                     help="time the regular dispatch with its rows read in the window")
+    ap.add_argument("--tokens", type=int, default=T,
+                    help="tokens per rank (default 128: decode; 4096: prefill)")
     ap.add_argument("--profile", action="store_true", help="then a cProfile of D+C")
     a = ap.parse_args()
+    t = a.tokens
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         L = E // W
         lib = stand_in_library(tmp)
         # T rows from each source, T to each destination, 8 (token, expert) pairs per expert
         trs = {p: host_only_transport(lib, world=W, num_experts=E, hidden=H, t_max=T_MAX,
-                                      info=header_info(W, L, [T] * W, [T] * W, [8] * L),
+                                      info=header_info(W, L, [t] * W, [t] * W,
+                                                       [t * W * K // E] * L),
                                       cpp=p == "cpp")
                for p in a.paths.split(",")}
-        x = torch.randn(T, H).to(torch.bfloat16)
-        idx = torch.randint(0, E, (T, K))
-        w = torch.rand(T, K)
+        x = torch.randn(t, H).to(torch.bfloat16)
+        idx = torch.randint(0, E, (t, K))
+        w = torch.rand(t, K)
         for tr in trs.values():
             if a.rows_in_window:
                 with_host_window(tr)

@@ -695,6 +695,18 @@ def _check_compact_receive():
             assert torch.equal(said[me][:, 2:].sum(0), ref_tpe)
             want_hw = [min(max(n - s * t_max, 0), t_max) for s in range(world)]
             assert peers.hws[me][0].tolist() == want_hw, (world, me)
+            # the early ids copy (the C++ dispatch's header program): the received ids into a
+            # room with rows to spare (the rest untouched) by the clean row count after the
+            # offsets; nothing when that word says not clean (-1) or exceeds the room
+            o2 = outs[me][kern._even(n_info):kern._even(n_info) + world + 2]
+            for word, copies in ((n, True), (-1, False), (n + 4, False)):
+                o2[world + 1] = word
+                room = torch.full((n + 3, topk), -7, dtype=torch.int64)
+                kern.copy_ids_early(peers.win_ptrs[me], o2, room, idx_off=offs["idx_off"])
+                got = n if copies else 0
+                assert torch.equal(room[:got], ri[:got]), (world, me, word)
+                assert (room[got:] == -7).all(), (world, me, word)
+            o2[world + 1] = n
             recv.append((n, offsets))
             # a source whose board entry names another row, or whose header differs from what
             # it announced: its bit in err[3], ROWS_MISPLACED in err[0]

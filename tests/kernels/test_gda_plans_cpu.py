@@ -579,7 +579,8 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     their scratch (the counts op's number, then the rows op's, one apart), and both return the
     rows and weights as views of the window at the parity's regions, the ids as a copy, and the
     same counts and handle. From the C++ call's second run on, the ids' copy lies in the
-    scratch's allocation (room sized by the calls before), not in an allocation of its own."""
+    scratch's allocation (room sized by the calls before), not in an allocation of its own, and
+    the header's program makes it (no copy of the driver's after the count read)."""
     from efa_ep.kernels.gda import compact
 
     tr = with_host_window(_transport(tmp_path, monkeypatch, cpp=True))
@@ -601,18 +602,27 @@ def test_compact_dispatch_in_its_cpp_call_passes_what_its_phases_pass(tmp_path, 
     words, _, _, o_rank, _, o_out, _, _ = compact._scratch_layout(tr, T, K)
     shape = (T, K, x.dtype, x.stride(0), H)
     ids = tr._buf[tr._offs[0]["idx_off"]:].view(torch.int64)[:n * K].view(n, K)
+    room = [0, 0, n + n // 8]  # the rows of the ids' room each call gives its header program
     for call in range(3):  # ops 1, 2 then 3, 4, then 5, 6: the rows op on parity 0 each time
         ids.copy_(torch.arange(n * K).view(n, K) + 1000 * call)  # what the sources stored
+        copies = tr.stand_in.stand_in_copies()
         recv_x, recv_idx, recv_w, tpe, h = tr.dispatch(x, idx, w)
         assert torch.equal(recv_idx, ids), call  # a copy of the window's ids
-        counts, rows, header = (_vars(ph._progs[key]) for key in (
-            ("compact_counts", 1) + shape, ("compact_rows", 0) + shape, ("header_compact", 0)))
+        # the driver copied them after the count read in the first C++ call (no room yet)
+        assert tr.stand_in.stand_in_copies() - copies == (call == 1), call
+        counts, rows, header, header_ids = (_vars(ph._progs[key]) for key in (
+            ("compact_counts", 1) + shape, ("compact_rows", 0) + shape, ("header_compact", 0),
+            ("header_compact_ids", 0, K)))
         sp = h.state.slot_TW.untyped_storage().data_ptr()  # the dispatch's scratch
         assert h.state.slot_TW.untyped_storage().nbytes() >= 8 * words
         op_c, op = 2 * call + 1, 2 * call + 2
         assert counts == [idx.data_ptr(), w.data_ptr(), sp, op_c], call
         assert rows == [x.data_ptr(), idx.data_ptr(), w.data_ptr(), sp, op_c, op], call
-        assert header == [sp + 8 * o_rank, sp + 8 * o_out, op], call
+        if call == 0:  # the phases' header
+            assert header == [sp + 8 * o_rank, sp + 8 * o_out, op], call
+        else:  # the C++ call's: the header with the ids' copy into the room after the scratch
+            assert header_ids == [sp + 8 * o_rank, sp + 8 * o_out, sp + -(-8 * words // 256) * 256,
+                                  op, room[call]], call
         offs, win = tr._offs[0], tr._buf.untyped_storage().data_ptr()
         assert recv_x.shape == (n, H) and recv_x.data_ptr() == win + offs["data_off"]
         assert recv_w.shape == (n, K) and recv_w.data_ptr() == win + offs["w_off"]
