@@ -73,7 +73,7 @@ void stand_in_ids_program(const prog_t *p, int64_t src0, int64_t src1, int64_t k
  * clean) */
 static void ids_copy(const prog_t *p, int64_t rows) {
   for (int i = 0; i < 8 && ids_progs[i].p; i++)
-    if (ids_progs[i].p == p) {
+    if (ids_progs[i].p == p && p->nu == 2 * 5) {  /* (its 5 variables, each used twice) */
       const int64_t *v = p->vars;
       if (rows > 0 && rows <= v[4])
         memcpy((void *)(uintptr_t)v[2], (const void *)(uintptr_t)ids_progs[i].src[v[3] & 1],
