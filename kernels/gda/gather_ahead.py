@@ -137,9 +137,8 @@ def ids_header_program(ph, parity: int, k: int):
         return ph._progs.get(key)
     dev, w = tr.device, tr.world_size
     o_rank = kern._layout_offsets(0, tr.cfg.num_experts, w, 1)[3]
-    n_info = 1 + w * (2 + tr.cfg.num_local_experts) + w + tr.cfg.num_local_experts
     scratch = torch.zeros(o_rank + w + ph.header_words(), dtype=torch.int64, device=dev)
-    o_offsets = o_rank + w + kern._even(n_info)
+    o_offsets = scratch.numel() - (w + 2)  # (the header's words end with the offsets [W + 2])
     ids = torch.empty(1, k, dtype=torch.int64, device=dev)
     op, board = ph._op(0), tr._board[parity]
 

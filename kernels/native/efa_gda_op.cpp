@@ -437,7 +437,7 @@ py::tuple dispatch_compact(const at::Tensor &x, const at::Tensor &topk_idx,
     const bool fit = n <= ids_rows;
     auto ri = fit ? carve(buf, at::kLong, {n, k}, {k, 1}, scratch_bytes)
                   : at::empty({n, k}, topk_idx.options());
-    if (n > ids_rows || 4 * n < 3 * ids_rows)  // the next calls' room: these rows and 1/8 more
+    if (!fit || 4 * n < 3 * ids_rows)  // the next calls' room: these rows and 1/8 more
         const_cast<int64_t *>(p)[K_IDS_ROWS] = n + n / 8;
     if (n > 0 && !(fit && header_ids != nullptr)) {
         const int64_t src = reinterpret_cast<int64_t>(window.data_ptr()) + p[K_IDX_OFF];
